@@ -1,0 +1,178 @@
+"""Engine configuration: ``EngineArgs`` (what a user sets) validated once into typed configs.
+
+Names and defaults follow vLLM's ``EngineArgs`` (vllm/engine/arg_utils.py) where vLLM has the
+knob; see ``../shared/reference/vllm_surface.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from importlib import resources
+
+DEFAULT_MODEL_NAME = "stories260k"
+
+_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+_LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+_BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+def default_model_path() -> str:
+    """Path of the embedded stories260k checkpoint (package data), used when no model is given."""
+    return str(resources.files("jaxpaged") / "model_data" / DEFAULT_MODEL_NAME)
+
+
+def _arg(default, help_text: str):
+    """A field whose one-line help (meaning, unit, range, special values) the CLI shows."""
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """Everything a user can set on the engine; every field mirrors vLLM's name and meaning."""
+
+    model: str | None = _arg(None, "Local HF model directory (config.json + safetensors + tokenizer). None: embedded stories260k.")
+    tokenizer: str | None = _arg(None, "Tokenizer directory; None means the model directory.")
+    dtype: str = _arg("auto", "Compute and weight dtype: auto (the checkpoint's dtype), float32/float, bfloat16, float16/half.")
+    max_model_len: int | None = _arg(None, "Context limit in tokens (prompt + output); None means the model's max_position_embeddings.")
+    block_size: int = _arg(16, "Tokens per KV-cache block; one of 8, 16, 32, 64, 128.")
+    gpu_memory_utilization: float = _arg(0.90, "Fraction (0, 1] of accelerator memory this engine may use for weights, activations and KV.")
+    kv_cache_memory_bytes: int | None = _arg(None, "KV-cache size in bytes; overrides gpu_memory_utilization. Default on CPU: 256 MiB.")
+    num_gpu_blocks_override: int | None = _arg(None, "Force this many KV blocks regardless of memory (tests use it to force preemption).")
+    max_num_seqs: int = _arg(256, "Most sequences in one step (the running batch).")
+    max_num_batched_tokens: int | None = _arg(None, "Per-step token budget (decodes + prefill chunks); None means max(2048, max_num_seqs).")
+    seed: int = _arg(0, "Engine seed; requests without their own seed draw from it.")
+    load_format: str = _arg("auto", "auto/safetensors: read weights; dummy: random weights of the real shapes (benchmarks).")
+    attention_backend: str = _arg("auto", "reference (plain JAX), pallas (kernels; interpret mode on CPU), or auto (pallas on GPU).")
+    preemption_mode: str | None = _arg(None, "recompute (the only mode in this release; swap comes with the memory-management work).")
+    enforce_eager: bool | None = _arg(None, "Compile step buckets on first use instead of all at start-up; None: eager on CPU only.")
+    disable_log_stats: bool = _arg(True, "Silence the periodic stats log line.")
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validate every field and derive the typed configs.
+
+        Raises:
+            ValueError: naming the field, the rule and the value received.
+        """
+        return EngineConfig.from_args(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str
+    dtype: str
+    max_model_len: int
+    load_format: str
+    seed: int
+    hf_config_json: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+    num_gpu_blocks_override: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    preemption_mode: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    attention_backend: str
+    enforce_eager: bool | None
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> EngineConfig:
+        model = args.model or default_model_path()
+        config_path = os.path.join(model, "config.json")
+        if not os.path.isdir(model):
+            raise ValueError(f"model directory {model!r} does not exist (give a local HF model directory)")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"model directory {model!r} has no config.json")
+        with open(config_path) as f:
+            hf_config_json = json.load(f)
+
+        _check_choice("dtype", args.dtype, _DTYPES)
+        _check_choice("load_format", args.load_format, _LOAD_FORMATS)
+        _check_choice("attention_backend", args.attention_backend, _ATTENTION_BACKENDS)
+        _check_choice("block_size", args.block_size, _BLOCK_SIZES)
+        if args.preemption_mode not in (None, "recompute"):
+            raise ValueError(
+                f"preemption_mode must be None or 'recompute' in this release, "
+                f"got {args.preemption_mode!r}"
+            )
+        if not 0.0 < args.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
+            )
+        if args.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {args.max_num_seqs}")
+        if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"num_gpu_blocks_override must be at least 1, got {args.num_gpu_blocks_override}"
+            )
+        if args.kv_cache_memory_bytes is not None and args.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be positive, got {args.kv_cache_memory_bytes}"
+            )
+
+        model_limit = int(hf_config_json.get("max_position_embeddings", 2048))
+        max_model_len = args.max_model_len if args.max_model_len is not None else model_limit
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
+        if max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the model's "
+                f"max_position_embeddings ({model_limit})"
+            )
+        max_num_batched_tokens = args.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, args.max_num_seqs)
+        if max_num_batched_tokens < args.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({args.max_num_seqs}) so every running sequence can decode"
+            )
+        return cls(
+            model_config=ModelConfig(
+                model=model,
+                tokenizer=args.tokenizer or model,
+                dtype=args.dtype,
+                max_model_len=max_model_len,
+                load_format=args.load_format,
+                seed=args.seed,
+                hf_config_json=hf_config_json,
+            ),
+            cache_config=CacheConfig(
+                block_size=args.block_size,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                num_gpu_blocks_override=args.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                preemption_mode=args.preemption_mode or "recompute",
+            ),
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+        )
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")

@@ -1,0 +1,321 @@
+"""``LLMEngine``: ``add_request`` / ``step`` / ``abort_request`` over the scheduler and the runner.
+
+One ``step`` is DESIGN.md §2: schedule (host), prepare + run (one transfer, one jitted step),
+commit (append tokens, check stops, free finished sequences' blocks, emit outputs).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Mapping, Sequence as SequenceABC
+
+import jax
+import jax.numpy as jnp
+from transformers import AutoTokenizer
+
+from jaxpaged.config import EngineArgs, EngineConfig
+from jaxpaged.core.kv_cache_manager import KVCacheManager
+from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.detokenizer import decode_output_text
+from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.worker.kv_cache import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    KVCacheSpec,
+    allocate_kv_caches,
+    device_kv_budget,
+    num_blocks_for_budget,
+)
+from jaxpaged.worker.model_runner import ModelRunner
+from models.weights import load_model
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | Mapping
+
+
+class LLMEngine:
+    """The offline engine: a scheduler, a KV cache and a model runner on one device.
+
+    Build it with ``LLMEngine.from_engine_args(EngineArgs(...))``.
+    """
+
+    def __init__(self, config: EngineConfig, *, show_progress: bool = True):
+        self.config = config
+        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        on_gpu = jax.default_backend() == "gpu"
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "pallas" if on_gpu else "reference"
+        self.attention_backend = backend
+        self.dtype = _resolve_dtype(mc.dtype, mc.hf_config_json)
+
+        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
+        model, self.hf_config = load_model(
+            mc.model,
+            dtype=self.dtype,
+            load_format=mc.load_format,
+            attention_backend=backend,
+            interpret=backend == "pallas" and not on_gpu,
+            seed=mc.seed,
+        )
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.eos_token_id = _first_eos(self.hf_config, self.tokenizer)
+        spec = KVCacheSpec(
+            num_layers=int(self.hf_config.num_hidden_layers),
+            num_kv_heads=int(self.hf_config.num_key_value_heads),
+            head_dim=_head_dim(self.hf_config),
+            block_size=cc.block_size,
+            dtype=self.dtype,
+        )
+        self.kv_cache_spec = spec
+        max_blocks_per_seq = -(-sc.max_model_len // cc.block_size)
+        runner_kwargs = dict(
+            block_size=cc.block_size,
+            max_model_len=sc.max_model_len,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+        )
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+        elif cc.kv_cache_memory_bytes is not None:
+            num_blocks = num_blocks_for_budget(spec, cc.kv_cache_memory_bytes, cap=2**31 - 1)
+        else:
+            num_blocks = self._profile_num_blocks(model, spec, runner_kwargs)
+            if num_blocks is None:  # no device memory statistics (CPU): fixed budget
+                cap = sc.max_num_seqs * max_blocks_per_seq + 1
+                num_blocks = num_blocks_for_budget(spec, DEFAULT_CPU_KV_CACHE_BYTES, cap=cap)
+        self.num_blocks = num_blocks
+        kv_caches = allocate_kv_caches(spec, num_blocks)
+        self.model_runner = ModelRunner(model, kv_caches, **runner_kwargs)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size)
+        self.scheduler = Scheduler(sc, self.kv_cache_manager)
+        enforce_eager = config.enforce_eager
+        if enforce_eager is None:
+            # XLA:CPU takes seconds per bucket and CPU runs are short: compile what is used.
+            enforce_eager = not on_gpu
+        if not enforce_eager:
+            self.model_runner.compile_all(show_progress=show_progress)
+
+        self._requests: dict[str, _Request] = {}
+        self._seed_counter = itertools.count()
+
+    def _profile_num_blocks(self, model, spec: KVCacheSpec, runner_kwargs: dict) -> int | None:
+        """Blocks that fit after one profiling step at the full token budget (vLLM's rule), or
+        None when the device reports no memory statistics (CPU)."""
+        device = jax.devices()[0]
+        if device_kv_budget(1.0, device) is None:
+            return None
+        sc = self.config.scheduler_config
+        probe_blocks = -(-sc.max_num_batched_tokens // spec.block_size) + 1
+        probe = ModelRunner(model, allocate_kv_caches(spec, probe_blocks), **runner_kwargs)
+        probe.profile_run()
+        del probe
+        budget = device_kv_budget(self.config.cache_config.gpu_memory_utilization, device)
+        return num_blocks_for_budget(spec, budget, cap=2**31 - 1)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs) -> LLMEngine:
+        return cls(engine_args.create_engine_config(), **kwargs)
+
+    # ------------------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        final_only: bool = False,
+    ) -> None:
+        """Queue a request.
+
+        Args:
+            prompt: text, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}`` (TokensPrompt).
+            final_only: emit a ``RequestOutput`` only when the request finishes.
+
+        Raises:
+            ValueError: duplicate id, empty prompt, token ids outside the vocabulary, a prompt
+                that leaves no room under ``max_model_len`` or does not fit in the KV cache.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._check_prompt(prompt_ids)
+        seq = Sequence(
+            seq_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )
+        seq.sampling_seed = self._request_seed(params)
+        self._requests[request_id] = _Request(seq, prompt_text, final_only)
+        self.scheduler.add_request(seq)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, SequenceABC) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise ValueError("prompt_token_ids must be a list of ints")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], list(self.tokenizer.encode(prompt["prompt"]))
+        raise ValueError(
+            "a prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
+            f"got {type(prompt).__name__}"
+        )
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        max_model_len = self.config.scheduler_config.max_model_len
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: it must have at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(prompt_ids) >= max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len}, "
+                "which must leave room for at least one generated token"
+            )
+        capacity = self.num_blocks * self.config.cache_config.block_size
+        if len(prompt_ids) + 1 > capacity:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but the KV cache holds only {capacity} "
+                f"tokens ({self.num_blocks} blocks)"
+            )
+
+    def _request_seed(self, params: SamplingParams) -> int:
+        if params.seed is not None:
+            return params.seed
+        # Unseeded requests still get a reproducible stream per engine seed and arrival order.
+        return (self.config.model_config.seed * 1_000_003 + next(self._seed_counter)) % 2**63
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request in any state, free its blocks, and return its final output
+        (``finish_reason="abort"``); None if the id is unknown or already finished."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.abort(request_id)
+        return self._make_output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---------------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step and return the outputs of requests that advanced or finished."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        sampled = self.model_runner.execute_model(scheduler_output)
+        now = time.monotonic()
+        for seq_id, (_, logprob) in sampled.items():
+            request = self._requests[seq_id]
+            request.cumulative_logprob += logprob
+            if request.first_token_time is None:
+                request.first_token_time = now
+        updated = self.scheduler.update_from_output(
+            scheduler_output, {sid: tok for sid, (tok, _) in sampled.items()}
+        )
+        outputs = []
+        for seq in updated:
+            request = self._requests[seq.seq_id]
+            finished = seq.status.is_finished
+            if finished:
+                request.finished_time = now
+                del self._requests[seq.seq_id]
+            if finished or not request.final_only:
+                outputs.append(self._make_output(request))
+        return outputs
+
+    def _make_output(self, request: _Request) -> RequestOutput:
+        seq = request.seq
+        params = seq.sampling_params
+        completion = CompletionOutput(
+            index=0,
+            text=decode_output_text(
+                self.tokenizer,
+                seq.prompt_token_ids,
+                seq.output_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+            ),
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt=request.prompt_text,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            outputs=[completion],
+            finished=seq.status.is_finished,
+            metrics={
+                "arrival_time": seq.arrival_time,
+                "first_token_time": request.first_token_time,
+                "finished_time": request.finished_time,
+            },
+        )
+
+
+class _Request:
+    """Engine-side record of one request: its sequence plus what only the frontend needs."""
+
+    def __init__(self, seq: Sequence, prompt_text: str | None, final_only: bool):
+        self.seq = seq
+        self.prompt_text = prompt_text
+        self.final_only = final_only
+        self.cumulative_logprob = 0.0
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+
+_DTYPE_NAMES = {
+    "float32": jnp.float32,
+    "float": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "half": jnp.float16,
+}
+
+
+def _resolve_dtype(dtype: str, hf_config_json: dict):
+    """``auto`` keeps the checkpoint's dtype (departure from vLLM, which maps float32
+    checkpoints to float16: we keep float32 so CPU results match HF exactly)."""
+    if dtype == "auto":
+        dtype = hf_config_json.get("torch_dtype") or hf_config_json.get("dtype") or "float32"
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {list(_DTYPE_NAMES)} or auto, got {dtype!r}")
+    return _DTYPE_NAMES[dtype]
+
+
+def _head_dim(hf_config) -> int:
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+def _first_eos(hf_config, tokenizer) -> int | None:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos if eos is not None else tokenizer.eos_token_id
+
+
+# Sequence status is re-exported for callers that inspect engine state.
+__all__ = ["LLMEngine", "SequenceStatus"]

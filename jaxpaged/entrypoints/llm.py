@@ -1,0 +1,101 @@
+"""``LLM``: the offline API (vLLM's ``vllm.LLM``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+
+from tqdm.auto import tqdm
+
+from jaxpaged.config import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine, PromptType
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate from a local HF checkpoint with paged KV and continuous batching.
+
+    Every keyword is an ``EngineArgs`` field with vLLM's name (``dtype``, ``max_model_len``,
+    ``block_size``, ``gpu_memory_utilization``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``num_gpu_blocks_override``, ``seed``, ``load_format``, ...). ``model=None`` loads the
+    embedded stories260k checkpoint.
+
+    Raises:
+        ValueError: for an invalid argument or a missing / unsupported model directory.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown LLM arguments: {sorted(unknown)}")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        Args:
+            prompts: a string, a ``{"prompt_token_ids": [...]}`` / ``{"prompt": str}`` dict, or a
+                list of them.
+            sampling_params: one for all prompts, or one per prompt; None means
+                ``SamplingParams()``.
+            use_tqdm: show a progress bar with output tokens/s.
+
+        Raises:
+            ValueError: for a bad prompt or a parameter list of the wrong length. Requests are
+                validated before any is queued, so one bad prompt queues nothing.
+        """
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
+                    "give one, or one per prompt"
+                )
+        engine = self.llm_engine
+        request_ids = [str(next(self._request_counter)) for _ in prompts]
+        added = []
+        try:
+            for request_id, prompt, params in zip(request_ids, prompts, params_list, strict=True):
+                engine.add_request(request_id, prompt, params, final_only=True)
+                added.append(request_id)
+        except ValueError:
+            for request_id in added:  # one bad prompt must not leave the others queued
+                engine.abort_request(request_id)
+            raise
+        return self._run_engine(request_ids, use_tqdm=use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], *, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        output_tokens = 0
+        with tqdm(
+            total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, unit="req"
+        ) as bar:
+            while len(finished) < len(wanted):
+                for output in engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        output_tokens += len(output.outputs[0].token_ids)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(f"output: {output_tokens / elapsed:.1f} toks/s")
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,86 @@
+"""Attention over the paged KV cache, dispatched to a backend.
+
+``"pallas"`` runs the kernels of ``pallas_kernels`` on the cache itself; ``"reference"`` gathers
+each sequence's blocks into contiguous K/V and runs the plain-JAX references (slow, exact; for
+tests and for checking the kernels inside a whole model). Shape letters as in ``pallas_kernels``.
+"""
+
+from __future__ import annotations
+
+import jax
+
+import pallas_kernels
+from models.attention_metadata import AttentionMetadata
+
+BACKENDS = ("pallas", "reference")
+
+
+def gather_kv(cache: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """Contiguous per-sequence K or V from the paged cache.
+
+    Args:
+        cache: ``[num_blocks, block_size, Hkv, D]``.
+        block_tables: ``i32[B, max_blocks]``.
+
+    Returns:
+        ``[B, max_blocks * block_size, Hkv, D]``; row ``b``, position ``p`` is slot
+        ``block_tables[b, p // block_size] * block_size + p % block_size``. Positions at or past
+        ``seq_lens[b]`` hold whatever the cache held (stale data): the references mask them.
+    """
+    num_seqs, max_blocks = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    gathered = cache[block_tables]  # [B, max_blocks, block_size, Hkv, D]
+    return gathered.reshape(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+
+
+def attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    metadata: AttentionMetadata,
+    *,
+    backend: str,
+    scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal attention of this step's queries over the cached context (already updated).
+
+    Args:
+        q: ``[T, Hq, D]``, packed as described by ``metadata`` (``T == B`` when
+            ``metadata.decode_only``).
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, holding this step's K/V too.
+        metadata: block tables, ``seq_lens``, ``cu_q_lens`` and the static ``decode_only``.
+        backend: "pallas" (kernels on the paged cache) or "reference" (gather + references).
+        scale: multiplier of ``q . k`` (usually ``D ** -0.5``).
+        soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
+        sliding_window: if set, a query at position ``p`` sees keys at ``p - w < k <= p``.
+        interpret: run Pallas kernels in interpret mode (CPU).
+
+    Returns:
+        ``[T, Hq, D]``; rows of padding tokens are unspecified.
+
+    Raises:
+        ValueError: unknown ``backend``.
+    """
+    kwargs = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    if backend == "pallas":
+        if metadata.decode_only:
+            return pallas_kernels.paged_attention(
+                q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+                interpret=interpret, **kwargs,
+            )
+        return pallas_kernels.ragged_paged_attention(
+            q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.cu_q_lens,
+            interpret=interpret, **kwargs,
+        )
+    if backend == "reference":
+        k = gather_kv(k_cache, metadata.block_tables)
+        v = gather_kv(v_cache, metadata.block_tables)
+        if metadata.decode_only:
+            return pallas_kernels.paged_attention_reference(q, k, v, metadata.seq_lens, **kwargs)
+        return pallas_kernels.ragged_paged_attention_reference(
+            q, k, v, metadata.seq_lens, metadata.cu_q_lens, **kwargs
+        )
+    raise ValueError(f"attention backend must be one of {list(BACKENDS)}, got {backend!r}")

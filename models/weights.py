@@ -1,0 +1,280 @@
+"""Build a model from a Hugging Face checkpoint directory: config, safetensors weights or dummies.
+
+The model is first built abstractly (``nnx.eval_shape``: shapes and dtypes only, no random init),
+then its state is filled either from safetensors files (one ``model.safetensors`` or a sharded
+``model.safetensors.index.json``) by HF name, or with deterministic random values
+(``load_format="dummy"``, for benchmarks: no weight file is read, a config-only directory works).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from contextlib import ExitStack
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import safetensors
+import transformers
+from flax import nnx
+
+from models.registry import get_model_class
+
+_DTYPES = {
+    "float32": jnp.float32,
+    "float": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "half": jnp.float16,
+}
+_LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+# Scale of the dummy weights: the usual ``initializer_range`` of HF configs.
+_DUMMY_STD = 0.02
+
+
+def resolve_dtype(dtype: str | Any, hf_config: Any) -> jnp.dtype:
+    """The parameter/compute dtype for ``dtype``.
+
+    ``"auto"`` takes the checkpoint's dtype from the config (``dtype``, else the older
+    ``torch_dtype``; float32 when neither is set). Also accepted: "float32"/"float",
+    "bfloat16", "float16"/"half", or a jnp dtype among those.
+
+    Raises:
+        ValueError: any other value (also an unsupported dtype in the config under "auto").
+    """
+    if isinstance(dtype, str) and dtype == "auto":
+        config_dtype = getattr(hf_config, "dtype", None)
+        if config_dtype is None and "torch_dtype" in getattr(hf_config, "__dict__", {}):
+            config_dtype = hf_config.__dict__["torch_dtype"]
+        if config_dtype is None:
+            return jnp.dtype(jnp.float32)
+        name = str(config_dtype).removeprefix("torch.")
+        if name not in _DTYPES:
+            raise ValueError(
+                f"dtype 'auto': the config's dtype {name!r} is not supported; "
+                f"supported: {sorted(_DTYPES)}"
+            )
+        return jnp.dtype(_DTYPES[name])
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(
+                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}"
+            )
+        return jnp.dtype(_DTYPES[dtype])
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}") from e
+    if resolved not in {jnp.dtype(d) for d in _DTYPES.values()}:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return resolved
+
+
+def hf_name(path: tuple) -> tuple[str, bool]:
+    """HF tensor name of an NNX parameter path, and whether the HF tensor is transposed.
+
+    ``('model', 'layers', 0, 'self_attn', 'q_proj', 'kernel')`` ->
+    ``('model.layers.0.self_attn.q_proj.weight', True)``: HF ``nn.Linear`` stores
+    ``[out, in]``, ``nnx.Linear`` ``[in, out]``. Embeddings and norm weights map as they are.
+    """
+    *module, leaf = (str(p) for p in path)
+    prefix = ".".join(module)
+    if leaf == "kernel":
+        return f"{prefix}.weight", True
+    if leaf in ("embedding", "weight"):
+        return f"{prefix}.weight", False
+    if leaf == "bias":
+        return f"{prefix}.bias", False
+    raise ValueError(f"no HF name for parameter path {'.'.join(str(p) for p in path)!r}")
+
+
+def _path_str(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _weight_files(model_dir: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file path, from the index or the single file."""
+    index_path = os.path.join(model_dir, _INDEX_FILE)
+    single_path = os.path.join(model_dir, _SINGLE_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_path} has no 'weight_map' object")
+        return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
+    if os.path.isfile(single_path):
+        with safetensors.safe_open(single_path, framework="numpy") as f:
+            return {name: single_path for name in f.keys()}
+    raise ValueError(
+        f"no weights in {model_dir}: expected {_SINGLE_FILE} or {_INDEX_FILE} "
+        "(or use load_format='dummy')"
+    )
+
+
+class _TensorReader:
+    """Reads tensors by name from a set of safetensors files, opening each file once.
+
+    numpy handles serve every dtype numpy knows; bfloat16 (which ``safetensors.numpy`` can't
+    represent) is read through a flax handle instead.
+    """
+
+    def __init__(self, files: dict[str, str], stack: ExitStack):
+        self._files = files
+        self._stack = stack
+        self._handles: dict[tuple[str, str], Any] = {}
+
+    def _handle(self, file: str, framework: str):
+        key = (file, framework)
+        if key not in self._handles:
+            if not os.path.isfile(file):
+                raise ValueError(f"weight file {file} named by the index does not exist")
+            self._handles[key] = self._stack.enter_context(
+                safetensors.safe_open(file, framework=framework)
+            )
+        return self._handles[key]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self._files[name], "numpy").get_slice(name).get_shape())
+
+    def read(self, name: str):
+        handle = self._handle(self._files[name], "numpy")
+        if handle.get_slice(name).get_dtype() == "BF16":
+            return self._handle(self._files[name], "flax").get_tensor(name)
+        return handle.get_tensor(name)
+
+
+def _load_state(flat_state: Any, model_dir: str, dtype: jnp.dtype) -> list:
+    """Fills every parameter of the abstract ``flat_state`` from the checkpoint.
+
+    Raises:
+        ValueError: a parameter missing from the checkpoint or with a different shape; the message
+            names the first such parameter path (in sorted order) and its HF name.
+    """
+    files = _weight_files(model_dir)
+    with ExitStack() as stack:
+        reader = _TensorReader(files, stack)
+        # Check everything before reading anything big.
+        for path, variable in flat_state:
+            name, transposed = hf_name(path)
+            expected = tuple(variable.get_value().shape)
+            if name not in reader:
+                raise ValueError(
+                    f"parameter {_path_str(path)} (HF name {name!r}) is missing from {model_dir}"
+                )
+            shape = reader.shape(name)
+            if transposed:
+                shape = shape[::-1]
+            if shape != expected:
+                raise ValueError(
+                    f"parameter {_path_str(path)} (HF name {name!r}) has shape {reader.shape(name)}"
+                    f" in {model_dir}; expected {expected[::-1] if transposed else expected}"
+                )
+        filled = []
+        for path, variable in flat_state:
+            name, transposed = hf_name(path)
+            tensor = reader.read(name)
+            if transposed:
+                tensor = tensor.T
+            filled.append((path, variable.replace(jnp.asarray(tensor, dtype=dtype))))
+    return filled
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _dummy_normal(key: jax.Array, index: int, *, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    # One fused compile per (shape, dtype): a model has only a handful of distinct shapes.
+    noise = jax.random.normal(jax.random.fold_in(key, index), shape, dtype=jnp.float32)
+    return (_DUMMY_STD * noise).astype(dtype)
+
+
+def _dummy_state(flat_state: Any, dtype: jnp.dtype, seed: int) -> list:
+    """Deterministic random parameters: ``normal * 0.02``; norm weights are ones, biases zeros.
+
+    Parameter ``i`` (in flat-state order) draws from ``fold_in(key(seed), i)``.
+    """
+    key = jax.random.key(seed)
+    filled = []
+    for i, (path, variable) in enumerate(flat_state):
+        shape = tuple(variable.get_value().shape)
+        leaf = str(path[-1])
+        if leaf == "weight":  # RMSNorm
+            value = jnp.ones(shape, dtype=dtype)
+        elif leaf == "bias":
+            value = jnp.zeros(shape, dtype=dtype)
+        else:
+            value = _dummy_normal(key, i, shape=shape, dtype=jnp.dtype(dtype))
+        filled.append((path, variable.replace(value)))
+    return filled
+
+
+def load_config(model_dir: str) -> transformers.PretrainedConfig:
+    """``AutoConfig`` of a local model directory (no network).
+
+    Raises:
+        ValueError: the directory or its ``config.json`` does not exist.
+    """
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"model directory {model_dir} does not exist")
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"model directory {model_dir} has no config.json ({config_path})")
+    return transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
+def load_model(
+    model_dir: str,
+    *,
+    dtype: str | Any = "auto",
+    load_format: str = "auto",
+    attention_backend: str = "reference",
+    interpret: bool = False,
+    seed: int = 0,
+) -> tuple[nnx.Module, transformers.PretrainedConfig]:
+    """Builds the model for ``model_dir`` and fills its weights.
+
+    Args:
+        model_dir: local directory with ``config.json`` and, unless ``load_format="dummy"``,
+            ``model.safetensors`` or ``model.safetensors.index.json`` plus its shards.
+        dtype: parameter and compute dtype: "auto" (the config's), "float32"/"float",
+            "bfloat16", "float16"/"half".
+        load_format: "auto"/"safetensors" read the checkpoint; "dummy" fills the real shapes with
+            ``normal * 0.02`` (deterministic from ``seed``) and reads no weight file.
+        attention_backend: "reference" or "pallas" (see ``models.attention``).
+        interpret: run Pallas kernels in interpret mode.
+        seed: seed of the dummy weights.
+
+    Returns:
+        ``(model, hf_config)``; the model is an ``nnx.Module`` whose parameters are jax arrays
+        of ``dtype``.
+
+    Raises:
+        ValueError: missing directory or config.json, unsupported architecture, dtype or
+            load_format, no weight files, or a parameter missing / of the wrong shape (named).
+    """
+    if load_format not in _LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {list(_LOAD_FORMATS)}, got {load_format!r}")
+    hf_config = load_config(model_dir)
+    model_class = get_model_class(hf_config)
+    resolved = resolve_dtype(dtype, hf_config)
+
+    # Shapes only: a big model's random init is never materialised.
+    abstract = nnx.eval_shape(
+        lambda: model_class(
+            hf_config, dtype=resolved, param_dtype=resolved,
+            attention_backend=attention_backend, interpret=interpret, rngs=nnx.Rngs(seed),
+        )
+    )
+    graphdef, abstract_state = nnx.split(abstract)
+    flat_state = nnx.to_flat_state(abstract_state)
+    if load_format == "dummy":
+        filled = _dummy_state(flat_state, resolved, seed)
+    else:
+        filled = _load_state(flat_state, model_dir, resolved)
+    model = nnx.merge(graphdef, nnx.from_flat_state(filled))
+    return model, hf_config
