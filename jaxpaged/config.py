@@ -33,21 +33,52 @@ def _arg(default, help_text: str):
 class EngineArgs:
     """Everything a user can set on the engine; every field mirrors vLLM's name and meaning."""
 
-    model: str | None = _arg(None, "Local HF model directory (config.json + safetensors + tokenizer). None: embedded stories260k.")
+    model: str | None = _arg(
+        None,
+        "Local HF model directory (config.json + safetensors + tokenizer). None: embedded stories260k.",
+    )
     tokenizer: str | None = _arg(None, "Tokenizer directory; None means the model directory.")
-    dtype: str = _arg("auto", "Compute and weight dtype: auto (the checkpoint's dtype), float32/float, bfloat16, float16/half.")
-    max_model_len: int | None = _arg(None, "Context limit in tokens (prompt + output); None means the model's max_position_embeddings.")
+    dtype: str = _arg(
+        "auto",
+        "Compute and weight dtype: auto (the checkpoint's dtype), float32/float, bfloat16, float16/half.",
+    )
+    max_model_len: int | None = _arg(
+        None,
+        "Context limit in tokens (prompt + output); None means the model's max_position_embeddings.",
+    )
     block_size: int = _arg(16, "Tokens per KV-cache block; one of 8, 16, 32, 64, 128.")
-    gpu_memory_utilization: float = _arg(0.90, "Fraction (0, 1] of accelerator memory this engine may use for weights, activations and KV.")
-    kv_cache_memory_bytes: int | None = _arg(None, "KV-cache size in bytes; overrides gpu_memory_utilization. Default on CPU: 256 MiB.")
-    num_gpu_blocks_override: int | None = _arg(None, "Force this many KV blocks regardless of memory (tests use it to force preemption).")
+    gpu_memory_utilization: float = _arg(
+        0.90,
+        "Fraction (0, 1] of accelerator memory this engine may use for weights, activations and KV.",
+    )
+    kv_cache_memory_bytes: int | None = _arg(
+        None, "KV-cache size in bytes; overrides gpu_memory_utilization. Default on CPU: 256 MiB."
+    )
+    num_gpu_blocks_override: int | None = _arg(
+        None, "Force this many KV blocks regardless of memory (tests use it to force preemption)."
+    )
     max_num_seqs: int = _arg(256, "Most sequences in one step (the running batch).")
-    max_num_batched_tokens: int | None = _arg(None, "Per-step token budget (decodes + prefill chunks); None means max(2048, max_num_seqs).")
+    max_num_batched_tokens: int | None = _arg(
+        None,
+        "Per-step token budget (decodes + prefill chunks); None means max(2048, max_num_seqs).",
+    )
     seed: int = _arg(0, "Engine seed; requests without their own seed draw from it.")
-    load_format: str = _arg("auto", "auto/safetensors: read weights; dummy: random weights of the real shapes (benchmarks).")
-    attention_backend: str = _arg("auto", "reference (plain JAX), pallas (kernels; interpret mode on CPU), or auto (pallas on GPU).")
-    preemption_mode: str | None = _arg(None, "recompute (the only mode in this release; swap comes with the memory-management work).")
-    enforce_eager: bool | None = _arg(None, "Compile step buckets on first use instead of all at start-up; None: eager on CPU only.")
+    load_format: str = _arg(
+        "auto",
+        "auto/safetensors: read weights; dummy: random weights of the real shapes (benchmarks).",
+    )
+    attention_backend: str = _arg(
+        "auto",
+        "reference (plain JAX), pallas (kernels; interpret mode on CPU), or auto (pallas on GPU).",
+    )
+    preemption_mode: str | None = _arg(
+        None,
+        "recompute (the only mode in this release; swap comes with the memory-management work).",
+    )
+    enforce_eager: bool | None = _arg(
+        None,
+        "Compile step buckets on first use instead of all at start-up; None: eager on CPU only.",
+    )
     disable_log_stats: bool = _arg(True, "Silence the periodic stats log line.")
 
     def create_engine_config(self) -> EngineConfig:
@@ -99,7 +130,9 @@ class EngineConfig:
         model = args.model or default_model_path()
         config_path = os.path.join(model, "config.json")
         if not os.path.isdir(model):
-            raise ValueError(f"model directory {model!r} does not exist (give a local HF model directory)")
+            raise ValueError(
+                f"model directory {model!r} does not exist (give a local HF model directory)"
+            )
         if not os.path.isfile(config_path):
             raise ValueError(f"model directory {model!r} has no config.json")
         with open(config_path) as f:

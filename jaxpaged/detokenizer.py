@@ -13,7 +13,10 @@ _CONTEXT_TOKENS = 5
 
 
 def decode_output_text(
-    tokenizer, prompt_token_ids: list[int], output_token_ids: list[int], *,
+    tokenizer,
+    prompt_token_ids: list[int],
+    output_token_ids: list[int],
+    *,
     skip_special_tokens: bool = True,
 ) -> str:
     """Text of ``output_token_ids`` as it reads after the prompt (leading spaces kept)."""
@@ -23,6 +26,6 @@ def decode_output_text(
     prefix = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
     full = tokenizer.decode(context + output_token_ids, skip_special_tokens=skip_special_tokens)
     if full.startswith(prefix):
-        return full[len(prefix):]
+        return full[len(prefix) :]
     # Context and output merged into different characters (rare byte-fallback cases).
     return tokenizer.decode(output_token_ids, skip_special_tokens=skip_special_tokens)

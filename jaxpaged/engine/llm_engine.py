@@ -9,7 +9,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Mapping, Sequence as SequenceABC
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceABC
 
 import jax
 import jax.numpy as jnp

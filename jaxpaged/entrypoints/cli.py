@@ -27,15 +27,19 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
         base = _base_type(hints[field.name])
         help_text = f"{field.metadata.get('help', '')} (default: {field.default})"
         if base is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
-                               help=help_text)
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text
+            )
         else:
             group.add_argument(flag, type=base, default=field.default, help=help_text)
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
-    values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(EngineArgs)
-              if hasattr(namespace, f.name)}
+    values = {
+        f.name: getattr(namespace, f.name)
+        for f in dataclasses.fields(EngineArgs)
+        if hasattr(namespace, f.name)
+    }
     return EngineArgs(**values)
 
 
@@ -51,17 +55,30 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from one or more prompts")
     gen.add_argument("prompts", nargs="+", help="prompt texts; each becomes one request")
-    gen.add_argument("--max-tokens", type=int, default=128,
-                     help="most tokens to generate per prompt, >= 1 (default: 128)")
-    gen.add_argument("--temperature", type=float, default=0.0,
-                     help="sampling temperature, >= 0; 0 means greedy (default: 0)")
+    gen.add_argument(
+        "--max-tokens",
+        type=int,
+        default=128,
+        help="most tokens to generate per prompt, >= 1 (default: 128)",
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature, >= 0; 0 means greedy (default: 0)",
+    )
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default: 1)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k best tokens; 0 = off")
     gen.add_argument("--min-p", type=float, default=0.0, help="min-p floor in [0, 1]; 0 = off")
-    gen.add_argument("--sampling-seed", type=int, default=None,
-                     help="per-request sampling seed (default: derived from --seed)")
-    gen.add_argument("--stop-token-ids", type=int, nargs="*", default=None,
-                     help="token ids that end generation")
+    gen.add_argument(
+        "--sampling-seed",
+        type=int,
+        default=None,
+        help="per-request sampling seed (default: derived from --seed)",
+    )
+    gen.add_argument(
+        "--stop-token-ids", type=int, nargs="*", default=None, help="token ids that end generation"
+    )
     gen.add_argument("--ignore-eos", action="store_true", help="generate past the EOS token")
     add_engine_args(gen)
     return parser
@@ -73,9 +90,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     engine_args = engine_args_from(args)
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
-        stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop_token_ids=args.stop_token_ids,
+        ignore_eos=args.ignore_eos,
     )
     llm = LLM(**dataclasses.asdict(engine_args))
     start = time.perf_counter()
@@ -86,8 +108,10 @@ def _generate(args: argparse.Namespace) -> int:
         completion = output.outputs[0]
         num_tokens += len(completion.token_ids)
         print(f"{output.prompt}{completion.text}\n", flush=True)
-    print(f"[{num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s]",
-          file=sys.stderr)
+    print(
+        f"[{num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s]",
+        file=sys.stderr,
+    )
     return 0
 
 

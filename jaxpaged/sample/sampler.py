@@ -46,9 +46,7 @@ def sample(logits: jax.Array, metadata: SamplingMetadata) -> tuple[jax.Array, ja
     is_greedy = metadata.temperature == 0.0
     temperature = jnp.where(is_greedy, 1.0, metadata.temperature)
     scaled = logits / temperature[:, None]
-    needs_filter = jnp.any(
-        (metadata.top_k > 0) | (metadata.top_p < 1.0) | (metadata.min_p > 0.0)
-    )
+    needs_filter = jnp.any((metadata.top_k > 0) | (metadata.top_p < 1.0) | (metadata.min_p > 0.0))
     # The sort costs O(V log V) per row; skip it when no row filters (the common case).
     scaled = jax.lax.cond(
         needs_filter,

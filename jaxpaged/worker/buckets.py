@@ -20,7 +20,9 @@ def make_buckets(maximum: int, *, minimum: int = 1, gap: int = 512) -> list[int]
         ValueError: if ``maximum`` or ``minimum`` is below 1 or ``gap`` is not positive.
     """
     if maximum < 1 or minimum < 1 or gap < 1:
-        raise ValueError(f"buckets need maximum, minimum, gap >= 1, got {maximum=}, {minimum=}, {gap=}")
+        raise ValueError(
+            f"buckets need maximum, minimum, gap >= 1, got {maximum=}, {minimum=}, {gap=}"
+        )
     buckets = []
     size = minimum
     while size < maximum and size < gap:

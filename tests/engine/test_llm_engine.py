@@ -41,7 +41,7 @@ def _hf_greedy_without_cache(model_dir, prompts, max_tokens):
             for _ in range(max_tokens):
                 logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
                 ids.append(int(torch.argmax(logits)))
-            results.append(ids[len(prompt):])
+            results.append(ids[len(prompt) :])
     return results
 
 
@@ -59,8 +59,9 @@ def _greedy(llm, prompts, max_tokens=MAX_TOKENS):
 
 def _poison_kv_cache_with_nan(llm):
     runner = llm.llm_engine.model_runner
-    runner.kv_caches = [(jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan))
-                        for k, v in runner.kv_caches]
+    runner.kv_caches = [
+        (jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan)) for k, v in runner.kv_caches
+    ]
 
 
 def test_paged_engine_equals_cache_free_reference_across_block_boundaries(
@@ -123,11 +124,14 @@ def test_compilations_stay_within_bucket_count_and_steady_state_never_traces(sto
     assert num_buckets == len(runner.seq_buckets) + len(runner.token_buckets)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     requests=st.lists(
         st.tuples(st.integers(1, 50), st.integers(1, 30), st.integers(0, 6)),
-        min_size=1, max_size=7,
+        min_size=1,
+        max_size=7,
     ),
     num_blocks=st.integers(6, 20),
 )
@@ -147,17 +151,21 @@ def test_random_request_streams_keep_block_invariant_and_free_every_block(
     for step in range(2000):
         while pending and pending[0][0] <= step:
             _, rid, prompt, max_tokens = pending.pop(0)
-            engine.add_request(rid, {"prompt_token_ids": prompt},
-                               SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                              ignore_eos=True), final_only=True)
+            engine.add_request(
+                rid,
+                {"prompt_token_ids": prompt},
+                SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                final_only=True,
+            )
         for out in engine.step():
             done[out.request_id] = out
         engine.kv_cache_manager.check_invariants()
         if not pending and not engine.has_unfinished_requests():
             break
     assert len(done) == len(requests)
-    assert all(len(o.outputs[0].token_ids) == requests[int(o.request_id[1:])][1]
-               for o in done.values())
+    assert all(
+        len(o.outputs[0].token_ids) == requests[int(o.request_id[1:])][1] for o in done.values()
+    )
     assert engine.kv_cache_manager.num_free_blocks == num_blocks
 
 

@@ -42,8 +42,9 @@ def test_stop_token_ids_end_generation_with_reason(stories_llm, golden):
     case = golden["cases"][0]
     stop_id = case["greedy_new_ids"][5]
     params = SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=[stop_id])
-    (output,) = stories_llm.generate([{"prompt_token_ids": case["prompt_ids"]}], params,
-                                     use_tqdm=False)
+    (output,) = stories_llm.generate(
+        [{"prompt_token_ids": case["prompt_ids"]}], params, use_tqdm=False
+    )
     completion = output.outputs[0]
     first = case["greedy_new_ids"].index(stop_id)
     assert completion.token_ids == case["greedy_new_ids"][: first + 1]
@@ -53,9 +54,11 @@ def test_stop_token_ids_end_generation_with_reason(stories_llm, golden):
 
 def test_seeded_sampling_is_reproducible_and_seeds_differ(stories_llm):
     prompt = ["Once upon a time"]
+
     def run(seed):
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=24, seed=seed)
         return stories_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
     assert run(7) == run(7)
     assert run(7) != run(8)
 
@@ -73,13 +76,15 @@ def test_bad_prompt_raises_value_error_and_queues_nothing(stories_llm, prompt, m
     engine = stories_llm.llm_engine
     free_before = engine.kv_cache_manager.num_free_blocks
     with pytest.raises(ValueError, match=message):
-        stories_llm.generate(["Once upon a time", prompt], SamplingParams(max_tokens=4),
-                             use_tqdm=False)
+        stories_llm.generate(
+            ["Once upon a time", prompt], SamplingParams(max_tokens=4), use_tqdm=False
+        )
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache_manager.num_free_blocks == free_before
     # The engine still serves the next request normally.
-    (output,) = stories_llm.generate(["Once upon a time"], SamplingParams(max_tokens=4),
-                                     use_tqdm=False)
+    (output,) = stories_llm.generate(
+        ["Once upon a time"], SamplingParams(max_tokens=4), use_tqdm=False
+    )
     assert len(output.outputs[0].token_ids) == 4
 
 
