@@ -8,15 +8,20 @@ import jax
 import jax.numpy as jnp
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                   head_dim: int) -> tuple[int, int, int, int]:
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, int, int, int]:
     """Shape of one layer's K (or V) cache: ``(num_blocks, block_size, Hkv, D)``.
 
     Raises:
         ValueError: if any dimension is smaller than 1.
     """
-    dims = {"num_blocks": num_blocks, "block_size": block_size,
-            "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    dims = {
+        "num_blocks": num_blocks,
+        "block_size": block_size,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+    }
     for name, value in dims.items():
         if int(value) < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
@@ -37,15 +42,26 @@ def _scatter(k_cache, v_cache, k_new, v_new, slot_mapping):
         k_new = jnp.concatenate([k_new, k_new], axis=0)
         v_new = jnp.concatenate([v_new, v_new], axis=0)
     flat_shape = (num_slots, num_kv_heads, head_dim)
-    k_flat = k_cache.reshape(flat_shape).at[slots].set(
-        k_new.astype(k_cache.dtype), mode="drop", unique_indices=False)
-    v_flat = v_cache.reshape(flat_shape).at[slots].set(
-        v_new.astype(v_cache.dtype), mode="drop", unique_indices=False)
+    k_flat = (
+        k_cache.reshape(flat_shape)
+        .at[slots]
+        .set(k_new.astype(k_cache.dtype), mode="drop", unique_indices=False)
+    )
+    v_flat = (
+        v_cache.reshape(flat_shape)
+        .at[slots]
+        .set(v_new.astype(v_cache.dtype), mode="drop", unique_indices=False)
+    )
     return k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)
 
 
-def kv_cache_update(k_cache: jax.Array, v_cache: jax.Array, k_new: jax.Array, v_new: jax.Array,
-                    slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+def kv_cache_update(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    slot_mapping: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' K and V into their cache slots.
 
     Args:
@@ -66,15 +82,17 @@ def kv_cache_update(k_cache: jax.Array, v_cache: jax.Array, k_new: jax.Array, v_
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(
             "k_cache and v_cache must both be [num_blocks, block_size, Hkv, D] of one dtype, got "
-            f"{k_cache.shape} {k_cache.dtype} and {v_cache.shape} {v_cache.dtype}")
+            f"{k_cache.shape} {k_cache.dtype} and {v_cache.shape} {v_cache.dtype}"
+        )
     _, _, num_kv_heads, head_dim = k_cache.shape
-    if k_new.ndim != 3 or k_new.shape != v_new.shape or k_new.shape[1:] != (num_kv_heads,
-                                                                            head_dim):
+    if k_new.ndim != 3 or k_new.shape != v_new.shape or k_new.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(
             f"k_new and v_new must both be [T, {num_kv_heads}, {head_dim}], got {k_new.shape} "
-            f"and {v_new.shape}")
+            f"and {v_new.shape}"
+        )
     if slot_mapping.shape != (k_new.shape[0],) or slot_mapping.dtype != jnp.int32:
         raise ValueError(
             f"slot_mapping must be i32[{k_new.shape[0]}], got {slot_mapping.dtype}"
-            f"{list(slot_mapping.shape)}")
+            f"{list(slot_mapping.shape)}"
+        )
     return _scatter(k_cache, v_cache, k_new, v_new, slot_mapping)

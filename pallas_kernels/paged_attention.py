@@ -1,8 +1,8 @@
 """Decode attention over a paged KV cache: one query token per sequence.
 
 Layout of this file: the Pallas kernel body, the wrapper that builds the grid and merges the
-split partials, the jitted public ``paged_attention`` with its argument checks, and last the
-plain-JAX ``paged_attention_reference`` on contiguous K/V, which shares no code with the kernel.
+split partials, the public ``paged_attention`` with its argument checks, and last the plain-JAX
+``paged_attention_reference`` on contiguous K/V, which shares no code with the kernel.
 
 Algorithm: PagedAttention (Kwon et al., "Efficient Memory Management for Large Language Model
 Serving with PagedAttention", SOSP 2023) reads K/V through a per-sequence block table; the softmax
@@ -10,189 +10,291 @@ is computed online (Milakov & Gimelshein, "Online normalizer calculation for sof
 a long sequence is split over several programs whose (max, sum, out) partials are combined
 afterwards (Flash-Decoding, Dao et al. 2023).
 
-Backend: on GPU ``pallas_call`` lowers through the Pallas Triton backend (the default on jax
-0.11.2 when no Mosaic GPU compiler params are given); on CPU it runs with ``interpret=True``.
-Triton needs power-of-two tiles: ``block_size`` and ``D`` must be powers of two there.
+Backend: on GPU ``pallas_call`` lowers through the Pallas Triton backend; on CPU it runs with
+``interpret=True``. Triton needs power-of-two tiles: ``block_size`` and ``D`` must be powers of
+two there. ``docs/kernels.md`` gives the H200 measurements behind the backend, the layout and the
+tiling defaults (``_TILING``).
 """
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
-# Scores of masked positions. Finite, so that max/exp never meet inf - inf; the probabilities of
-# masked positions are also zeroed explicitly, so this value never reaches the output.
+# Scores of masked positions. Finite, so that max/exp never meet inf - inf.
 _MASK_VALUE = -1e30
-# Grid size the split heuristic aims for: two programs per SM of a 132-SM H200.
-_TARGET_PROGRAMS = 264
-# Tokens of K/V handled per loop step (rounded to whole blocks).
-_TARGET_BLOCK_K = 64
+# Scores are kept in base 2 (exp2 is one instruction; exp is exp2 plus a multiply).
+_LOG2E = math.log2(math.e)
 # Triton's tensor-core dot needs every dimension >= 16.
 _MIN_DOT_DIM = 16
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeTiling:
+    """Static launch parameters of the decode kernel (measured on the H200: docs/kernels.md).
+
+    Attributes:
+        block_k: K/V tokens loaded per loop step (rounded to whole KV blocks, at least 16).
+        target_programs: the split count is chosen so that ``B * Hkv * num_splits`` reaches
+            about this many programs, never splitting below ``min_split_tokens`` tokens.
+        min_split_tokens: smallest number of tokens one split may cover.
+        num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+    """
+
+    block_k: int = 64
+    target_programs: int = 256
+    min_split_tokens: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+_TILING = DecodeTiling()
+
+
 def _paged_attention_kernel(
     seq_len_ref,  # i32[1]: seq_len of this program's sequence
-    block_table_ref,  # i32[blocks_per_split]: this split's columns of the sequence's block table
-    q_ref,  # [Gp, D]: the G query heads of this KV head, zero-padded to Gp rows
-    k_cache_ref,  # [num_blocks, block_size, D]: this KV head of the whole K cache
-    v_cache_ref,  # [num_blocks, block_size, D]: this KV head of the whole V cache
-    o_ref,  # f32[Gp, D]: un-normalised output of this split
-    m_ref,  # f32[Gp]: running max of the scores of this split
-    l_ref,  # f32[Gp]: running sum of exp(score - max) of this split
-    *,
+    block_table_ref,  # i32[max_blocks]: the sequence's block table
+    q_ref,  # [Hq, D]: all query heads of the sequence; this program reads its KV head's group
+    k_cache_ref,  # [num_blocks * block_size, D]: this KV head of the whole K cache, by slot
+    v_cache_ref,  # [num_blocks * block_size, D]: this KV head of the whole V cache, by slot
+    *out_refs,  # one split: o [Hq, D] (normalised, q.dtype); several: o f32[Hq, D], m, l f32[Hq]
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    group: int,
+    rows: int,
+    block_size: int,
     blocks_per_step: int,
+    steps_per_split: int,
     use_dot: bool,
 ):
+    head = pl.program_id(1)
     split = pl.program_id(2)
-    num_blocks, block_size, head_dim = k_cache_ref.shape
-    blocks_per_split = block_table_ref.shape[0]
+    num_slots, head_dim = k_cache_ref.shape
+    num_blocks = num_slots // block_size
+    max_blocks = block_table_ref.shape[0]
     block_k = blocks_per_step * block_size
-    rows = q_ref.shape[0]
 
     seq_len = seq_len_ref[0]
     # Key positions the query (at position seq_len - 1) may see: [kv_start, seq_len).
     kv_start = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
-    first_block = split * blocks_per_split  # first table column of this split
-    # Steps of this split that hold a visible key; the rest of the table is never read.
-    end_block = jnp.clip(pl.cdiv(seq_len, block_size) - first_block, 0, blocks_per_split)
-    start_block = jnp.clip(kv_start // block_size - first_block, 0, blocks_per_split)
-    start_step = start_block // blocks_per_step
-    end_step = pl.cdiv(end_block, blocks_per_step)
+    # Loop steps (of block_k keys) of this split that hold a visible key: [first, end).
+    lo = split * steps_per_split
+    first = jnp.maximum(lo, kv_start // block_k)
+    end = jnp.maximum(first, jnp.minimum(lo + steps_per_split, pl.cdiv(seq_len, block_k)))
 
-    q = q_ref[...]
+    # The G query heads of this KV head, zero-padded to `rows` (a dot needs >= 16 rows). The
+    # mask keeps the padding rows from reading the next head's queries or past the array.
+    row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    head_rows = pl.ds(head * group, rows)
+    q = pltriton.load(q_ref.at[head_rows], mask=row < group, other=0)
+    token = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+    dim = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
 
     def body(step, carry):
         o_prev, m_prev, l_prev = carry
-        ids = block_table_ref[pl.ds(step * blocks_per_step, blocks_per_step)]
-        ids = jnp.clip(ids, 0, num_blocks - 1)  # a bad table entry must not read out of bounds
-        k = k_cache_ref[ids].reshape(block_k, head_dim).astype(q.dtype)
-        v = v_cache_ref[ids].reshape(block_k, head_dim).astype(q.dtype)
+        kpos = step * block_k + token  # [block_k]
+        visible = (kpos >= kv_start) & (kpos < seq_len)
+        # Each key's cache row (slot), gathered token by token so that K and V load as 2-D
+        # [block_k, D] tiles that feed the dots directly: Triton then pipelines both loads
+        # through shared memory (a [blocks, block_size, D] tile needs a reshape, which it does
+        # not pipeline). Columns past the table (max_blocks not a multiple of blocks_per_step)
+        # read block 0; clipping keeps a bad table entry from reading out of bounds.
+        column = step * blocks_per_step + token // block_size
+        ids = pltriton.load(block_table_ref.at[column], mask=column < max_blocks, other=0)
+        slots = (jnp.clip(ids, 0, num_blocks - 1) * block_size + token % block_size)[:, None]
+        # Masked loads: keys outside [kv_start, seq_len) are never read (they may be stale or
+        # NaN) and load as 0, so V there adds nothing to P.V.
+        k = pltriton.load(k_cache_ref.at[slots, dim], mask=visible[:, None], other=0)
+        v = pltriton.load(v_cache_ref.at[slots, dim], mask=visible[:, None], other=0)
+        k = k.astype(q.dtype)  # [block_k, D]
+        v = v.astype(q.dtype)
 
         if use_dot:
-            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
-                                preferred_element_type=jnp.float32)
+            s = lax.dot_general(
+                q,
+                k,
+                (((1,), (1,)), ((), ())),
+                precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
+                preferred_element_type=jnp.float32,
+            )
         else:  # D too small for a tensor-core dot: multiply and reduce.
-            s = jnp.sum(q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :],
-                        axis=-1)
-        s = s * scale  # [Gp, block_k]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-
-        kpos = (first_block + step * blocks_per_step) * block_size + lax.broadcasted_iota(
-            jnp.int32, (1, block_k), 1)
-        visible = (kpos < seq_len) & (kpos >= kv_start)  # [1, block_k]
-        s = jnp.where(visible, s, _MASK_VALUE)
-
+            s = jnp.sum(
+                q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1
+            )
+        if soft_cap is None:
+            s = s * (scale * _LOG2E)  # [rows, block_k], base-2 scores
+        else:
+            s = (soft_cap * _LOG2E) * jnp.tanh(s * (scale / soft_cap))
+        s = jnp.where(visible[None, :], s, _MASK_VALUE)
+        # Every step holds at least one visible key, so m_next is a real score and the masked
+        # positions' exp2(_MASK_VALUE - m_next) is exactly 0.
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)
+        correction = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s - m_next[:, None])
         l_next = correction * l_prev + jnp.sum(p, axis=-1)
-        # Stale positions may hold NaN and 0 * NaN = NaN: zero V there, not just p.
-        v = jnp.where(visible.reshape(block_k, 1), v, jnp.zeros_like(v))
         if use_dot:
-            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
-                                 preferred_element_type=jnp.float32)
+            pv = lax.dot_general(
+                p.astype(v.dtype),
+                v,
+                (((1,), (0,)), ((), ())),
+                precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
+                preferred_element_type=jnp.float32,
+            )
         else:
             pv = jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
-        o_next = correction[:, None] * o_prev + pv
-        return o_next, m_next, l_next
+        return correction[:, None] * o_prev + pv, m_next, l_next
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    o, row_max, row_sum = lax.fori_loop(start_step, end_step, body, init)
-    o_ref[...] = o
-    m_ref[...] = row_max
-    l_ref[...] = row_sum
+    carry = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    o, row_max, row_sum = lax.fori_loop(first, end, body, carry)
+    if len(out_refs) == 1:
+        # A sequence with no visible key (seq_len 0: a padding row) returns 0, not NaN.
+        o = o / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]
+        [o_ref] = out_refs
+        pltriton.store(o_ref.at[head_rows], o.astype(o_ref.dtype), mask=row < group)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        pltriton.store(o_ref.at[head_rows], o, mask=row < group)
+        pltriton.store(m_ref.at[head_rows], row_max, mask=row[:, 0] < group)
+        pltriton.store(l_ref.at[head_rows], row_sum, mask=row[:, 0] < group)
 
 
 def _largest_power_of_two_at_most(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def _default_tiling(batch: int, num_kv_heads: int, block_size: int,
-                    max_blocks: int) -> tuple[int, int]:
-    """(num_splits, blocks_per_step) for a shape: ~64 tokens a step, ~264 programs."""
-    blocks_per_step = _largest_power_of_two_at_most(max(1, _TARGET_BLOCK_K // block_size))
+def _split_plan(
+    batch: int, num_kv_heads: int, block_size: int, max_blocks: int, tiling: DecodeTiling
+) -> tuple[int, int]:
+    """(blocks_per_step, num_splits) for a shape and a tiling."""
+    blocks_per_step = _largest_power_of_two_at_most(max(1, tiling.block_k // block_size))
     blocks_per_step = min(blocks_per_step, pl.next_power_of_2(max_blocks))
     while blocks_per_step * block_size < _MIN_DOT_DIM:
         blocks_per_step *= 2
+    block_k = blocks_per_step * block_size
     num_steps = pl.cdiv(max_blocks, blocks_per_step)
-    num_splits = max(1, min(num_steps, _TARGET_PROGRAMS // (batch * num_kv_heads)))
-    return num_splits, blocks_per_step
+    min_split_steps = max(1, tiling.min_split_tokens // block_k)
+    num_splits = pl.cdiv(tiling.target_programs, batch * num_kv_heads)
+    num_splits = max(1, min(num_splits, num_steps // min_split_steps))
+    return blocks_per_step, num_splits
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "soft_cap", "sliding_window", "interpret", "num_splits",
-                     "blocks_per_step"))
-def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, soft_cap,
-                     sliding_window, interpret, num_splits, blocks_per_step):
-    """The kernel launch and split combine; arguments already checked, tiling chosen."""
+    static_argnames=("scale", "soft_cap", "sliding_window", "interpret", "tiling", "heads_major"),
+)
+def _paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    soft_cap,
+    sliding_window,
+    interpret,
+    tiling,
+    heads_major=False,
+):
+    """The kernel launch and split combine; arguments already checked.
+
+    ``heads_major=True`` takes caches ``[Hkv, num_blocks, block_size, D]`` instead of the
+    public ``[num_blocks, block_size, Hkv, D]``; it exists only so that
+    ``scripts/benchmark_kernels.py --tune`` can repeat the layout measurement of
+    ``docs/kernels.md`` with this very kernel body.
+    """
     batch, num_q_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if heads_major:
+        num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    else:
+        num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     max_blocks = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     use_dot = head_dim >= _MIN_DOT_DIM
-    # Pad the query heads of one KV head to a power of two (>= 16 when they feed a dot).
     rows = pl.next_power_of_2(group)
     if use_dot:
         rows = max(rows, _MIN_DOT_DIM)
-
+    blocks_per_step, num_splits = _split_plan(batch, num_kv_heads, block_size, max_blocks, tiling)
     num_steps = pl.cdiv(max_blocks, blocks_per_step)
     steps_per_split = pl.cdiv(num_steps, num_splits)
     num_splits = pl.cdiv(num_steps, steps_per_split)  # no empty trailing split
-    blocks_per_split = steps_per_split * blocks_per_step
-    # Extra columns point at block 0; the kernel never uses keys from them (masked by seq_len).
-    block_tables = jnp.pad(block_tables, ((0, 0), (0, num_splits * blocks_per_split - max_blocks)))
-
-    q = q.reshape(batch, num_kv_heads, group, head_dim)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
 
     kernel = functools.partial(
-        _paged_attention_kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        blocks_per_step=blocks_per_step, use_dot=use_dot)
-    cache_spec = pl.BlockSpec((num_blocks, block_size, None, head_dim),
-                              lambda b, h, s: (0, 0, h, 0))
-    o, m, row_sum = pl.pallas_call(
+        _paged_attention_kernel,
+        scale=scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        group=group,
+        rows=rows,
+        block_size=block_size,
+        blocks_per_step=blocks_per_step,
+        steps_per_split=steps_per_split,
+        use_dot=use_dot,
+    )
+    # Views of the caches by slot (a free reshape): [num_blocks * block_size, Hkv, D].
+    num_slots = num_blocks * block_size
+    if heads_major:
+        slot_shape = (num_kv_heads, num_slots, head_dim)
+        cache_spec = pl.BlockSpec((None, num_slots, head_dim), lambda b, h, s: (h, 0, 0))
+    else:
+        slot_shape = (num_slots, num_kv_heads, head_dim)
+        cache_spec = pl.BlockSpec((num_slots, None, head_dim), lambda b, h, s: (0, h, 0))
+    k_slots = k_cache.reshape(slot_shape)
+    v_slots = v_cache.reshape(slot_shape)
+    in_specs = [
+        pl.BlockSpec((1,), lambda b, h, s: (b,)),  # seq_lens
+        pl.BlockSpec((None, max_blocks), lambda b, h, s: (b, 0)),  # block_tables
+        pl.BlockSpec((None, num_q_heads, head_dim), lambda b, h, s: (b, 0, 0)),  # q
+        cache_spec,  # k_cache
+        cache_spec,  # v_cache
+    ]
+    if num_splits == 1:  # the kernel normalises and writes the final output: no combine pass
+        out_specs = pl.BlockSpec((None, num_q_heads, head_dim), lambda b, h, s: (b, 0, 0))
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        out_specs = [
+            pl.BlockSpec((None, None, num_q_heads, head_dim), lambda b, h, s: (b, s, 0, 0)),
+            pl.BlockSpec((None, None, num_q_heads), lambda b, h, s: (b, s, 0)),
+            pl.BlockSpec((None, None, num_q_heads), lambda b, h, s: (b, s, 0)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((batch, num_splits, num_q_heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_splits, num_q_heads), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_splits, num_q_heads), jnp.float32),
+        ]
+    result = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda b, h, s: (b,)),  # seq_lens
-            pl.BlockSpec((None, blocks_per_split), lambda b, h, s: (b, s)),  # block_tables
-            pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
-            cache_spec,  # k_cache
-            cache_spec,  # v_cache
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, s, h, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, s, h, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, s, h, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, num_splits, num_kv_heads, rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_splits, num_kv_heads, rows), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_splits, num_kv_heads, rows), jnp.float32),
-        ],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages
+        ),
         interpret=interpret,
         name="paged_attention",
-    )(seq_lens, block_tables, q, k_cache, v_cache)
+    )(seq_lens, block_tables, q, k_slots, v_slots)
+    if num_splits == 1:
+        return result
 
-    # Flash-decoding combine of the splits' (max, sum, out) partials.
+    # Flash-decoding combine of the splits' (max, sum, out) partials; maxima are base 2.
+    o, m, row_sum = result
     m_all = jnp.max(m, axis=1, keepdims=True)
-    weight = jnp.exp(m - m_all)  # 0 for a split that saw no key
-    l_all = jnp.sum(weight * row_sum, axis=1)  # [B, Hkv, rows]
-    o_all = jnp.sum(weight[..., None] * o, axis=1)  # [B, Hkv, rows, D]
+    weight = jnp.exp2(m - m_all)  # 0 for a split that saw no key
+    l_all = jnp.sum(weight * row_sum, axis=1)  # [B, Hq]
+    o_all = jnp.sum(weight[..., None] * o, axis=1)  # [B, Hq, D]
     # A sequence with no visible key (seq_len 0: a padding row) returns 0, not NaN.
-    out = o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-    return out[:, :, :group, :].reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+    return (o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]).astype(q.dtype)
 
 
 def _check_options(scale, soft_cap, sliding_window):
@@ -200,8 +302,7 @@ def _check_options(scale, soft_cap, sliding_window):
         raise ValueError(f"scale must be a Python float, got {type(scale).__name__}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
-    if sliding_window is not None and (int(sliding_window) != sliding_window
-                                       or sliding_window < 1):
+    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
         raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window}")
 
 
@@ -225,8 +326,9 @@ def paged_attention(
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, same shape and dtype.
         block_tables: ``i32[B, max_blocks]``; column ``i`` of row ``b`` is the block holding
             positions ``i * block_size ... (i + 1) * block_size - 1`` of sequence ``b``.
-        seq_lens: ``i32[B]``, context lengths including the token being decoded. A length of
-            0 (a padding row) gives an all-zero output row.
+        seq_lens: ``i32[B]``, context lengths including the token being decoded
+            (``seq_lens[b] <= max_blocks * block_size``). A length of 0 (a padding row) gives an
+            all-zero output row.
         scale: multiplies ``q . k`` (usually ``D ** -0.5``).
         soft_cap: if set to ``c``, scores become ``c * tanh(score / c)`` before masking.
         sliding_window: if set to ``w``, the query at position ``p`` sees keys
@@ -234,7 +336,8 @@ def paged_attention(
         interpret: run the Pallas kernel in interpret mode (CPU tests).
 
     Returns:
-        ``[B, Hq, D]`` in ``q.dtype``; softmax and accumulation run in float32.
+        ``[B, Hq, D]`` in ``q.dtype``. K/V are cast to ``q.dtype`` for the two dots, which
+        accumulate in float32; the softmax runs in float32.
 
     Assumes: positions at or past ``seq_len`` hold stale data (possibly NaN) and never affect
     the result; block-table entries past ``ceil(seq_len / block_size)`` are arbitrary valid
@@ -253,7 +356,8 @@ def paged_attention(
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(
             "k_cache and v_cache must both be [num_blocks, block_size, Hkv, D] of one dtype, got "
-            f"{k_cache.shape} {k_cache.dtype} and {v_cache.shape} {v_cache.dtype}")
+            f"{k_cache.shape} {k_cache.dtype} and {v_cache.shape} {v_cache.dtype}"
+        )
     if q.ndim != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
     batch, num_q_heads, head_dim = q.shape
@@ -262,7 +366,8 @@ def paged_attention(
         raise ValueError(f"q has D={head_dim} but the cache has D={cache_head_dim}")
     if num_q_heads % num_kv_heads:
         raise ValueError(
-            f"Hq must be a multiple of Hkv, got Hq={num_q_heads} and Hkv={num_kv_heads}")
+            f"Hq must be a multiple of Hkv, got Hq={num_q_heads} and Hkv={num_kv_heads}"
+        )
     if block_tables.ndim != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"block_tables must be [B={batch}, max_blocks], got {block_tables.shape}")
     if seq_lens.shape != (batch,):
@@ -270,15 +375,21 @@ def paged_attention(
     if block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32:
         raise ValueError(
             f"block_tables and seq_lens must be int32, got {block_tables.dtype} and "
-            f"{seq_lens.dtype}")
+            f"{seq_lens.dtype}"
+        )
     _check_options(scale, soft_cap, sliding_window)
-    num_splits, blocks_per_step = _default_tiling(batch, num_kv_heads, block_size,
-                                                  block_tables.shape[1])
     return _paged_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale=float(scale),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
-        interpret=bool(interpret), num_splits=num_splits, blocks_per_step=blocks_per_step)
+        interpret=bool(interpret),
+        tiling=_TILING,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
@@ -308,8 +419,10 @@ def paged_attention_reference(
     seq_capacity, num_kv_heads = k.shape[1], k.shape[2]
     group = num_q_heads // num_kv_heads
     qf = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("bhgd,bshd->bhgs", qf, k.astype(jnp.float32),
-                        precision=lax.Precision.HIGHEST) * scale
+    scores = (
+        jnp.einsum("bhgd,bshd->bhgs", qf, k.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+        * scale
+    )
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     pos = jnp.arange(seq_capacity)[None, :]

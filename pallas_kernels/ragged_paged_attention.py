@@ -10,30 +10,49 @@ sits at position ``seq_lens[b] - q_len_b + i`` and attends to every position up 
 (cached prefix plus the new tokens before it). Their K/V are already in the cache.
 
 Algorithm: PagedAttention (Kwon et al., SOSP 2023) block-table reads with an online softmax
-(Milakov & Gimelshein, 2018). The grid is (query tile, KV head): a tile is up to ``q_tile``
-consecutive tokens of one sequence; the tile-to-sequence map is built in plain JAX from
+(Milakov & Gimelshein, 2018), tiled as in FlashAttention-2 (Dao, 2023). The grid is
+(query tile, KV head): a tile is up to ``q_tile`` consecutive tokens of one sequence times the
+``Hq // Hkv`` query heads of one KV head; the tile-to-sequence map is built in plain JAX from
 ``cu_q_lens``, so the grid has a static size (``cdiv(T, q_tile) + B`` tiles, the unused ones
 exit at once). Backend as in ``paged_attention``: Pallas Triton on GPU, ``interpret=True`` on CPU.
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention import _check_options, _largest_power_of_two_at_most
+from pallas_kernels.paged_attention import _LOG2E, _check_options, _largest_power_of_two_at_most
 
 # Finite score for masked positions; their probabilities are zeroed explicitly as well.
 _MASK_VALUE = -1e30
-# Tokens of K/V handled per loop step (rounded to whole blocks), with and without a dot.
-_TARGET_BLOCK_K = 64
-_TARGET_BLOCK_K_NO_DOT = 16
-# Query rows (tokens x padded query heads) per tile, the target for large prefills.
-_TARGET_ROWS = 64
 # Triton's tensor-core dot needs every dimension >= 16.
 _MIN_DOT_DIM = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedTiling:
+    """Static launch parameters of the ragged kernel (measured on the H200: docs/kernels.md).
+
+    Attributes:
+        rows: query rows (tokens x padded query heads of one KV head) per tile.
+        block_k: K/V tokens per loop step (rounded to whole KV blocks); ``block_k_no_dot``
+            when ``D < 16`` and the scores are a multiply-and-reduce instead of a dot.
+        num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+    """
+
+    rows: int = 64
+    block_k: int = 64
+    block_k_no_dot: int = 16
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+_TILING = RaggedTiling()
 
 
 def _ragged_paged_attention_kernel(
@@ -41,21 +60,27 @@ def _ragged_paged_attention_kernel(
     tile_tok_ref,  # i32[1]: row of q holding the tile's first token
     tile_pos_ref,  # i32[1]: context position of the tile's first token
     tile_len_ref,  # i32[1]: real tokens in the tile (0 for an unused tile)
-    block_tables_ref,  # i32[B, max_blocks_padded]: all block tables
-    q_ref,  # [T + q_tile, Gp, D]: this KV head's query heads, zero-padded to Gp
-    k_cache_ref,  # [num_blocks, block_size, D]: this KV head of the whole K cache
-    v_cache_ref,  # [num_blocks, block_size, D]: this KV head of the whole V cache
-    o_ref,  # f32[q_tile * Gp, D]: normalised output, row = token_in_tile * Gp + head
+    tile_store_ref,  # i32[1]: rows of o the tile writes (an unused tile zeroes padding tokens)
+    block_tables_ref,  # i32[B, max_blocks]: all block tables
+    q_ref,  # [T, Hq, D]: all queries
+    k_cache_ref,  # [num_blocks * block_size, D]: this KV head of the whole K cache, by slot
+    v_cache_ref,  # [num_blocks * block_size, D]: this KV head of the whole V cache, by slot
+    o_ref,  # [T, Hq, D]: the output; this program writes its tile's real tokens and heads
     *,
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    group: int,
+    group_padded: int,
+    q_tile: int,
+    block_size: int,
     blocks_per_step: int,
     use_dot: bool,
 ):
-    num_blocks, block_size, head_dim = k_cache_ref.shape
-    q_tile = o_ref.shape[0] // q_ref.shape[1]
-    group_padded = q_ref.shape[1]
+    head = pl.program_id(1)
+    num_slots, head_dim = k_cache_ref.shape
+    num_blocks = num_slots // block_size
+    max_blocks = block_tables_ref.shape[1]
     rows = q_tile * group_padded
     block_k = blocks_per_step * block_size
 
@@ -64,81 +89,128 @@ def _ragged_paged_attention_kernel(
     pos0 = tile_pos_ref[0]
     num_real = tile_len_ref[0]
 
-    # Keys any row of this tile may see: [kv_first, kv_end).
+    # Keys any row of this tile may see: [kv_first, kv_end). Steps before full_end lie wholly
+    # at or before the tile's first position, so every row sees all their keys: no mask.
     kv_end = pos0 + num_real
     kv_first = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
-    start_step = (kv_first // block_size) // blocks_per_step
-    end_step = pl.cdiv(pl.cdiv(kv_end, block_size), blocks_per_step)
-    end_step = jnp.where(num_real > 0, end_step, start_step)
+    first = kv_first // block_k
+    end = jnp.where(num_real > 0, pl.cdiv(kv_end, block_k), first)
+    full_end = first if sliding_window is not None else jnp.clip((pos0 + 1) // block_k, first, end)
 
-    q = q_ref[pl.ds(tok0, q_tile)].reshape(rows, head_dim)
-    token_in_tile = lax.broadcasted_iota(jnp.int32, (q_tile, group_padded), 0).reshape(rows, 1)
-    row_pos = pos0 + token_in_tile  # [rows, 1]
-    row_real = token_in_tile < num_real
+    # [q_tile, Gp, D] -> [rows, D], row = token_in_tile * Gp + head_in_group. Padding rows
+    # (past the tile's tokens or the group) load 0 and are never stored.
+    token_in_tile = lax.broadcasted_iota(jnp.int32, (q_tile, group_padded, 1), 0)
+    head_in_group = lax.broadcasted_iota(jnp.int32, (q_tile, group_padded, 1), 1)
+    real = (token_in_tile < num_real) & (head_in_group < group)
+    tile_index = (pl.ds(tok0, q_tile), pl.ds(head * group, group_padded))
+    q = pltriton.load(q_ref.at[tile_index], mask=real, other=0).reshape(rows, head_dim)
+    stored = (token_in_tile < tile_store_ref[0]) & (head_in_group < group)
+    row_pos = pos0 + token_in_tile.reshape(rows, 1)  # [rows, 1]
+    row_real = (token_in_tile < num_real).reshape(rows, 1)
+    token = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+    dim = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
 
-    def body(step, carry):
+    def body(step, carry, *, masked):
         o_prev, m_prev, l_prev = carry
-        ids = block_tables_ref[seq, pl.ds(step * blocks_per_step, blocks_per_step)]
-        ids = jnp.clip(ids, 0, num_blocks - 1)  # a bad table entry must not read out of bounds
-        k = k_cache_ref[ids].reshape(block_k, head_dim).astype(q.dtype)
-        v = v_cache_ref[ids].reshape(block_k, head_dim).astype(q.dtype)
+        kpos = step * block_k + token  # [block_k]
+        # 2-D slot gathers feed the dots directly, so Triton pipelines them (see
+        # paged_attention); clipping keeps a bad table entry from reading out of bounds.
+        column = step * blocks_per_step + token // block_size
+        ids = pltriton.load(block_tables_ref.at[seq, column], mask=column < max_blocks, other=0)
+        slots = (jnp.clip(ids, 0, num_blocks - 1) * block_size + token % block_size)[:, None]
+        # Keys at or past kv_end may be stale (NaN): masked loads never read them.
+        load_mask = (kpos < kv_end)[:, None] if masked else None
+        k = pltriton.load(
+            k_cache_ref.at[slots, dim], mask=load_mask, other=0 if masked else None
+        ).astype(q.dtype)
+        v = pltriton.load(
+            v_cache_ref.at[slots, dim], mask=load_mask, other=0 if masked else None
+        ).astype(q.dtype)
 
         if use_dot:
-            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
-                                preferred_element_type=jnp.float32)
+            s = lax.dot_general(
+                q,
+                k,
+                (((1,), (1,)), ((), ())),
+                precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
+                preferred_element_type=jnp.float32,
+            )
         else:  # D too small for a tensor-core dot: multiply and reduce.
-            s = jnp.sum(q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :],
-                        axis=-1)
-        s = s * scale  # [rows, block_k]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+            s = jnp.sum(
+                q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1
+            )
+        if soft_cap is None:
+            s = s * (scale * _LOG2E)  # [rows, block_k], base-2 scores
+        else:
+            s = (soft_cap * _LOG2E) * jnp.tanh(s * (scale / soft_cap))
 
-        kpos = step * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        visible = row_real & (kpos <= row_pos)  # causal, [rows, block_k]
-        if sliding_window is not None:
-            visible &= kpos > row_pos - sliding_window
-        s = jnp.where(visible, s, _MASK_VALUE)
-
+        if masked:
+            visible = row_real & (kpos[None, :] <= row_pos)  # causal, [rows, block_k]
+            if sliding_window is not None:
+                visible &= kpos[None, :] > row_pos - sliding_window
+            s = jnp.where(visible, s, _MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)
+        correction = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s - m_next[:, None])
+        if masked:
+            # A row may see no key of this step yet (m_next still _MASK_VALUE): zero it.
+            p = jnp.where(visible, p, 0.0)
         l_next = correction * l_prev + jnp.sum(p, axis=-1)
-        # Positions >= kv_end may be stale (NaN) and 0 * NaN = NaN: zero V there, not just p.
-        v = jnp.where((kpos < kv_end).reshape(block_k, 1), v, jnp.zeros_like(v))
         if use_dot:
-            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
-                                 preferred_element_type=jnp.float32)
+            pv = lax.dot_general(
+                p.astype(v.dtype),
+                v,
+                (((1,), (0,)), ((), ())),
+                precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
+                preferred_element_type=jnp.float32,
+            )
         else:
             pv = jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
-        o_next = correction[:, None] * o_prev + pv
-        return o_next, m_next, l_next
+        return correction[:, None] * o_prev + pv, m_next, l_next
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    o, _, row_sum = lax.fori_loop(start_step, end_step, body, init)
-    # Rows with no visible key (padding rows, unused tiles) are 0, not NaN.
-    o_ref[...] = o / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]
+    carry = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    carry = lax.fori_loop(first, full_end, functools.partial(body, masked=False), carry)
+    o, _, row_sum = lax.fori_loop(full_end, end, functools.partial(body, masked=True), carry)
+    # Rows with no visible key (padding tokens, unused tiles) are 0, not NaN.
+    o = o / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]
+    pltriton.store(
+        o_ref.at[tile_index],
+        o.reshape(q_tile, group_padded, head_dim).astype(o_ref.dtype),
+        mask=stored,
+    )
 
 
-def _default_tiling(num_tokens: int, group: int, block_size: int, max_blocks: int,
-                    head_dim: int) -> tuple[int, int]:
-    """(q_tile, blocks_per_step) for a shape: ~64 query rows and ~64 keys per step."""
+def _default_tiling(
+    num_tokens: int,
+    group: int,
+    block_size: int,
+    max_blocks: int,
+    head_dim: int,
+    tiling: RaggedTiling,
+) -> tuple[int, int]:
+    """(q_tile, blocks_per_step) for a shape: ``tiling.rows`` query rows, ``block_k`` keys."""
     use_dot = head_dim >= _MIN_DOT_DIM
-    target_block_k = _TARGET_BLOCK_K if use_dot else _TARGET_BLOCK_K_NO_DOT
+    target_block_k = tiling.block_k if use_dot else tiling.block_k_no_dot
     blocks_per_step = _largest_power_of_two_at_most(max(1, target_block_k // block_size))
     blocks_per_step = min(blocks_per_step, pl.next_power_of_2(max_blocks))
     while blocks_per_step * block_size < _MIN_DOT_DIM:
         blocks_per_step *= 2
     group_padded = pl.next_power_of_2(group)
-    q_tile = max(_MIN_DOT_DIM, _largest_power_of_two_at_most(_TARGET_ROWS // group_padded))
+    q_tile = max(_MIN_DOT_DIM, _largest_power_of_two_at_most(tiling.rows // group_padded))
     q_tile = min(q_tile, max(_MIN_DOT_DIM, pl.next_power_of_2(num_tokens)))
     return q_tile, blocks_per_step
 
 
-def _tile_map(cu_q_lens, seq_lens, num_tiles: int, q_tile: int):
-    """Per tile: (sequence, first q row, first position, real tokens); and per-seq first tile."""
+def _tile_map(cu_q_lens, seq_lens, num_tokens: int, num_tiles: int, q_tile: int):
+    """Per tile: (sequence, first q row, first position, real tokens, rows to write).
+
+    Tiles past the sequences' own cover the padding tokens ``cu_q_lens[B]:T`` and write zeros
+    there; ``cdiv(T, q_tile) + B`` tiles always suffice for both.
+    """
     num_seqs = seq_lens.shape[0]
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     tiles_per_seq = pl.cdiv(q_lens, q_tile)
@@ -149,71 +221,83 @@ def _tile_map(cu_q_lens, seq_lens, num_tiles: int, q_tile: int):
     seq = seq.astype(jnp.int32)
     used = tile < tile_end[-1]
     offset = (tile - tile_begin[seq]) * q_tile  # index of the tile's first token in its sequence
-    tok0 = jnp.where(used, cu_q_lens[seq] + offset, 0)
+    padding_tok0 = cu_q_lens[num_seqs] + (tile - tile_end[-1]) * q_tile
+    tok0 = jnp.where(used, cu_q_lens[seq] + offset, padding_tok0)
     pos0 = jnp.where(used, seq_lens[seq] - q_lens[seq] + offset, 0)
     num_real = jnp.where(used, jnp.clip(q_lens[seq] - offset, 0, q_tile), 0)
+    num_store = jnp.where(used, num_real, jnp.clip(num_tokens - padding_tok0, 0, q_tile))
     as_i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    return (as_i32(seq), as_i32(tok0), as_i32(pos0), as_i32(num_real)), tile_begin
+    return as_i32(seq), as_i32(tok0), as_i32(pos0), as_i32(num_real), as_i32(num_store)
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("scale", "soft_cap", "sliding_window", "interpret", "q_tile",
-                     "blocks_per_step"))
-def _ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, *, scale,
-                            soft_cap, sliding_window, interpret, q_tile, blocks_per_step):
-    """The kernel launch and the tile-to-token gather; arguments already checked."""
+    jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret", "tiling")
+)
+def _ragged_paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    cu_q_lens,
+    *,
+    scale,
+    soft_cap,
+    sliding_window,
+    interpret,
+    tiling,
+):
+    """The kernel launch; arguments already checked."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_blocks = block_tables.shape
     group = num_q_heads // num_kv_heads
-    group_padded = pl.next_power_of_2(group)
-    rows = q_tile * group_padded
+    q_tile, blocks_per_step = _default_tiling(
+        num_tokens, group, block_size, max_blocks, head_dim, tiling
+    )
     num_tiles = pl.cdiv(num_tokens, q_tile) + num_seqs  # >= sum_b cdiv(q_len_b, q_tile)
+    tile_meta = _tile_map(cu_q_lens, seq_lens, num_tokens, num_tiles, q_tile)
 
-    tile_meta, tile_begin = _tile_map(cu_q_lens, seq_lens, num_tiles, q_tile)
-    # Extra columns point at block 0; keys from them are past kv_end and never used.
-    block_tables = jnp.pad(
-        block_tables, ((0, 0), (0, pl.cdiv(max_blocks, blocks_per_step) * blocks_per_step
-                                - max_blocks)))
-    # [T + q_tile, Hkv, Gp, D]: the extra q_tile rows let the last tile read a full tile.
-    q_padded = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    q_padded = jnp.pad(q_padded, ((0, q_tile), (0, 0), (0, group_padded - group), (0, 0)))
-
+    num_slots = num_blocks * block_size
+    k_slots = k_cache.reshape(num_slots, num_kv_heads, head_dim)
+    v_slots = v_cache.reshape(num_slots, num_kv_heads, head_dim)
     kernel = functools.partial(
-        _ragged_paged_attention_kernel, scale=scale, soft_cap=soft_cap,
-        sliding_window=sliding_window, blocks_per_step=blocks_per_step,
-        use_dot=head_dim >= _MIN_DOT_DIM)
+        _ragged_paged_attention_kernel,
+        scale=scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        group=group,
+        group_padded=pl.next_power_of_2(group),
+        q_tile=q_tile,
+        block_size=block_size,
+        blocks_per_step=blocks_per_step,
+        use_dot=head_dim >= _MIN_DOT_DIM,
+    )
     scalar_spec = pl.BlockSpec((1,), lambda j, h: (j,))
-    cache_spec = pl.BlockSpec((num_blocks, block_size, None, head_dim),
-                              lambda j, h: (0, 0, h, 0))
-    o = pl.pallas_call(
+    cache_spec = pl.BlockSpec((num_slots, None, head_dim), lambda j, h: (0, h, 0))
+    token_spec = pl.BlockSpec(q.shape, lambda j, h: (0, 0, 0))
+    return pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
         in_specs=[
-            scalar_spec, scalar_spec, scalar_spec, scalar_spec,  # tile map
+            scalar_spec,
+            scalar_spec,
+            scalar_spec,
+            scalar_spec,
+            scalar_spec,  # tile map
             pl.BlockSpec(block_tables.shape, lambda j, h: (0, 0)),
-            pl.BlockSpec((num_tokens + q_tile, None, group_padded, head_dim),
-                         lambda j, h: (0, h, 0, 0)),  # q
+            token_spec,  # q
             cache_spec,  # k_cache
             cache_spec,  # v_cache
         ],
-        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda j, h: (j, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows, head_dim), jnp.float32),
+        out_specs=token_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages
+        ),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(*tile_meta, block_tables, q_padded, k_cache, v_cache)
-
-    # Token t of sequence b lives in tile tile_begin[b] + i // q_tile at row i % q_tile.
-    tok = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq_of_tok = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right") - 1, 0, num_seqs - 1)
-    index_in_seq = tok - cu_q_lens[seq_of_tok]
-    tile_of_tok = tile_begin[seq_of_tok] + index_in_seq // q_tile
-    o = o.reshape(num_tiles, num_kv_heads, q_tile, group_padded, head_dim)
-    out = o[tile_of_tok, :, index_in_seq % q_tile, :group, :]  # [T, Hkv, G, D]
-    real = (tok >= cu_q_lens[0]) & (tok < cu_q_lens[num_seqs])
-    out = jnp.where(real[:, None, None, None], out, 0.0)
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    )(*tile_meta, block_tables, q, k_slots, v_slots)
 
 
 def ragged_paged_attention(
@@ -265,7 +349,8 @@ def ragged_paged_attention(
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(
             "k_cache and v_cache must both be [num_blocks, block_size, Hkv, D] of one dtype, got "
-            f"{k_cache.shape} {k_cache.dtype} and {v_cache.shape} {v_cache.dtype}")
+            f"{k_cache.shape} {k_cache.dtype} and {v_cache.shape} {v_cache.dtype}"
+        )
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
     num_tokens, num_q_heads, head_dim = q.shape
@@ -274,26 +359,37 @@ def ragged_paged_attention(
         raise ValueError(f"q has D={head_dim} but the cache has D={cache_head_dim}")
     if num_q_heads % num_kv_heads:
         raise ValueError(
-            f"Hq must be a multiple of Hkv, got Hq={num_q_heads} and Hkv={num_kv_heads}")
+            f"Hq must be a multiple of Hkv, got Hq={num_q_heads} and Hkv={num_kv_heads}"
+        )
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables must be [B, max_blocks], got {block_tables.shape}")
     num_seqs = block_tables.shape[0]
     if seq_lens.shape != (num_seqs,) or cu_q_lens.shape != (num_seqs + 1,):
         raise ValueError(
             f"block_tables has B={num_seqs} rows, so seq_lens must be [{num_seqs}] and cu_q_lens "
-            f"[{num_seqs + 1}]; got {seq_lens.shape} and {cu_q_lens.shape}")
-    for name, array in (("block_tables", block_tables), ("seq_lens", seq_lens),
-                        ("cu_q_lens", cu_q_lens)):
+            f"[{num_seqs + 1}]; got {seq_lens.shape} and {cu_q_lens.shape}"
+        )
+    for name, array in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("cu_q_lens", cu_q_lens),
+    ):
         if array.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {array.dtype}")
     _check_options(scale, soft_cap, sliding_window)
-    q_tile, blocks_per_step = _default_tiling(num_tokens, num_q_heads // num_kv_heads,
-                                              block_size, block_tables.shape[1], head_dim)
     return _ragged_paged_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale=float(scale),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        cu_q_lens,
+        scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
-        interpret=bool(interpret), q_tile=q_tile, blocks_per_step=blocks_per_step)
+        interpret=bool(interpret),
+        tiling=_TILING,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))

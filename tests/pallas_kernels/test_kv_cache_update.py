@@ -16,8 +16,10 @@ def _caches(rng, dtype=np.float32):
 
 
 def _new_tokens(rng, num_tokens, dtype=np.float32):
-    return (rng.standard_normal((num_tokens, HKV, D)).astype(dtype),
-            rng.standard_normal((num_tokens, HKV, D)).astype(dtype))
+    return (
+        rng.standard_normal((num_tokens, HKV, D)).astype(dtype),
+        rng.standard_normal((num_tokens, HKV, D)).astype(dtype),
+    )
 
 
 def test_kv_cache_shape_is_blocks_slots_heads_dim():
@@ -35,8 +37,9 @@ def test_each_token_lands_in_its_slot_and_nothing_else_changes():
     k_new, v_new = _new_tokens(rng, 5)
     slots = rng.permutation(NUM_BLOCKS * BLOCK_SIZE)[:5].astype(np.int32)
 
-    k_out, v_out = kv_cache_update(jnp.asarray(k_cache), jnp.asarray(v_cache), k_new, v_new,
-                                   jnp.asarray(slots))
+    k_out, v_out = kv_cache_update(
+        jnp.asarray(k_cache), jnp.asarray(v_cache), k_new, v_new, jnp.asarray(slots)
+    )
 
     k_expected, v_expected = k_cache.copy(), v_cache.copy()
     for t, slot in enumerate(slots):
@@ -52,8 +55,9 @@ def test_padding_slot_minus_one_is_dropped_not_written_to_last_slot():
     k_new, v_new = _new_tokens(rng, 4)
     slots = np.array([3, -1, 9, -1], np.int32)
 
-    k_out, v_out = kv_cache_update(jnp.asarray(k_cache), jnp.asarray(v_cache), k_new, v_new,
-                                   jnp.asarray(slots))
+    k_out, v_out = kv_cache_update(
+        jnp.asarray(k_cache), jnp.asarray(v_cache), k_new, v_new, jnp.asarray(slots)
+    )
 
     # JAX would wrap -1 to the last slot; it must stay untouched.
     np.testing.assert_array_equal(np.asarray(k_out)[-1, -1], k_cache[-1, -1])
@@ -70,8 +74,10 @@ def test_new_values_are_cast_to_the_cache_dtype():
     k_new, v_new = _new_tokens(rng, 2)
     k_out, v_out = kv_cache_update(k_cache, v_cache, k_new, v_new, jnp.array([0, 1], jnp.int32))
     assert k_out.dtype == v_out.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(k_out[0, 1], np.float32),
-                                  np.asarray(jnp.asarray(k_new[1], jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(k_out[0, 1], np.float32),
+        np.asarray(jnp.asarray(k_new[1], jnp.bfloat16), np.float32),
+    )
 
 
 def test_update_is_in_place_when_caller_donates_the_caches():
@@ -89,8 +95,13 @@ def test_update_is_in_place_when_caller_donates_the_caches():
 
 @pytest.mark.parametrize(
     "case, match",
-    [("kv_shapes", "k_cache and v_cache"), ("new_shape", "k_new and v_new"),
-     ("slot_dtype", "slot_mapping"), ("slot_length", "slot_mapping")])
+    [
+        ("kv_shapes", "k_cache and v_cache"),
+        ("new_shape", "k_new and v_new"),
+        ("slot_dtype", "slot_mapping"),
+        ("slot_length", "slot_mapping"),
+    ],
+)
 def test_bad_arguments_raise_value_error(case, match):
     rng = np.random.default_rng(4)
     k_cache, v_cache = _caches(rng)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_attention, paged_attention_reference
-from pallas_kernels.paged_attention import _paged_attention
+from pallas_kernels.paged_attention import DecodeTiling, _paged_attention, _split_plan
 
 # float32: kernel and reference differ only in summation order (online vs. two-pass softmax).
 F32_TOL = dict(rtol=1e-4, atol=1e-5)
@@ -32,8 +32,9 @@ def edge_lengths(block_size: int, max_blocks: int) -> list[int]:
     return list(dict.fromkeys(n for n in lengths if n >= 1))
 
 
-def make_paged_kv(rng, seq_lens, *, num_kv_heads, head_dim, block_size, max_blocks,
-                  dtype=np.float32):
+def make_paged_kv(
+    rng, seq_lens, *, num_kv_heads, head_dim, block_size, max_blocks, dtype=np.float32
+):
     """Random paged K/V caches, block tables and the same K/V gathered contiguously.
 
     Returns (k_cache, v_cache, block_tables, k_contiguous, v_contiguous), with caches
@@ -54,7 +55,7 @@ def make_paged_kv(rng, seq_lens, *, num_kv_heads, head_dim, block_size, max_bloc
         for i in range(used[b]):
             block = next(free_ids)
             tables[b, i] = block
-            stale[block, :min(block_size, length - i * block_size)] = False
+            stale[block, : min(block_size, length - i * block_size)] = False
     k_cache[stale] = np.nan
     v_cache[stale] = np.nan
     k_cache = jnp.asarray(k_cache, dtype)
@@ -78,20 +79,38 @@ def assert_close(actual, expected, tol):
 class TestPagedAttention:
     INTERPRET = True
 
-    def run_case(self, *, num_kv_heads, group, head_dim, block_size, max_blocks, seed=0,
-                 dtype=np.float32, soft_cap=None, sliding_window=None, seq_lens=None):
+    def run_case(
+        self,
+        *,
+        num_kv_heads,
+        group,
+        head_dim,
+        block_size,
+        max_blocks,
+        seed=0,
+        dtype=np.float32,
+        soft_cap=None,
+        sliding_window=None,
+        seq_lens=None,
+    ):
         rng = np.random.default_rng(seed)
         if seq_lens is None:
             seq_lens = edge_lengths(block_size, max_blocks)
         k_cache, v_cache, tables, k, v = make_paged_kv(
-            rng, seq_lens, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            block_size=block_size, max_blocks=max_blocks, dtype=dtype)
-        q = jnp.asarray(
-            rng.standard_normal((len(seq_lens), num_kv_heads * group, head_dim)), dtype)
+            rng,
+            seq_lens,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            max_blocks=max_blocks,
+            dtype=dtype,
+        )
+        q = jnp.asarray(rng.standard_normal((len(seq_lens), num_kv_heads * group, head_dim)), dtype)
         lens = jnp.asarray(seq_lens, jnp.int32)
-        options = dict(scale=head_dim ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window)
-        out = paged_attention(q, k_cache, v_cache, tables, lens, interpret=self.INTERPRET,
-                              **options)
+        options = dict(scale=head_dim**-0.5, soft_cap=soft_cap, sliding_window=sliding_window)
+        out = paged_attention(
+            q, k_cache, v_cache, tables, lens, interpret=self.INTERPRET, **options
+        )
         expected = paged_attention_reference(q, k, v, lens, **options)
         assert out.shape == q.shape and out.dtype == q.dtype
         return out, expected
@@ -103,21 +122,35 @@ class TestPagedAttention:
             (2, 2, 128, 8, 4),
             (1, 4, 64, 32, 2),
             (1, 7, 8, 16, 3),  # odd group, tiny head dim (the stories model's D)
+            (2, 7, 128, 16, 3),  # Qwen2.5-7B's group: head 1's rows start mid-tile
             (2, 8, 16, 8, 5),
             (3, 2, 8, 32, 2),
-        ])
+        ],
+    )
     def test_matches_reference_across_gqa_head_dim_and_block_size(
-            self, num_kv_heads, group, head_dim, block_size, max_blocks):
-        out, expected = self.run_case(num_kv_heads=num_kv_heads, group=group,
-                                      head_dim=head_dim, block_size=block_size,
-                                      max_blocks=max_blocks)
+        self, num_kv_heads, group, head_dim, block_size, max_blocks
+    ):
+        out, expected = self.run_case(
+            num_kv_heads=num_kv_heads,
+            group=group,
+            head_dim=head_dim,
+            block_size=block_size,
+            max_blocks=max_blocks,
+        )
         assert_close(out, expected, F32_TOL)
 
     @pytest.mark.parametrize("soft_cap, sliding_window", [(None, 7), (2.0, 20)])
     def test_soft_cap_and_sliding_window_match_reference(self, soft_cap, sliding_window):
-        out, expected = self.run_case(num_kv_heads=2, group=2, head_dim=64, block_size=8,
-                                      max_blocks=4, soft_cap=soft_cap,
-                                      sliding_window=sliding_window, seed=1)
+        out, expected = self.run_case(
+            num_kv_heads=2,
+            group=2,
+            head_dim=64,
+            block_size=8,
+            max_blocks=4,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+            seed=1,
+        )
         assert_close(out, expected, F32_TOL)
 
     def test_sliding_window_ignores_keys_outside_the_window(self):
@@ -125,17 +158,33 @@ class TestPagedAttention:
         rng = np.random.default_rng(2)
         seq_lens = [5, 16, 17]
         k_cache, v_cache, tables, _, v = make_paged_kv(
-            rng, seq_lens, num_kv_heads=1, head_dim=16, block_size=8, max_blocks=3)
+            rng, seq_lens, num_kv_heads=1, head_dim=16, block_size=8, max_blocks=3
+        )
         q = jnp.asarray(rng.standard_normal((3, 2, 16)), jnp.float32)
-        out = paged_attention(q, k_cache, v_cache, tables, jnp.asarray(seq_lens, jnp.int32),
-                              scale=0.25, sliding_window=1, interpret=self.INTERPRET)
+        out = paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            jnp.asarray(seq_lens, jnp.int32),
+            scale=0.25,
+            sliding_window=1,
+            interpret=self.INTERPRET,
+        )
         last = np.stack([np.asarray(v)[b, n - 1, 0] for b, n in enumerate(seq_lens)])
         assert_close(out, np.repeat(last[:, None], 2, axis=1), F32_TOL)
 
-    @pytest.mark.parametrize("group, head_dim", [(4, 64), (1, 8)])
+    @pytest.mark.parametrize("group, head_dim", [(4, 64), (7, 128), (1, 8)])
     def test_bfloat16_matches_reference_on_same_inputs(self, group, head_dim):
-        out, expected = self.run_case(num_kv_heads=2, group=group, head_dim=head_dim,
-                                      block_size=16, max_blocks=3, dtype=jnp.bfloat16, seed=3)
+        out, expected = self.run_case(
+            num_kv_heads=2,
+            group=group,
+            head_dim=head_dim,
+            block_size=16,
+            max_blocks=3,
+            dtype=jnp.bfloat16,
+            seed=3,
+        )
         assert_close(out, expected, BF16_TOL)
 
     def test_nan_in_unused_blocks_does_not_leak(self):
@@ -144,11 +193,14 @@ class TestPagedAttention:
         rng = np.random.default_rng(4)
         seq_lens = [3, 9, 16]
         k_cache, v_cache, tables, _, _ = make_paged_kv(
-            rng, seq_lens, num_kv_heads=2, head_dim=16, block_size=8, max_blocks=3)
+            rng, seq_lens, num_kv_heads=2, head_dim=16, block_size=8, max_blocks=3
+        )
         q = jnp.asarray(rng.standard_normal((3, 4, 16)), jnp.float32)
         lens = jnp.asarray(seq_lens, jnp.int32)
-        run = lambda k, v: paged_attention(q, k, v, tables, lens, scale=0.25,  # noqa: E731
-                                           interpret=self.INTERPRET)
+
+        def run(k, v):
+            return paged_attention(q, k, v, tables, lens, scale=0.25, interpret=self.INTERPRET)
+
         with_nan = run(k_cache, v_cache)
         k_big = jnp.where(jnp.isnan(k_cache), 1e4, k_cache)
         v_big = jnp.where(jnp.isnan(v_cache), -1e4, v_cache)
@@ -156,29 +208,65 @@ class TestPagedAttention:
         np.testing.assert_array_equal(np.asarray(with_nan), np.asarray(run(k_big, v_big)))
 
     def test_padding_row_with_zero_length_returns_zeros(self):
-        out, expected = self.run_case(num_kv_heads=1, group=2, head_dim=16, block_size=8,
-                                      max_blocks=2, seq_lens=[0, 5, 0], seed=5)
+        out, expected = self.run_case(
+            num_kv_heads=1,
+            group=2,
+            head_dim=16,
+            block_size=8,
+            max_blocks=2,
+            seq_lens=[0, 5, 0],
+            seed=5,
+        )
         assert_close(out, expected, F32_TOL)
         np.testing.assert_array_equal(np.asarray(out)[[0, 2]], 0.0)
 
-    @pytest.mark.parametrize("num_splits", [1, 5])
+    @pytest.mark.parametrize("num_splits", [1, 3, 5])
     def test_split_count_does_not_change_result(self, num_splits):
+        # 16-token steps over 10 blocks of 8: 5 steps, cut into 1, 3 (2+2+1) or 5 splits; the
+        # lengths end inside, on and just past step and split edges.
         rng = np.random.default_rng(6)
-        seq_lens = [1, 15, 33, 80]
+        seq_lens = [1, 15, 33, 80, 48]
         k_cache, v_cache, tables, k, v = make_paged_kv(
-            rng, seq_lens, num_kv_heads=2, head_dim=16, block_size=8, max_blocks=10)
-        q = jnp.asarray(rng.standard_normal((4, 4, 16)), jnp.float32)
+            rng, seq_lens, num_kv_heads=2, head_dim=16, block_size=8, max_blocks=10
+        )
+        q = jnp.asarray(rng.standard_normal((5, 4, 16)), jnp.float32)
         lens = jnp.asarray(seq_lens, jnp.int32)
-        out = _paged_attention(q, k_cache, v_cache, tables, lens, scale=0.25, soft_cap=None,
-                               sliding_window=None, interpret=self.INTERPRET,
-                               num_splits=num_splits, blocks_per_step=2)
+        tiling = DecodeTiling(block_k=16, target_programs=5 * 2 * num_splits, min_split_tokens=16)
+        assert _split_plan(5, 2, 8, 10, tiling) == (2, num_splits)
+        out = _paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            lens,
+            scale=0.25,
+            soft_cap=None,
+            sliding_window=None,
+            interpret=self.INTERPRET,
+            tiling=tiling,
+        )
         assert_close(out, paged_attention_reference(q, k, v, lens, scale=0.25), F32_TOL)
+
+    def test_table_width_not_a_multiple_of_the_step(self):
+        # 3 blocks of 8 per row, 32-token steps: the second half of the last step's table
+        # columns do not exist and must not be read.
+        out, expected = self.run_case(
+            num_kv_heads=1, group=4, head_dim=16, block_size=8, max_blocks=3, seed=8
+        )
+        assert_close(out, expected, F32_TOL)
 
     @pytest.mark.parametrize(
         "case, match",
-        [("kv_mismatch", "k_cache and v_cache"), ("heads", "multiple of Hkv"),
-         ("batch", "block_tables"), ("len_dtype", "int32"), ("table_dtype", "int32"),
-         ("head_dim", "D="), ("window", "sliding_window")])
+        [
+            ("kv_mismatch", "k_cache and v_cache"),
+            ("heads", "multiple of Hkv"),
+            ("batch", "block_tables"),
+            ("len_dtype", "int32"),
+            ("table_dtype", "int32"),
+            ("head_dim", "D="),
+            ("window", "sliding_window"),
+        ],
+    )
     def test_bad_arguments_raise_value_error(self, case, match):
         q = jnp.ones((2, 4, 16), jnp.float32)
         k_cache = v_cache = jnp.ones((4, 8, 2, 16), jnp.float32)
