@@ -11,6 +11,8 @@ import json
 import os
 from importlib import resources
 
+from models.tp_layout import TPLayout
+
 DEFAULT_MODEL_NAME = "stories260k"
 
 _DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
@@ -52,7 +54,8 @@ class EngineArgs:
         "Fraction (0, 1] of accelerator memory this engine may use for weights, activations and KV.",
     )
     kv_cache_memory_bytes: int | None = _arg(
-        None, "KV-cache size in bytes; overrides gpu_memory_utilization. Default on CPU: 256 MiB."
+        None,
+        "KV-cache size in bytes per device; overrides gpu_memory_utilization. Default on CPU: 256 MiB.",
     )
     num_gpu_blocks_override: int | None = _arg(
         None, "Force this many KV blocks regardless of memory (tests use it to force preemption)."
@@ -80,6 +83,21 @@ class EngineArgs:
         "Compile step buckets on first use instead of all at start-up; None: eager on CPU only.",
     )
     disable_log_stats: bool = _arg(True, "Silence the periodic stats log line.")
+    tensor_parallel_size: int = _arg(
+        1,
+        "Devices one model is split over (tensor parallelism), >= 1 and at most the number of "
+        "devices of all processes; 1 means no sharding.",
+    )
+    nnodes: int = _arg(
+        1,
+        "Processes (hosts) one model spans, >= 1; above 1 every process runs the same engine "
+        "(multi-controller JAX, jax.distributed.initialize) and only process 0 prints.",
+    )
+    node_rank: int = _arg(0, "This process's rank in [0, nnodes); rank 0 hosts the coordinator.")
+    master_addr: str = _arg(
+        "127.0.0.1", "Host (IP or name) of the rank-0 process, reachable from every process."
+    )
+    master_port: int = _arg(29501, "Port of the JAX coordinator on master_addr, in [1, 65535].")
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and derive the typed configs.
@@ -118,12 +136,27 @@ class SchedulerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+
+    @property
+    def coordinator_address(self) -> str:
+        """``host:port`` of the JAX coordinator (``jax.distributed.initialize``)."""
+        return f"{self.master_addr}:{self.master_port}"
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     attention_backend: str
     enforce_eager: bool | None
+    parallel_config: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -162,6 +195,7 @@ class EngineConfig:
                 f"kv_cache_memory_bytes must be positive, got {args.kv_cache_memory_bytes}"
             )
 
+        parallel_config = _parallel_config(args, hf_config_json)
         model_limit = int(hf_config_json.get("max_position_embeddings", 2048))
         max_model_len = args.max_model_len if args.max_model_len is not None else model_limit
         if max_model_len < 1:
@@ -203,7 +237,36 @@ class EngineConfig:
             ),
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
+            parallel_config=parallel_config,
         )
+
+
+def _parallel_config(args: EngineArgs, hf_config_json: dict) -> ParallelConfig:
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}")
+    if tp > 1:  # raises for a dimension that cannot be split (models.sharding.TPLayout)
+        TPLayout.from_hf_config(hf_config_json, tp)
+    if args.nnodes < 1:
+        raise ValueError(f"nnodes must be at least 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(
+            f"node_rank must be in [0, nnodes) = [0, {args.nnodes}), got {args.node_rank}"
+        )
+    if args.nnodes > 1 and tp < args.nnodes:
+        raise ValueError(
+            f"tensor_parallel_size ({tp}) must be at least nnodes ({args.nnodes}): "
+            "one model spans all processes, each holding at least one of its shards"
+        )
+    if not 1 <= args.master_port <= 65535:
+        raise ValueError(f"master_port must be in [1, 65535], got {args.master_port}")
+    return ParallelConfig(
+        tensor_parallel_size=tp,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+    )
 
 
 def _check_choice(name: str, value, choices) -> None:

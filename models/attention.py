@@ -7,10 +7,14 @@ tests and for checking the kernels inside a whole model). Shape letters as in ``
 
 from __future__ import annotations
 
+import functools
+
 import jax
+from jax.sharding import Mesh
 
 import pallas_kernels
 from models.attention_metadata import AttentionMetadata
+from models.sharding import shard_over_heads
 
 BACKENDS = ("pallas", "reference")
 
@@ -44,6 +48,7 @@ def attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     interpret: bool = False,
+    mesh: Mesh | None = None,
 ) -> jax.Array:
     """Causal attention of this step's queries over the cached context (already updated).
 
@@ -57,6 +62,8 @@ def attention(
         soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
         sliding_window: if set, a query at position ``p`` sees keys at ``p - w < k <= p``.
         interpret: run Pallas kernels in interpret mode (CPU).
+        mesh: tensor parallelism: this same function runs per device on its heads inside
+            ``jax.shard_map`` (``models.sharding.shard_over_heads``); None on one device.
 
     Returns:
         ``[T, Hq, D]``; rows of padding tokens are unspecified.
@@ -64,6 +71,12 @@ def attention(
     Raises:
         ValueError: unknown ``backend``.
     """
+    if mesh is not None:
+        per_device = functools.partial(
+            attention, backend=backend, scale=scale, soft_cap=soft_cap,
+            sliding_window=sliding_window, interpret=interpret,
+        )
+        return shard_over_heads(per_device, mesh)(q, k_cache, v_cache, metadata)
     kwargs = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if backend == "pallas":
         if metadata.decode_only:

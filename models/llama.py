@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 import pallas_kernels
 from models.attention import attention
@@ -196,6 +197,7 @@ class LlamaAttention(nnx.Module):
         param_dtype: Any,
         attention_backend: str,
         interpret: bool,
+        mesh: Mesh | None = None,
         rngs: nnx.Rngs,
     ):
         self.num_heads = config.num_attention_heads
@@ -210,6 +212,7 @@ class LlamaAttention(nnx.Module):
         self.sliding_window = sliding_window
         self.attention_backend = attention_backend
         self.interpret = interpret
+        self.mesh = mesh  # static: tensor parallelism runs attention per device on its heads
         # A tuple of Python floats: a static attribute (not a parameter), constant under jit.
         inv_freq = rope_inv_freq(self.head_dim, rope_parameters(config))
         self.inv_freq = tuple(float(f) for f in inv_freq)
@@ -246,6 +249,7 @@ class LlamaAttention(nnx.Module):
             scale=self.scale,
             sliding_window=self.sliding_window,
             interpret=self.interpret,
+            mesh=self.mesh,
         )
         out = self.o_proj(out.astype(x.dtype).reshape(num_tokens, self.num_heads * self.head_dim))
         return out, k_cache, v_cache
@@ -255,13 +259,14 @@ class LlamaDecoderLayer(nnx.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(self, config: Any, *, sliding_window: int | None, dtype: Any, param_dtype: Any,
-                 attention_backend: str, interpret: bool, rngs: nnx.Rngs):
+                 attention_backend: str, interpret: bool, mesh: Mesh | None = None,
+                 rngs: nnx.Rngs):
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype,
                                        param_dtype=param_dtype, rngs=rngs)
         self.self_attn = LlamaAttention(
             config, sliding_window=sliding_window, dtype=dtype, param_dtype=param_dtype,
-            attention_backend=attention_backend, interpret=interpret, rngs=rngs,
+            attention_backend=attention_backend, interpret=interpret, mesh=mesh, rngs=rngs,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype,
                                                 param_dtype=param_dtype, rngs=rngs)
@@ -294,12 +299,13 @@ class LlamaModel(nnx.Module):
     """Embedding, decoder layers and final norm: ``i32[T] -> [T, hidden]``."""
 
     def __init__(self, config: Any, *, dtype: Any, param_dtype: Any, attention_backend: str,
-                 interpret: bool, rngs: nnx.Rngs):
+                 interpret: bool, mesh: Mesh | None = None, rngs: nnx.Rngs):
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=param_dtype, rngs=rngs)
         self.layers = nnx.List([
             LlamaDecoderLayer(config, sliding_window=window, dtype=dtype, param_dtype=param_dtype,
-                              attention_backend=attention_backend, interpret=interpret, rngs=rngs)
+                              attention_backend=attention_backend, interpret=interpret, mesh=mesh,
+                              rngs=rngs)
             for window in layer_sliding_windows(config)
         ])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
@@ -324,6 +330,8 @@ class LlamaForCausalLM(nnx.Module):
         attention_backend: "reference" (gather + plain-JAX references) or "pallas" (kernels);
             a static attribute, fixed for the life of the module.
         interpret: run Pallas kernels in interpret mode (CPU tests).
+        mesh: tensor parallelism (``models.sharding``): attention runs per device on its heads;
+            None on one device. Build ``config`` with ``models.sharding.tp_model_config``.
         rngs: parameter initialisation (``models.weights`` replaces the values when loading).
 
     Raises:
@@ -331,7 +339,8 @@ class LlamaForCausalLM(nnx.Module):
     """
 
     def __init__(self, config: Any, *, dtype: Any, param_dtype: Any,
-                 attention_backend: str = "reference", interpret: bool = False, rngs: nnx.Rngs):
+                 attention_backend: str = "reference", interpret: bool = False,
+                 mesh: Mesh | None = None, rngs: nnx.Rngs):
         if attention_backend not in ("reference", "pallas"):
             raise ValueError(
                 f"attention_backend must be 'reference' or 'pallas', got {attention_backend!r}"
@@ -340,7 +349,7 @@ class LlamaForCausalLM(nnx.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype,
                                 attention_backend=attention_backend, interpret=interpret,
-                                rngs=rngs)
+                                mesh=mesh, rngs=rngs)
         # nnx.data: lm_head is a sub-module (data) when untied and None when tied.
         self.lm_head = nnx.data(None)
         if not self.tie_word_embeddings:

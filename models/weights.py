@@ -143,6 +143,10 @@ class _TensorReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(self._files[name], "numpy").get_slice(name).get_shape())
 
+    def read_slice(self, name: str, index: tuple[slice, ...]):
+        """``tensor[index]`` without reading the rest of the tensor (bfloat16 via ml_dtypes)."""
+        return self._handle(self._files[name], "numpy").get_slice(name)[index]
+
     def read(self, name: str):
         handle = self._handle(self._files[name], "numpy")
         if handle.get_slice(name).get_dtype() == "BF16":

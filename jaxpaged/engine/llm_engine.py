@@ -6,6 +6,7 @@ commit (append tokens, check stops, free finished sequences' blocks, emit output
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -23,6 +24,7 @@ from jaxpaged.detokenizer import decode_output_text
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.worker.distributed import agree_on_min, initialize_distributed, is_driver
 from jaxpaged.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     KVCacheSpec,
@@ -31,6 +33,9 @@ from jaxpaged.worker.kv_cache import (
     num_blocks_for_budget,
 )
 from jaxpaged.worker.model_runner import ModelRunner
+from models.sharded_weights import load_sharded_model
+from models.sharding import kv_cache_sharding, make_mesh
+from models.tp_layout import TPLayout
 from models.weights import load_model
 
 logger = logging.getLogger(__name__)
@@ -39,7 +44,9 @@ PromptType = str | Mapping
 
 
 class LLMEngine:
-    """The offline engine: a scheduler, a KV cache and a model runner on one device.
+    """The offline engine: a scheduler, a KV cache and a model runner on one device, or on a
+    ``("tp",)`` mesh of ``tensor_parallel_size`` devices (``models.sharding``), possibly spanning
+    processes (``jaxpaged.worker.distributed``).
 
     Build it with ``LLMEngine.from_engine_args(EngineArgs(...))``.
     """
@@ -47,6 +54,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, show_progress: bool = True):
         self.config = config
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        tp = config.parallel_config.tensor_parallel_size
+        initialize_distributed(config.parallel_config)  # before any device is touched
+        self.mesh = make_mesh(tp) if tp > 1 else None
+        kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
+        show_progress = show_progress and is_driver()
         on_gpu = jax.default_backend() == "gpu"
         backend = config.attention_backend
         if backend == "auto":
@@ -55,7 +67,12 @@ class LLMEngine:
         self.dtype = _resolve_dtype(mc.dtype, mc.hf_config_json)
 
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
-        model, self.hf_config = load_model(
+        load = (
+            load_model
+            if self.mesh is None
+            else functools.partial(load_sharded_model, mesh=self.mesh)
+        )
+        model, self.hf_config = load(
             mc.model,
             dtype=self.dtype,
             load_format=mc.load_format,
@@ -67,7 +84,8 @@ class LLMEngine:
         self.eos_token_id = _first_eos(self.hf_config, self.tokenizer)
         spec = KVCacheSpec(
             num_layers=int(self.hf_config.num_hidden_layers),
-            num_kv_heads=int(self.hf_config.num_key_value_heads),
+            # Hkv * r when tensor parallelism repeats KV heads (models.sharding)
+            num_kv_heads=TPLayout.from_hf_config(self.hf_config, tp).num_kv_heads_physical,
             head_dim=_head_dim(self.hf_config),
             block_size=cc.block_size,
             dtype=self.dtype,
@@ -79,18 +97,22 @@ class LLMEngine:
             max_model_len=sc.max_model_len,
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
+            mesh=self.mesh,
         )
+        # Budgets are per device; the cache splits evenly over the tp devices.
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
         elif cc.kv_cache_memory_bytes is not None:
-            num_blocks = num_blocks_for_budget(spec, cc.kv_cache_memory_bytes, cap=2**31 - 1)
+            num_blocks = num_blocks_for_budget(spec, cc.kv_cache_memory_bytes * tp, cap=2**31 - 1)
         else:
-            num_blocks = self._profile_num_blocks(model, spec, runner_kwargs)
+            num_blocks = self._profile_num_blocks(model, spec, runner_kwargs, kv_sharding)
             if num_blocks is None:  # no device memory statistics (CPU): fixed budget
                 cap = sc.max_num_seqs * max_blocks_per_seq + 1
-                num_blocks = num_blocks_for_budget(spec, DEFAULT_CPU_KV_CACHE_BYTES, cap=cap)
+                num_blocks = num_blocks_for_budget(spec, DEFAULT_CPU_KV_CACHE_BYTES * tp, cap=cap)
+        # Every process must hold the same number of blocks, or their schedules diverge.
+        num_blocks = agree_on_min(num_blocks)
         self.num_blocks = num_blocks
-        kv_caches = allocate_kv_caches(spec, num_blocks)
+        kv_caches = allocate_kv_caches(spec, num_blocks, sharding=kv_sharding)
         self.model_runner = ModelRunner(model, kv_caches, **runner_kwargs)
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
@@ -104,19 +126,29 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._seed_counter = itertools.count()
 
-    def _profile_num_blocks(self, model, spec: KVCacheSpec, runner_kwargs: dict) -> int | None:
+    def _profile_num_blocks(
+        self, model, spec: KVCacheSpec, runner_kwargs: dict, kv_sharding
+    ) -> int | None:
         """Blocks that fit after one profiling step at the full token budget (vLLM's rule), or
-        None when the device reports no memory statistics (CPU)."""
-        device = jax.devices()[0]
-        if device_kv_budget(1.0, device) is None:
+        None when the device reports no memory statistics (CPU). With tensor parallelism the
+        tightest of this process's mesh devices sets the per-device budget."""
+        devices = (
+            [jax.local_devices()[0]]
+            if self.mesh is None
+            else [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        )
+        if device_kv_budget(1.0, devices[0]) is None:
             return None
         sc = self.config.scheduler_config
         probe_blocks = -(-sc.max_num_batched_tokens // spec.block_size) + 1
-        probe = ModelRunner(model, allocate_kv_caches(spec, probe_blocks), **runner_kwargs)
+        probe_caches = allocate_kv_caches(spec, probe_blocks, sharding=kv_sharding)
+        probe = ModelRunner(model, probe_caches, **runner_kwargs)
         probe.profile_run()
-        del probe
-        budget = device_kv_budget(self.config.cache_config.gpu_memory_utilization, device)
-        return num_blocks_for_budget(spec, budget, cap=2**31 - 1)
+        del probe, probe_caches
+        utilization = self.config.cache_config.gpu_memory_utilization
+        per_device = min(device_kv_budget(utilization, d) for d in devices)
+        tp = self.config.parallel_config.tensor_parallel_size
+        return num_blocks_for_budget(spec, per_device * tp, cap=2**31 - 1)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs) -> LLMEngine:

@@ -87,6 +87,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def _generate(args: argparse.Namespace) -> int:
     from jaxpaged.entrypoints.llm import LLM
     from jaxpaged.sampling_params import SamplingParams
+    from jaxpaged.worker.distributed import is_driver
 
     engine_args = engine_args_from(args)
     params = SamplingParams(
@@ -103,6 +104,8 @@ def _generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     outputs = llm.generate(args.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    if not is_driver():  # multi-host: every process ran the same engine; rank 0 reports
+        return 0
     num_tokens = 0
     for output in outputs:
         completion = output.outputs[0]

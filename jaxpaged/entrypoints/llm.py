@@ -11,6 +11,7 @@ from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine, PromptType
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.worker.distributed import is_driver
 
 
 class LLM:
@@ -88,7 +89,10 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         output_tokens = 0
         with tqdm(
-            total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, unit="req"
+            total=len(request_ids),
+            desc="Processed prompts",
+            disable=not use_tqdm or not is_driver(),  # multi-host: only rank 0 prints
+            unit="req",
         ) as bar:
             while len(finished) < len(wanted):
                 for output in engine.step():

@@ -62,11 +62,16 @@ def device_kv_budget(gpu_memory_utilization: float, device: jax.Device) -> int |
     return int(gpu_memory_utilization * stats["bytes_limit"]) - int(peak)
 
 
-def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, *, fill_value: float = 0.0):
+def allocate_kv_caches(
+    spec: KVCacheSpec, num_blocks: int, *, fill_value: float = 0.0, sharding=None
+):
     """Allocate ``num_layers`` pairs of K/V caches, each ``[num_blocks, block_size, Hkv, D]``.
 
-    ``fill_value=nan`` is what tests use to prove that no kernel reads stale slots.
+    ``fill_value=nan`` is what tests use to prove that no kernel reads stale slots. ``sharding``
+    (tensor parallelism, ``models.sharding.kv_cache_sharding``): each device allocates only its
+    own heads.
     """
     shape = kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    make = jax.jit(lambda: jnp.full(shape, fill_value, spec.dtype))
+    placement = {} if sharding is None else {"out_shardings": sharding}
+    make = jax.jit(lambda: jnp.full(shape, fill_value, spec.dtype), **placement)
     return [(make(), make()) for _ in range(spec.num_layers)]

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxpaged.core.scheduler import SchedulerOutput
@@ -84,6 +86,8 @@ class ModelRunner:
         kv_caches: per-layer ``(k, v)``, each ``[num_blocks, block_size, Hkv, D]``; owned (and
             donated to each step) by the runner from here on.
         block_size, max_model_len, max_num_seqs, max_num_batched_tokens: engine limits.
+        mesh: tensor parallelism: the packed inputs and sampled tokens are replicated over it and
+            the KV caches keep their head sharding through every (donated) step.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class ModelRunner:
         max_model_len: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        mesh: Mesh | None = None,
     ):
         # Split once: jitting a pure function of the flat state keeps the HLO free of baked-in
         # weights and avoids re-traversing NNX objects every step (milliseconds on big models).
@@ -109,10 +114,21 @@ class ModelRunner:
         )
         self._executables: dict[BucketKey, jax.stages.Compiled] = {}
         self.num_compilations = 0
+        placement = {}
+        self._input_sharding = None
+        if mesh is not None:
+            self._input_sharding = NamedSharding(mesh, P())
+            cache_shardings = jax.tree.map(lambda cache: cache.sharding, kv_caches)
+            placement["out_shardings"] = (
+                self._input_sharding,
+                self._input_sharding,
+                cache_shardings,
+            )
         self._jitted_step = jax.jit(
             self._step,
             static_argnames=("layout", "decode_only"),
             donate_argnames=("kv_caches",),
+            **placement,
         )
 
     # ----------------------------------------------------------------- buckets and compilation
@@ -162,7 +178,7 @@ class ModelRunner:
         layout = _PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
         packed = self._prepare_inputs([], layout)
         token_ids, _, self.kv_caches = self._compile(key)(
-            self._state, self.kv_caches, jax.device_put(packed)
+            self._state, self.kv_caches, jax.device_put(packed, self._input_sharding)
         )
         token_ids.block_until_ready()
 
@@ -206,7 +222,7 @@ class ModelRunner:
         packed = self._prepare_inputs(scheduled, layout)
         executable = self._executables.get(key) or self._compile(key)
         token_ids, logprobs, self.kv_caches = executable(
-            self._state, self.kv_caches, jax.device_put(packed)
+            self._state, self.kv_caches, jax.device_put(packed, self._input_sharding)
         )
         token_ids, logprobs = np.asarray(token_ids), np.asarray(logprobs)
         return {

@@ -1,0 +1,256 @@
+"""Loading a model straight into its tensor-parallel shards (``models.sharding`` has the layout).
+
+No parameter is ever whole on one device. From safetensors, each parameter is built with
+``jax.make_array_from_callback``: the callback receives one device's index into the global
+array and reads only that slice from the file (``safe_open(...).get_slice(name)[index]``), so
+host memory holds one shard at a time. With ``load_format="dummy"`` each parameter is generated
+by a jitted function with ``out_shardings``; JAX's partitionable threefry makes every device
+draw its own slice, and the values equal the single-device dummies of ``models.weights``
+(``normal * 0.02`` from ``fold_in(key(seed), i)`` for parameter ``i`` in flat-state order).
+
+The physical model can differ from the checkpoint along one axis of a few parameters
+(``models.sharding``): ``k_proj``/``v_proj`` columns repeat each KV head ``r`` times when
+``Hkv < tp``, and gate/up columns and down rows are zero-padded to a multiple of ``tp``. Each
+such axis carries an index map ``physical index -> checkpoint index`` (``-1``: zero).
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import ExitStack
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import transformers
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from models.registry import get_model_class
+from models.sharding import TP_AXIS, param_partition_spec, tp_model_config
+from models.tp_layout import TPLayout
+from models.weights import (
+    _DUMMY_STD,
+    _LOAD_FORMATS,
+    _TensorReader,
+    _weight_files,
+    hf_name,
+    load_config,
+    resolve_dtype,
+)
+
+# An axis map: ("repeat", heads, replicas, head_dim) or ("pad", checkpoint_size); None: identity.
+AxisMap = tuple | None
+
+
+def load_sharded_model(
+    model_dir: str,
+    *,
+    mesh: Mesh,
+    dtype: str | Any = "auto",
+    load_format: str = "auto",
+    attention_backend: str = "reference",
+    interpret: bool = False,
+    seed: int = 0,
+) -> tuple[nnx.Module, transformers.PretrainedConfig]:
+    """``models.weights.load_model`` for a ``("tp",)`` mesh: same arguments plus ``mesh``.
+
+    Returns:
+        ``(model, hf_config)``: the model is built from ``tp_model_config`` (repeated KV heads,
+        padded intermediate size), its parameters are sharded as ``param_partition_spec`` and
+        its attention runs per device; ``hf_config`` is the checkpoint's, unchanged.
+
+    Raises:
+        ValueError: everything ``load_model`` raises, plus an impossible layout
+            (``models.sharding.TPLayout``).
+    """
+    if load_format not in _LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {list(_LOAD_FORMATS)}, got {load_format!r}")
+    hf_config = load_config(model_dir)
+    model_class = get_model_class(hf_config)
+    resolved = resolve_dtype(dtype, hf_config)
+    layout = TPLayout.from_hf_config(hf_config, mesh.shape[TP_AXIS])
+    physical_config = tp_model_config(hf_config, layout)
+
+    abstract = nnx.eval_shape(
+        lambda: model_class(
+            physical_config,
+            dtype=resolved,
+            param_dtype=resolved,
+            attention_backend=attention_backend,
+            interpret=interpret,
+            mesh=mesh,
+            rngs=nnx.Rngs(seed),
+        )
+    )
+    graphdef, abstract_state = nnx.split(abstract)
+    flat_state = nnx.to_flat_state(abstract_state)
+    params = []
+    for path, variable in flat_state:
+        shape = tuple(variable.get_value().shape)
+        sharding = NamedSharding(mesh, param_partition_spec(path, layout))
+        params.append((path, variable, shape, sharding, axis_maps(path, shape, layout)))
+    if load_format == "dummy":
+        filled = _dummy_state(params, resolved, seed)
+    else:
+        filled = _load_state(params, model_dir, resolved)
+    return nnx.merge(graphdef, nnx.from_flat_state(filled)), hf_config
+
+
+def axis_maps(path: tuple, shape: tuple[int, ...], layout: TPLayout) -> tuple[AxisMap, ...]:
+    """Per axis of the physical parameter ``shape``, how it maps onto the checkpoint's."""
+    module, leaf = str(path[-2]), str(path[-1])
+    maps: list[AxisMap] = [None] * len(shape)
+    out_axis = 1 if leaf == "kernel" else 0
+    if module in ("k_proj", "v_proj") and layout.kv_head_replicas > 1:
+        head_dim = shape[out_axis] // layout.num_kv_heads_physical
+        maps[out_axis] = ("repeat", layout.num_kv_heads, layout.kv_head_replicas, head_dim)
+    padded = layout.intermediate_size_padded != layout.intermediate_size
+    if padded and module in ("gate_proj", "up_proj"):
+        maps[out_axis] = ("pad", layout.intermediate_size)
+    if padded and module == "down_proj" and leaf == "kernel":
+        maps[0] = ("pad", layout.intermediate_size)
+    return tuple(maps)
+
+
+def _checkpoint_size(axis_map: AxisMap, size: int) -> int:
+    if axis_map is None:
+        return size
+    if axis_map[0] == "repeat":
+        _, heads, _, head_dim = axis_map
+        return heads * head_dim
+    return axis_map[1]
+
+
+@functools.cache
+def _map_indices(axis_map: tuple, size: int) -> np.ndarray:
+    """``i64[size]``: the checkpoint index of each physical index, ``-1`` for zero padding."""
+    physical = np.arange(size)
+    if axis_map[0] == "repeat":
+        _, _, replicas, head_dim = axis_map
+        return (physical // head_dim // replicas) * head_dim + physical % head_dim
+    return np.where(physical < axis_map[1], physical, -1)
+
+
+def _checkpoint_shape(shape: tuple[int, ...], maps: tuple[AxisMap, ...]) -> tuple[int, ...]:
+    return tuple(_checkpoint_size(m, n) for m, n in zip(maps, shape, strict=True))
+
+
+# ------------------------------------------------------------------------------- safetensors
+
+
+def _load_state(params: list, model_dir: str, dtype: jnp.dtype) -> list:
+    """Every parameter read slice by slice into its shards.
+
+    Raises:
+        ValueError: a parameter missing from the checkpoint or of the wrong shape (the first in
+            flat-state order, named with its HF name).
+    """
+    files = _weight_files(model_dir)
+    with ExitStack() as stack:
+        reader = _TensorReader(files, stack)
+        # Check everything before reading anything big.
+        for path, _, shape, _, maps in params:
+            name, transposed = hf_name(path)
+            expected = _checkpoint_shape(shape, maps)
+            if transposed:
+                expected = expected[::-1]
+            if name not in reader:
+                raise ValueError(
+                    f"parameter {'.'.join(map(str, path))} (HF name {name!r}) is missing from "
+                    f"{model_dir}"
+                )
+            if reader.shape(name) != expected:
+                raise ValueError(
+                    f"parameter {'.'.join(map(str, path))} (HF name {name!r}) has shape "
+                    f"{reader.shape(name)} in {model_dir}; expected {expected}"
+                )
+        filled = []
+        for path, variable, shape, sharding, maps in params:
+            name, transposed = hf_name(path)
+            read = functools.partial(
+                _read_shard, reader, name, transposed, shape, maps, np.dtype(dtype)
+            )
+            value = jax.make_array_from_callback(shape, sharding, read)
+            filled.append((path, variable.replace(value)))
+    return filled
+
+
+def _read_shard(
+    reader,
+    name: str,
+    transposed: bool,
+    shape: tuple[int, ...],
+    maps: tuple,
+    dtype: np.dtype,
+    index: tuple[slice, ...],
+) -> np.ndarray:
+    """One device's block ``param[index]`` (physical ``[in, out]`` coordinates) as numpy."""
+    sources = []  # per axis: checkpoint index of each element of the block, -1 = zero
+    for axis_map, size, sl in zip(maps, shape, index, strict=True):
+        physical = np.arange(size)[sl]
+        sources.append(physical if axis_map is None else _map_indices(axis_map, size)[physical])
+    # Read the smallest checkpoint box that covers the block (contiguous per axis).
+    bounds = []
+    for src in sources:
+        valid = src[src >= 0]
+        bounds.append((int(valid.min()), int(valid.max()) + 1) if valid.size else (0, 0))
+    box = tuple(slice(lo, hi) for lo, hi in bounds)
+    block = reader.read_slice(name, box[::-1] if transposed else box)
+    block = np.asarray(block.T if transposed else block).astype(dtype, copy=False)
+    if all(m is None for m in maps):
+        return block
+    out = np.zeros(tuple(len(s) for s in sources), dtype)
+    kept = [np.nonzero(s >= 0)[0] for s in sources]
+    taken = [s[k] - lo for s, k, (lo, _) in zip(sources, kept, bounds, strict=True)]
+    out[np.ix_(*kept)] = block[np.ix_(*taken)]
+    return out
+
+
+# ------------------------------------------------------------------------------------ dummy
+
+
+def _dummy_state(params: list, dtype: jnp.dtype, seed: int) -> list:
+    """``models.weights``' dummy values (norm weights ones, biases zeros, the rest
+    ``normal * 0.02``), generated on their shards; one compile per distinct parameter kind."""
+    key = jax.random.key(seed)
+    initializers: dict[tuple, Any] = {}
+    filled = []
+    for i, (path, variable, shape, sharding, maps) in enumerate(params):
+        leaf = str(path[-1])
+        kind = {"weight": "ones", "bias": "zeros"}.get(leaf, "normal")
+        cache_key = (kind, shape, maps, sharding)
+        if cache_key not in initializers:
+            initializers[cache_key] = _make_initializer(
+                kind, shape, maps, jnp.dtype(dtype), sharding
+            )
+        filled.append((path, variable.replace(initializers[cache_key](key, i))))
+    return filled
+
+
+def _make_initializer(
+    kind: str, shape: tuple[int, ...], maps: tuple, dtype: jnp.dtype, sharding: NamedSharding
+):
+    checkpoint_shape = _checkpoint_shape(shape, maps)
+
+    def init(key: jax.Array, index: int) -> jax.Array:
+        if kind == "ones":
+            value = jnp.ones(checkpoint_shape, dtype)
+        elif kind == "zeros":
+            value = jnp.zeros(checkpoint_shape, dtype)
+        else:  # the same expression as models.weights, so the values are bit-identical
+            noise = jax.random.normal(
+                jax.random.fold_in(key, index), checkpoint_shape, dtype=jnp.float32
+            )
+            value = (_DUMMY_STD * noise).astype(dtype)
+        for axis, axis_map in enumerate(maps):
+            if axis_map is None:
+                continue
+            indices = _map_indices(axis_map, shape[axis])
+            value = jnp.take(value, np.maximum(indices, 0), axis=axis)
+            keep = np.expand_dims(indices >= 0, [a for a in range(len(shape)) if a != axis])
+            value = jnp.where(keep, value, jnp.zeros((), dtype))
+        return value
+
+    return jax.jit(init, out_shardings=sharding)
