@@ -80,6 +80,9 @@ class EngineArgs:
         "Compile step buckets on first use instead of all at start-up; None: eager on CPU only.",
     )
     disable_log_stats: bool = _arg(True, "Silence the periodic stats log line.")
+    max_logprobs: int = _arg(
+        20, "Most logprobs / prompt_logprobs a request may ask for per token, >= 0 (vLLM's cap)."
+    )
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and derive the typed configs.
@@ -99,6 +102,7 @@ class ModelConfig:
     load_format: str
     seed: int
     hf_config_json: dict
+    max_logprobs: int = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +155,8 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
             )
+        if args.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be non-negative, got {args.max_logprobs}")
         if args.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {args.max_num_seqs}")
         if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
@@ -188,6 +194,7 @@ class EngineConfig:
                 load_format=args.load_format,
                 seed=args.seed,
                 hf_config_json=hf_config_json,
+                max_logprobs=args.max_logprobs,
             ),
             cache_config=CacheConfig(
                 block_size=args.block_size,
