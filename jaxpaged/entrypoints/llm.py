@@ -103,6 +103,8 @@ class LLM:
         Raises:
             ValueError: a malformed conversation, no chat template, or as ``generate``.
         """
+        if not messages:
+            raise ValueError("messages must hold at least one message, got an empty list")
         conversations = [messages] if is_single_conversation(messages) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = [
