@@ -98,6 +98,9 @@ class EngineArgs:
         "127.0.0.1", "Host (IP or name) of the rank-0 process, reachable from every process."
     )
     master_port: int = _arg(29501, "Port of the JAX coordinator on master_addr, in [1, 65535].")
+    max_logprobs: int = _arg(
+        20, "Most logprobs / prompt_logprobs a request may ask for per token, >= 0 (vLLM's cap)."
+    )
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and derive the typed configs.
@@ -117,6 +120,7 @@ class ModelConfig:
     load_format: str
     seed: int
     hf_config_json: dict
+    max_logprobs: int = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +188,8 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
             )
+        if args.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be non-negative, got {args.max_logprobs}")
         if args.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {args.max_num_seqs}")
         if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
@@ -222,6 +228,7 @@ class EngineConfig:
                 load_format=args.load_format,
                 seed=args.seed,
                 hf_config_json=hf_config_json,
+                max_logprobs=args.max_logprobs,
             ),
             cache_config=CacheConfig(
                 block_size=args.block_size,

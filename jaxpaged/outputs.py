@@ -9,6 +9,24 @@ import dataclasses
 
 
 @dataclasses.dataclass
+class Logprob:
+    """One token's entry in a logprobs dict (vLLM's ``Logprob``)."""
+
+    logprob: float
+    """Natural-log probability; ``-inf`` for a token the processed distribution excludes."""
+    rank: int | None = None
+    """1 + the number of vocabulary tokens with a strictly higher logprob (the best token is 1)."""
+    decoded_token: str | None = None
+    """The token's text on its own (``tokenizer.decode([token_id])``, leading space kept)."""
+
+
+# Per position: {token_id: Logprob} holding the chosen token plus the top-k (k or k+1 entries).
+SampleLogprobs = list[dict[int, Logprob]]
+# As SampleLogprobs, but the first prompt position has no logprob and holds None.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     """One completion of a request."""
 
@@ -19,9 +37,11 @@ class CompletionOutput:
     token_ids: list[int]
     """Generated token ids, including a stop token id that ended generation."""
     cumulative_logprob: float | None = None
-    """Sum of the sampled tokens' log-probabilities; None when logprobs were not requested."""
-    logprobs: list | None = None
-    """Per-step top log-probabilities; None when not requested."""
+    """Sum of the sampled tokens' log-probabilities (in the request's logprobs_mode); None when
+    logprobs were not requested (vLLM v1)."""
+    logprobs: SampleLogprobs | None = None
+    """Per generated token, {token_id: Logprob} with the sampled token and the top ``logprobs``;
+    None when not requested."""
     finish_reason: str | None = None
     """``stop`` (EOS, stop token or stop string), ``length`` (max_tokens / max_model_len),
     ``abort``, or None while running."""
@@ -42,7 +62,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """Per prompt token (first entry None), {token_id: Logprob} with the prompt token and the top
+    ``prompt_logprobs``; None when not requested. In DELTA mode only the first output has it."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (0 until prefix caching lands)."""
     metrics: dict | None = None

@@ -1,17 +1,30 @@
 """``SamplingParams``: how one request is sampled, with vLLM's names, defaults and validation.
 
-Semantics follow vLLM's ``vllm/sampling_params.py``. Validation errors are
-``SamplingParamsError`` (a ``ValueError``) carrying the parameter name and value so the HTTP layer
-can answer 400 naming the field.
+Semantics follow vLLM's ``vllm/sampling_params.py`` (see ``../shared/reference/vllm_surface.md``
+§1.3). Validation errors are ``SamplingParamsError`` (a ``ValueError``) carrying the parameter
+name and value so the HTTP layer can answer 400 naming the field. Checks that need the model
+(token ids inside the vocabulary, ``logprobs <= max_logprobs``) are made by the engine when the
+request is added.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import math
 
 # vLLM raises temperatures in (0, 0.01) to 0.01 because smaller ones overflow the logits/T in
 # half precision; the sampler applies the same floor (see effective_temperature).
 _MIN_TEMPERATURE = 1e-2
+# vLLM clamps each logit bias to this magnitude (OpenAI's documented range).
+_MAX_LOGIT_BIAS = 100.0
+# Accepted spellings of logprobs_mode; the short ones are aliases of vLLM's --logprobs-mode names.
+_LOGPROBS_MODES = {
+    "raw_logprobs": "raw_logprobs",
+    "raw": "raw_logprobs",
+    "processed_logprobs": "processed_logprobs",
+    "processed": "processed_logprobs",
+}
 
 
 class SamplingParamsError(ValueError):
@@ -23,14 +36,39 @@ class SamplingParamsError(ValueError):
         super().__init__(f"{parameter} {rule}, got {value!r}")
 
 
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request carries (vLLM's enum)."""
+
+    CUMULATIVE = 0
+    """Everything generated so far (text, token ids, logprobs)."""
+    DELTA = 1
+    """Only what is new since the previous output (server streaming)."""
+    FINAL_ONLY = 2
+    """One output, when the request finishes (``LLM.generate``)."""
+
+
 @dataclasses.dataclass
 class SamplingParams:
-    """Per-request sampling parameters (vLLM semantics)."""
+    """Per-request sampling parameters (vLLM semantics).
+
+    Raises:
+        SamplingParamsError: (a ``ValueError``) naming the field, the rule and the value.
+    """
 
     n: int = 1
-    """Completions to return; only 1 is supported in this release."""
+    """Completions to return for the prompt, >= 1 (the engine may still refuse n > 1)."""
+    best_of: int | None = None
+    """Completions to generate, returning the n with the highest cumulative logprob; >= n;
+    None means n."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated; [-2, 2], 0 means off."""
+    frequency_penalty: float = 0.0
+    """Subtracted from each token's logit once per time it was generated; [-2, 2], 0 means off."""
+    repetition_penalty: float = 1.0
+    """HF-style: logits of tokens in the prompt or the output are divided by it when positive,
+    multiplied when negative; > 0, 1 means off."""
     temperature: float = 1.0
-    """Softmax temperature, >= 0; 0 means greedy (argmax)."""
+    """Softmax temperature, >= 0; 0 means greedy (argmax); (0, 0.01) is raised to 0.01."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; (0, 1]."""
     top_k: int = 0
@@ -39,49 +77,131 @@ class SamplingParams:
     """Drop tokens whose probability is below min_p times the top token's; [0, 1], 0 means off."""
     seed: int | None = None
     """Per-request seed: the same seed gives the same tokens whatever the batch; None or -1: engine's."""
+    stop: str | list[str] | None = None
+    """Strings that end generation when they appear in the output text (not in it unless
+    include_stop_str_in_output); stored as a list; empty strings are rejected."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation (kept in token_ids, their text left out)."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string (or stop token's text) at the end of the output text."""
+    ignore_eos: bool = False
+    """Keep generating past the EOS token (benchmarks use this)."""
     max_tokens: int | None = 16
     """Most tokens to generate, >= 1; None means up to max_model_len."""
     min_tokens: int = 0
-    """Tokens to generate before EOS or stop_token_ids may end the request; <= max_tokens."""
-    stop_token_ids: list[int] | None = None
-    """Token ids that end generation (kept in token_ids)."""
-    ignore_eos: bool = False
-    """Keep generating past the EOS token (benchmarks use this)."""
+    """Tokens to generate before EOS, stop_token_ids or stop strings may end the request; the
+    sampler suppresses EOS and stop_token_ids until then; [0, max_tokens]."""
+    logprobs: int | None = None
+    """Top log-probabilities to return per generated token, plus the sampled token's; >= 0 and
+    at most the engine's max_logprobs; None means none (and cumulative_logprob is None)."""
+    prompt_logprobs: int | None = None
+    """Top log-probabilities to return per prompt token, plus the prompt token's; >= 0 and at
+    most max_logprobs; None means none. Such requests bypass the prefix cache."""
+    logprobs_mode: str = "raw_logprobs"
+    """Which distribution logprobs describe: ``raw_logprobs`` (alias ``raw``; vLLM's default: the
+    model's, before penalties, bias and temperature) or ``processed_logprobs`` (alias
+    ``processed``: the one actually sampled from). Per request, where vLLM has an engine flag.
+    Prompt logprobs are always raw."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the decoded text."""
+    spaces_between_special_tokens: bool = True
+    """Put a space between adjacent special tokens in the text (only when they are not skipped)."""
+    logit_bias: dict[int, float] | None = None
+    """{token_id: bias} added to the logits before sampling; keys may be int-like strings (the
+    OpenAI wire format); each bias is clamped to [-100, 100]."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be sampled; None means all; an empty list is rejected."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """What each RequestOutput carries: CUMULATIVE, DELTA (new text/tokens only) or FINAL_ONLY."""
 
     def __post_init__(self) -> None:
         if self.seed == -1:
             self.seed = None
         if self.top_k == -1:
             self.top_k = 0
-        if self.stop_token_ids is not None:
-            self.stop_token_ids = list(self.stop_token_ids)
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        else:
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if self.logprobs_mode not in _LOGPROBS_MODES:
+            raise SamplingParamsError(
+                "logprobs_mode", self.logprobs_mode, f"must be one of {sorted(_LOGPROBS_MODES)}"
+            )
+        self.logprobs_mode = _LOGPROBS_MODES[self.logprobs_mode]
         self._verify()
+        if self.temperature == 0.0:
+            # Greedy ignores the filters; resetting them keeps the sampler's rows uniform (vLLM).
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def _verify(self) -> None:
-        if self.n != 1:
-            raise SamplingParamsError("n", self.n, "must be 1 in this release")
-        if self.temperature < 0.0:
+        _check_int("n", self.n, minimum=1)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, minimum=1)
+            if self.best_of < self.n:
+                raise SamplingParamsError(
+                    "best_of", self.best_of, f"must be greater than or equal to n ({self.n})"
+                )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise SamplingParamsError(name, value, "must be in [-2, 2]")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise SamplingParamsError(
+                "repetition_penalty", self.repetition_penalty, "must be a finite number > 0"
+            )
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
             raise SamplingParamsError("temperature", self.temperature, "must be non-negative")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError("top_p", self.top_p, "must be in (0, 1]")
-        if self.top_k < 0:
-            raise SamplingParamsError("top_k", self.top_k, "must be 0 or -1 (off), or at least 1")
+        _check_int("top_k", self.top_k, minimum=0, rule="must be 0 or -1 (off), or at least 1")
         if not 0.0 <= self.min_p <= 1.0:
             raise SamplingParamsError("min_p", self.min_p, "must be in [0, 1]")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise SamplingParamsError("max_tokens", self.max_tokens, "must be at least 1")
-        if self.min_tokens < 0:
-            raise SamplingParamsError("min_tokens", self.min_tokens, "must be non-negative")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0, rule="must be non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise SamplingParamsError(
                 "min_tokens", self.min_tokens, f"must be at most max_tokens ({self.max_tokens})"
             )
-        if self.seed is not None and not 0 <= self.seed < 2**63:
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise SamplingParamsError("seed", self.seed, "must be in [0, 2**63) or -1/None")
-        if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
-            raise SamplingParamsError("stop_token_ids", self.stop_token_ids, "must be >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, minimum=0, rule="must be non-negative or None")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise SamplingParamsError("stop", self.stop, "must be a string or a list of strings")
+        if any(not s for s in self.stop):
+            raise SamplingParamsError("stop", self.stop, "cannot contain an empty string")
+        _check_token_ids("stop_token_ids", self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise SamplingParamsError(
+                    "allowed_token_ids", self.allowed_token_ids, "must not be empty when given"
+                )
+            _check_token_ids("allowed_token_ids", self.allowed_token_ids)
+        if self.logit_bias is not None:
+            _check_token_ids("logit_bias", list(self.logit_bias))
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise SamplingParamsError(
+                "output_kind", self.output_kind, "must be a RequestOutputKind"
+            )
+        if self.n > 1 and self.temperature == 0.0:
+            raise SamplingParamsError("n", self.n, "must be 1 when using greedy sampling")
 
     @property
     def is_greedy(self) -> bool:
@@ -93,3 +213,84 @@ class SamplingParams:
         if self.temperature == 0.0:
             return 0.0
         return max(self.temperature, _MIN_TEMPERATURE)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """True when cached prompt blocks must be recomputed: prompt logprobs need the logits of
+        every prompt position (vLLM's fix for prompt logprobs with prefix caching)."""
+        return self.prompt_logprobs is not None
+
+    @property
+    def uses_logits_state(self) -> bool:
+        """True when sampling needs the per-request vocabulary rows kept on the device
+        (penalties, logit bias, allowed ids, or min_tokens suppression)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or self.min_tokens > 0
+        )
+
+    @property
+    def stop_buffer_length(self) -> int:
+        """Characters streaming holds back because they could still become a stop string."""
+        if self.stop and not self.include_stop_str_in_output:
+            return max(len(s) for s in self.stop) - 1
+        return 0
+
+
+def _check_int(name: str, value, *, minimum: int, rule: str | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise SamplingParamsError(name, value, "must be an integer")
+    if value < minimum:
+        raise SamplingParamsError(name, value, rule or f"must be at least {minimum}")
+
+
+def _check_token_ids(name: str, ids: list) -> None:
+    for token_id in ids:
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+            raise SamplingParamsError(name, ids, "must contain only non-negative integer ids")
+
+
+def _normalize_logit_bias(logit_bias) -> dict[int, float]:
+    if not isinstance(logit_bias, dict):
+        raise SamplingParamsError("logit_bias", logit_bias, "must be a dict {token_id: bias}")
+    out = {}
+    for key, bias in logit_bias.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise SamplingParamsError(
+                "logit_bias", key, "keys must be integer token ids (or int-like strings)"
+            ) from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
+            raise SamplingParamsError("logit_bias", {key: bias}, "values must be numbers")
+        out[token_id] = min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, float(bias)))
+    return out
+
+
+def verify_for_model(params: SamplingParams, *, vocab_size: int, max_logprobs: int) -> None:
+    """The checks that need the model: token ids inside the vocabulary and the logprobs cap.
+
+    Raises:
+        SamplingParamsError: naming the field, the limit and the value.
+    """
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            raise SamplingParamsError(
+                name, value, f"must be at most the engine's max_logprobs ({max_logprobs})"
+            )
+    checks = {
+        "stop_token_ids": params.stop_token_ids,
+        "allowed_token_ids": params.allowed_token_ids or [],
+        "logit_bias": list(params.logit_bias or {}),
+    }
+    for name, ids in checks.items():
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise SamplingParamsError(
+                name, bad[0], f"token ids must be below the vocabulary size ({vocab_size})"
+            )

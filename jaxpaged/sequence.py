@@ -77,6 +77,9 @@ class Sequence:
         self.num_preemptions = 0
         # The stop token id (or, set by the engine, the stop string) that ended the sequence.
         self.stop_reason: int | str | None = None
+        # Prefix caching must not serve this sequence's prompt from cached blocks: prompt
+        # logprobs need the logits of every prompt position (vLLM's skip_reading_prefix_cache).
+        self.skip_prefix_cache = bool(getattr(sampling_params, "skip_reading_prefix_cache", False))
 
     def __repr__(self) -> str:
         return (

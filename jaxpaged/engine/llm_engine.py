@@ -1,7 +1,8 @@
 """``LLMEngine``: ``add_request`` / ``step`` / ``abort_request`` over the scheduler and the runner.
 
 One ``step`` is DESIGN.md §2: schedule (host), prepare + run (one transfer, one jitted step),
-commit (append tokens, check stops, free finished sequences' blocks, emit outputs).
+commit (append tokens, check stops, free finished sequences' blocks), then the output processor
+detokenizes, applies stop strings and emits outputs.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from transformers import AutoTokenizer
 from jaxpaged.config import EngineArgs, EngineConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.scheduler import Scheduler
-from jaxpaged.detokenizer import decode_output_text
-from jaxpaged.outputs import CompletionOutput, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
 from jaxpaged.sequence import Sequence, SequenceStatus
 from jaxpaged.worker.distributed import agree_on_min, initialize_distributed, is_driver
 from jaxpaged.worker.kv_cache import (
@@ -98,6 +99,8 @@ class LLMEngine:
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
             mesh=self.mesh,
+            vocab_size=self.vocab_size,
+            max_logprobs=mc.max_logprobs,
         )
         # Budgets are per device; the cache splits evenly over the tp devices.
         if cc.num_gpu_blocks_override is not None:
@@ -123,7 +126,7 @@ class LLMEngine:
         if not enforce_eager:
             self.model_runner.compile_all(show_progress=show_progress)
 
-        self._requests: dict[str, _Request] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._seed_counter = itertools.count()
 
     def _profile_num_blocks(
@@ -168,16 +171,28 @@ class LLMEngine:
 
         Args:
             prompt: text, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}`` (TokensPrompt).
-            final_only: emit a ``RequestOutput`` only when the request finishes.
+            final_only: emit a ``RequestOutput`` only when the request finishes (overrides
+                ``params.output_kind``, as ``LLM.generate`` does).
 
         Raises:
             ValueError: duplicate id, empty prompt, token ids outside the vocabulary, a prompt
-                that leaves no room under ``max_model_len`` or does not fit in the KV cache.
+                that leaves no room under ``max_model_len`` or does not fit in the KV cache,
+                ``logprobs`` above ``max_logprobs``, or ``n > 1`` (not supported yet).
         """
-        if request_id in self._requests:
+        if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1 or (params.best_of or 1) != 1:
+            raise ValueError(
+                f"n and best_of must be 1 in this engine (parallel sampling is not supported "
+                f"yet), got n={params.n}, best_of={params.best_of}"
+            )
+        verify_for_model(
+            params,
+            vocab_size=self.vocab_size,
+            max_logprobs=self.config.model_config.max_logprobs,
+        )
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
         seq = Sequence(
@@ -188,7 +203,8 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
         )
         seq.sampling_seed = self._request_seed(params)
-        self._requests[request_id] = _Request(seq, prompt_text, final_only)
+        output_kind = RequestOutputKind.FINAL_ONLY if final_only else params.output_kind
+        self.output_processor.add_request(seq, prompt_text, output_kind)
         self.scheduler.add_request(seq)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -239,17 +255,16 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request in any state, free its blocks, and return its final output
         (``finish_reason="abort"``); None if the id is unknown or already finished."""
-        request = self._requests.pop(request_id, None)
-        if request is None:
+        if request_id not in self.output_processor.requests:
             return None
         self.scheduler.abort(request_id)
-        return self._make_output(request)
+        return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self.output_processor.requests)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self.output_processor.requests)
 
     # ---------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -257,66 +272,11 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        sampled = self.model_runner.execute_model(scheduler_output)
-        now = time.monotonic()
-        for seq_id, (_, logprob) in sampled.items():
-            request = self._requests[seq_id]
-            request.cumulative_logprob += logprob
-            if request.first_token_time is None:
-                request.first_token_time = now
+        runner_output = self.model_runner.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(
-            scheduler_output, {sid: tok for sid, (tok, _) in sampled.items()}
+            scheduler_output, runner_output.sampled_token_ids
         )
-        outputs = []
-        for seq in updated:
-            request = self._requests[seq.seq_id]
-            finished = seq.status.is_finished
-            if finished:
-                request.finished_time = now
-                del self._requests[seq.seq_id]
-            if finished or not request.final_only:
-                outputs.append(self._make_output(request))
-        return outputs
-
-    def _make_output(self, request: _Request) -> RequestOutput:
-        seq = request.seq
-        params = seq.sampling_params
-        completion = CompletionOutput(
-            index=0,
-            text=decode_output_text(
-                self.tokenizer,
-                seq.prompt_token_ids,
-                seq.output_token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-            ),
-            token_ids=list(seq.output_token_ids),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
-        return RequestOutput(
-            request_id=seq.seq_id,
-            prompt=request.prompt_text,
-            prompt_token_ids=list(seq.prompt_token_ids),
-            outputs=[completion],
-            finished=seq.status.is_finished,
-            metrics={
-                "arrival_time": seq.arrival_time,
-                "first_token_time": request.first_token_time,
-                "finished_time": request.finished_time,
-            },
-        )
-
-
-class _Request:
-    """Engine-side record of one request: its sequence plus what only the frontend needs."""
-
-    def __init__(self, seq: Sequence, prompt_text: str | None, final_only: bool):
-        self.seq = seq
-        self.prompt_text = prompt_text
-        self.final_only = final_only
-        self.cumulative_logprob = 0.0
-        self.first_token_time: float | None = None
-        self.finished_time: float | None = None
+        return self.output_processor.process(runner_output, updated, time.monotonic())
 
 
 _DTYPE_NAMES = {

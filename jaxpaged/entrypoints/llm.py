@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine, PromptType
+from jaxpaged.entrypoints.chat import Conversation, chat_prompt, is_single_conversation
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.distributed import is_driver
@@ -82,6 +83,43 @@ class LLM:
                 engine.abort_request(request_id)
             raise
         return self._run_engine(request_ids, use_tqdm=use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (vLLM's ``LLM.chat``).
+
+        Each conversation (``[{"role": ..., "content": ...}, ...]``) is rendered with
+        ``chat_template`` (None: the tokenizer's) and tokenized without adding special tokens,
+        then generated as by ``generate``; one output per conversation, in order.
+
+        Raises:
+            ValueError: a malformed conversation, no chat template, or as ``generate``.
+        """
+        if not messages:
+            raise ValueError("messages must hold at least one message, got an empty list")
+        conversations = [messages] if is_single_conversation(messages) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            chat_prompt(
+                tokenizer,
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run_engine(self, request_ids: list[str], *, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -1,66 +1,87 @@
 """On-device sampling from per-row parameter arrays (no recompilation when parameters change).
 
+One row per sequence, in vLLM v1's order (``vllm/v1/sample/sampler.py``): request rows from
+``LogitsState`` (allowed ids, logit bias, min_tokens, penalties; see ``penalties.py``), greedy
+argmax of the result, then temperature, min-p, top-k and top-p (renormalised over what min-p and
+top-k kept), then a draw. Work that no row of the step needs (the state gather, the sort behind
+the filters, log-softmax and top-k for logprobs) sits behind ``lax.cond`` and costs nothing.
+
 Each row draws from a key derived from ``(seed, step)`` alone, so a seeded request produces the
 same tokens whatever else shares its batch (batch invariance), and recompute preemption replays
-the same draws. Sampling is the Gumbel-max trick (``argmax(logits / T + Gumbel)`` draws from
-``softmax(logits / T)``; Gumbel 1954, as used by vLLM's FlashInfer-free path).
+the same draws. The draw is the Gumbel-max trick: ``argmax(logits / T + Gumbel)`` is distributed
+as ``softmax(logits / T)`` (Gumbel 1954); vLLM's exponential race ``argmax(p / Exp(1))`` is the
+same trick.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SamplingMetadata:
-    """Per-row sampling parameters; every field is ``[B]``, padding rows are greedy."""
-
-    temperature: jax.Array  # f32[B]; 0 means greedy, otherwise already floored at 0.01.
-    top_k: jax.Array  # i32[B]; 0 means off.
-    top_p: jax.Array  # f32[B]; 1 means off.
-    min_p: jax.Array  # f32[B]; 0 means off.
-    seed_lo: jax.Array  # u32[B]; low 32 bits of the request's seed.
-    seed_hi: jax.Array  # u32[B]; high 32 bits of the request's seed.
-    step: jax.Array  # i32[B]; index of the token being sampled (number of outputs so far).
+from jaxpaged.sample.logits_state import LogitsState
+from jaxpaged.sample.logprobs import TopLogprobs, top_logprobs
+from jaxpaged.sample.metadata import SamplingMetadata
+from jaxpaged.sample.penalties import apply_logits_state, count_sampled
 
 
-def sample(logits: jax.Array, metadata: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
+def sample(
+    logits: jax.Array, metadata: SamplingMetadata, state: LogitsState, *, num_logprobs: int
+) -> tuple[jax.Array, TopLogprobs, LogitsState]:
     """Sample one token per row.
 
     Args:
         logits: f32[B, vocab_size] raw model logits.
         metadata: per-row parameters, each ``[B]``.
+        state: per-request rows; rows that sampled for real (``count_sampled``) get their token
+            counted.
+        num_logprobs: top logprobs computed per row (static; the engine's ``max_logprobs``).
 
     Returns:
-        ``(token_ids i32[B], logprobs f32[B])``; logprobs are the sampled tokens' log-probabilities
-        under the raw model distribution (vLLM's default, before temperature and filtering).
+        ``(token_ids i32[B], logprobs, state)``. ``logprobs`` describe the raw model
+        distribution (vLLM's default) or, for rows with ``processed_logprobs``, the distribution
+        sampled from (after penalties, temperature and filters; greedy rows: after penalties);
+        they are zeros unless some row asked (``num_logprobs >= 0``).
     """
     logits = logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    uses_state = metadata.state_slot != state.neutral_slot
+    processed = jax.lax.cond(
+        jnp.any(uses_state),
+        lambda x: apply_logits_state(x, state, metadata),
+        lambda x: x,
+        logits,
+    )
+    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
 
     is_greedy = metadata.temperature == 0.0
     temperature = jnp.where(is_greedy, 1.0, metadata.temperature)
-    scaled = logits / temperature[:, None]
+    scaled = processed / temperature[:, None]
     needs_filter = jnp.any((metadata.top_k > 0) | (metadata.top_p < 1.0) | (metadata.min_p > 0.0))
-    # The sort costs O(V log V) per row; skip it when no row filters (the common case).
     scaled = jax.lax.cond(
         needs_filter,
-        lambda x: _apply_top_k_top_p_min_p(x, metadata.top_k, metadata.top_p, metadata.min_p),
+        lambda x: apply_min_p_top_k_top_p(x, metadata.min_p, metadata.top_k, metadata.top_p),
         lambda x: x,
         scaled,
     )
     keys = jax.vmap(_row_key)(metadata.seed_lo, metadata.seed_hi, metadata.step)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
     sampled_ids = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
-
     token_ids = jnp.where(is_greedy, greedy_ids, sampled_ids)
-    logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
-    return token_ids, logprobs
+
+    def logprobs_of(_):
+        raw = jax.nn.log_softmax(logits, axis=-1)
+        sampled_from = jax.nn.log_softmax(scaled, axis=-1)
+        chosen = jnp.where((metadata.processed_logprobs != 0)[:, None], sampled_from, raw)
+        return top_logprobs(chosen, token_ids, num_logprobs)
+
+    logprobs = jax.lax.cond(
+        jnp.any(metadata.num_logprobs >= 0),
+        logprobs_of,
+        lambda _: TopLogprobs.zeros(logits.shape[0], num_logprobs),
+        None,
+    )
+    count = jnp.where(uses_state, metadata.count_sampled, 0)
+    state = count_sampled(state, metadata.state_slot, token_ids, count)
+    return token_ids, logprobs, state
 
 
 def _row_key(seed_lo: jax.Array, seed_hi: jax.Array, step: jax.Array) -> jax.Array:
@@ -70,27 +91,35 @@ def _row_key(seed_lo: jax.Array, seed_hi: jax.Array, step: jax.Array) -> jax.Arr
     return jax.random.fold_in(key, step)
 
 
-def _apply_top_k_top_p_min_p(
-    logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
+def apply_min_p_top_k_top_p(
+    logits: jax.Array, min_p: jax.Array, top_k: jax.Array, top_p: jax.Array
 ) -> jax.Array:
-    """Mask (to -inf) tokens outside top-k, the top-p nucleus and the min-p floor.
+    """Mask (to -inf) tokens below the min-p floor, outside the top-k, or outside the top-p
+    nucleus of what min-p and top-k kept (vLLM v1's order).
 
-    Follows vLLM's order: top-k, then top-p over the renormalised top-k set; min-p is relative to
-    the most likely token. ``logits`` are already divided by the temperature.
+    Args:
+        logits: f32[B, vocab_size], already divided by the temperature.
+        min_p: f32[B]; keep tokens with ``p >= min_p * p_max``; 0 means off.
+        top_k: i32[B]; keep the ``top_k`` most likely; 0 means off.
+        top_p: f32[B]; keep the most likely tokens until their renormalised mass reaches top_p
+            (the token that crosses it stays in); 1 means off.
+
+    Returns:
+        f32[B, vocab_size]; tokens tied with the least likely kept one are kept too.
     """
     vocab_size = logits.shape[-1]
     sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
     ranks = jnp.arange(vocab_size)[None, :]
-    k = jnp.where(top_k > 0, top_k, vocab_size)[:, None]
-    sorted_logits = jnp.where(ranks < k, sorted_logits, -jnp.inf)
+    # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); log(0) = -inf keeps all.
+    keep = sorted_logits >= sorted_logits[:, :1] + jnp.log(min_p)[:, None]
+    keep &= ranks < jnp.where(top_k > 0, top_k, vocab_size)[:, None]
 
-    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+    sorted_probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     # Exclusive cumulative sum: a token is kept if the mass before it is below top_p, so the
-    # token that crosses the threshold stays in (and the top token always does).
+    # token that crosses the threshold stays in (and the top token always does). top_p = 1 is
+    # tested apart: the float32 cumsum can reach 1 before the tail, which would drop tokens.
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep = (mass_before < top_p[:, None]) | (ranks == 0)
-    keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
-    keep &= ranks < k
+    keep &= (mass_before < top_p[:, None]) | (ranks == 0) | (top_p >= 1.0)[:, None]
 
     # The smallest kept logit is the row's threshold; ties with it stay in.
     threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)

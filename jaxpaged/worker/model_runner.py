@@ -20,7 +20,10 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxpaged.core.scheduler import SchedulerOutput
-from jaxpaged.sample.sampler import SamplingMetadata, sample
+from jaxpaged.sample import logits_state as ls
+from jaxpaged.sample.logprobs import ModelRunnerOutput, host_token_logprobs, step_prompt_logprobs
+from jaxpaged.sample.metadata import SamplingArrays, SamplingMetadata, packed_sections
+from jaxpaged.sample.sampler import sample
 from jaxpaged.worker.buckets import make_buckets, round_up_to_bucket
 from models.attention_metadata import AttentionMetadata
 
@@ -56,13 +59,7 @@ class _PackedLayout:
             ("seq_lens", b),
             ("cu_q_lens", b + 1),
             ("logits_indices", b),
-            ("top_k", b),
-            ("seed_lo", b),
-            ("seed_hi", b),
-            ("step", b),
-            ("temperature", b),  # float32 bit patterns
-            ("top_p", b),
-            ("min_p", b),
+            *packed_sections(t, b),
         ]
 
     @property
@@ -88,6 +85,8 @@ class ModelRunner:
         block_size, max_model_len, max_num_seqs, max_num_batched_tokens: engine limits.
         mesh: tensor parallelism: the packed inputs and sampled tokens are replicated over it and
             the KV caches keep their head sharding through every (donated) step.
+        vocab_size: rows of the per-request ``LogitsState`` are this wide.
+        max_logprobs: top logprobs computed per sampled or prompt token (static).
     """
 
     def __init__(
@@ -99,6 +98,8 @@ class ModelRunner:
         max_model_len: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        vocab_size: int,
+        max_logprobs: int = 20,
         mesh: Mesh | None = None,
     ):
         # Split once: jitting a pure function of the flat state keeps the HLO free of baked-in
@@ -112,6 +113,11 @@ class ModelRunner:
         self.token_buckets = make_buckets(
             max_num_batched_tokens, minimum=min(_MIN_TOKEN_BUCKET, max_num_batched_tokens)
         )
+        self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
+        # Per-request penalty counts, prompt/stop sets and bias rows (sample/logits_state.py).
+        self.logits_state = ls.allocate_logits_state(max_num_seqs, vocab_size)
+        self.slot_table = ls.SlotTable(max_num_seqs)
         self._executables: dict[BucketKey, jax.stages.Compiled] = {}
         self.num_compilations = 0
         placement = {}
@@ -121,13 +127,14 @@ class ModelRunner:
             cache_shardings = jax.tree.map(lambda cache: cache.sharding, kv_caches)
             placement["out_shardings"] = (
                 self._input_sharding,
-                self._input_sharding,
                 cache_shardings,
+                self._input_sharding,
             )
+            self.logits_state = jax.device_put(self.logits_state, self._input_sharding)
         self._jitted_step = jax.jit(
             self._step,
             static_argnames=("layout", "decode_only"),
-            donate_argnames=("kv_caches",),
+            donate_argnames=("kv_caches", "logits_state"),
             **placement,
         )
 
@@ -160,12 +167,22 @@ class ModelRunner:
         keys = [k for k in self.all_bucket_keys() if k not in self._executables]
         for key in tqdm(keys, desc="Compiling step buckets", disable=not show_progress):
             self._compile(key)
+        # The LogitsState row writer runs when a request first needs its row: compile it now
+        # too, by writing nothing (every index past the last row is dropped).
+        padding = np.full(ls.WRITE_ROWS, self.logits_state.neutral_slot + 1, np.int32)
+        empty = ls.host_rows([], self.vocab_size)
+        self.logits_state = ls.write_rows(self.logits_state, padding, empty)
 
     def _compile(self, key: BucketKey) -> jax.stages.Compiled:
         layout = _PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         compiled = self._jitted_step.lower(
-            self._state, self.kv_caches, packed, layout=layout, decode_only=key.decode_only
+            self._state,
+            self.kv_caches,
+            self.logits_state,
+            packed,
+            layout=layout,
+            decode_only=key.decode_only,
         ).compile()
         self._executables[key] = compiled
         self.num_compilations += 1
@@ -176,14 +193,17 @@ class ModelRunner:
         step's activations (memory sizing reads it next)."""
         key = self.bucket_for(self.token_buckets[-1], 1, False)
         layout = _PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
-        packed = self._prepare_inputs([], layout)
-        token_ids, _, self.kv_caches = self._compile(key)(
-            self._state, self.kv_caches, jax.device_put(packed, self._input_sharding)
+        # Every token asks for prompt logprobs so that their logits chunk counts in the peak.
+        packed = self._prepare_inputs([], layout, [], profile=True)
+        out, self.kv_caches, self.logits_state = self._compile(key)(
+            self._state, self.kv_caches, self.logits_state, jax.device_put(packed, self._input_sharding)
         )
-        token_ids.block_until_ready()
+        out["token_ids"].block_until_ready()
 
     # ---------------------------------------------------------------------------- the step
-    def _step(self, state, kv_caches, packed, *, layout: _PackedLayout, decode_only: bool):
+    def _step(
+        self, state, kv_caches, logits_state, packed, *, layout: _PackedLayout, decode_only: bool
+    ):
         arrays = layout.unpack(packed)
         b = layout.num_seqs
         metadata = AttentionMetadata(
@@ -193,45 +213,88 @@ class ModelRunner:
             cu_q_lens=arrays["cu_q_lens"],
             decode_only=decode_only,
         )
-        as_f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
-        as_u32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)  # noqa: E731
-        sampling = SamplingMetadata(
-            temperature=as_f32(arrays["temperature"]),
-            top_k=arrays["top_k"],
-            top_p=as_f32(arrays["top_p"]),
-            min_p=as_f32(arrays["min_p"]),
-            seed_lo=as_u32(arrays["seed_lo"]),
-            seed_hi=as_u32(arrays["seed_hi"]),
-            step=arrays["step"],
-        )
+        sampling = SamplingMetadata.from_packed(arrays)
         model = nnx.merge(self._graphdef, state)
         hidden, kv_caches = model(arrays["input_ids"], arrays["positions"], kv_caches, metadata)
         # Only the rows that sample reach the LM head.
         logits = model.compute_logits(hidden[arrays["logits_indices"]])
-        token_ids, logprobs = sample(logits, sampling)
-        return token_ids, logprobs, kv_caches
+        token_ids, logprobs, logits_state = sample(
+            logits, sampling, logits_state, num_logprobs=self.max_logprobs
+        )
+        prompt_logprobs = step_prompt_logprobs(
+            hidden,
+            logits,
+            model.compute_logits,
+            sampling.prompt_target,
+            self.max_logprobs,
+            decode_only=decode_only,
+        )
+        out = {"token_ids": token_ids, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+        return out, kv_caches, logits_state
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, tuple[int, float]]:
-        """Run one step; returns ``{seq_id: (token_id, logprob)}`` for sequences that sample."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: the token sampled for each sequence that computed its last token, and
+        the logprobs its request asked for."""
         scheduled = scheduler_output.scheduled
         if not scheduled:
-            return {}
+            return ModelRunnerOutput({})
         decode_only = all(s.num_new_tokens == 1 for s in scheduled)
         key = self.bucket_for(scheduler_output.num_batched_tokens, len(scheduled), decode_only)
         layout = _PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
-        packed = self._prepare_inputs(scheduled, layout)
+        slots = self._assign_logits_state_slots(scheduled)
+        packed = self._prepare_inputs(scheduled, layout, slots)
         executable = self._executables.get(key) or self._compile(key)
-        token_ids, logprobs, self.kv_caches = executable(
-            self._state, self.kv_caches, jax.device_put(packed, self._input_sharding)
+        out, self.kv_caches, self.logits_state = executable(
+            self._state, self.kv_caches, self.logits_state, jax.device_put(packed, self._input_sharding)
         )
-        token_ids, logprobs = np.asarray(token_ids), np.asarray(logprobs)
-        return {
-            s.seq.seq_id: (int(token_ids[i]), float(logprobs[i]))
-            for i, s in enumerate(scheduled)
-            if s.do_sample
-        }
+        return self._runner_output(scheduled, out)
 
-    def _prepare_inputs(self, scheduled, layout: _PackedLayout) -> np.ndarray:
+    def _assign_logits_state_slots(self, scheduled) -> list[int | None]:
+        """LogitsState slot per scheduled sequence (None: needs none); rebuilds new rows."""
+        users = [s.seq for s in scheduled if s.seq.sampling_params.uses_logits_state]
+        if not users:
+            return [None] * len(scheduled)
+        slots, rebuild = self.slot_table.assign(users)
+        for start in range(0, len(rebuild), ls.WRITE_ROWS):
+            part = rebuild[start : start + ls.WRITE_ROWS]
+            index = np.full(ls.WRITE_ROWS, self.logits_state.neutral_slot + 1, np.int32)
+            index[: len(part)] = [slot for slot, _ in part]
+            rows = ls.host_rows([seq for _, seq in part], self.vocab_size)
+            self.logits_state = ls.write_rows(self.logits_state, index, rows)
+        by_id = dict(zip((seq.seq_id for seq in users), slots, strict=True))
+        return [by_id.get(s.seq.seq_id) for s in scheduled]
+
+    def _runner_output(self, scheduled, out) -> ModelRunnerOutput:
+        token_ids = np.asarray(out["token_ids"])
+        result = ModelRunnerOutput(
+            {s.seq.seq_id: int(token_ids[i]) for i, s in enumerate(scheduled) if s.do_sample}
+        )
+        # Logprob arrays leave the device only when some request of the step wants them.
+        if any(s.do_sample and s.seq.sampling_params.logprobs is not None for s in scheduled):
+            top = {k: np.asarray(v) for k, v in vars(out["logprobs"]).items()}
+            for i, s in enumerate(scheduled):
+                if s.do_sample and s.seq.sampling_params.logprobs is not None:
+                    result.logprobs[s.seq.seq_id] = host_token_logprobs(top, i, token_ids[i])
+        if any(s.seq.sampling_params.prompt_logprobs is not None for s in scheduled):
+            top = {k: np.asarray(v) for k, v in vars(out["prompt_logprobs"]).items()}
+            t = 0
+            for s in scheduled:
+                if s.seq.sampling_params.prompt_logprobs is not None:
+                    entries = []
+                    prompt = s.seq.prompt_token_ids
+                    for j in range(s.num_new_tokens):
+                        position = s.num_computed_tokens + j + 1
+                        if position < len(prompt):
+                            entries.append(
+                                (position, host_token_logprobs(top, t + j, prompt[position]))
+                            )
+                    result.prompt_logprobs[s.seq.seq_id] = entries
+                t += s.num_new_tokens
+        return result
+
+    def _prepare_inputs(
+        self, scheduled, layout: _PackedLayout, slots: list, *, profile: bool = False
+    ) -> np.ndarray:
         t_pad, b_pad, bs = layout.num_tokens, layout.num_seqs, self.block_size
         input_ids = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
@@ -240,12 +303,9 @@ class ModelRunner:
         seq_lens = np.zeros(b_pad, np.int32)
         cu_q_lens = np.zeros(b_pad + 1, np.int32)
         logits_indices = np.zeros(b_pad, np.int32)
-        top_k = np.zeros(b_pad, np.int32)
-        seed = np.zeros(b_pad, np.uint64)
-        step = np.zeros(b_pad, np.int32)
-        temperature = np.zeros(b_pad, np.float32)
-        top_p = np.ones(b_pad, np.float32)
-        min_p = np.zeros(b_pad, np.float32)
+        sampling = SamplingArrays(t_pad, b_pad, self.logits_state.neutral_slot)
+        if profile:
+            sampling.prompt_target[:] = 0
 
         t = 0
         for i, s in enumerate(scheduled):
@@ -260,13 +320,10 @@ class ModelRunner:
             t += n
             cu_q_lens[i + 1] = t
             logits_indices[i] = t - 1
-            params = s.seq.sampling_params
-            temperature[i] = params.effective_temperature
-            top_k[i] = params.top_k
-            top_p[i] = params.top_p
-            min_p[i] = params.min_p
-            seed[i] = s.seq.sampling_seed
-            step[i] = s.seq.num_output_tokens
+            sampling.set_row(
+                i, s.seq, seed=s.seq.sampling_seed, do_sample=s.do_sample, state_slot=slots[i]
+            )
+            sampling.set_prompt_targets(t - n, s.seq, start, n)
         cu_q_lens[len(scheduled) + 1 :] = t
 
         parts = {
@@ -277,12 +334,6 @@ class ModelRunner:
             "seq_lens": seq_lens,
             "cu_q_lens": cu_q_lens,
             "logits_indices": logits_indices,
-            "top_k": top_k,
-            "seed_lo": (seed & 0xFFFFFFFF).astype(np.uint32).view(np.int32),
-            "seed_hi": (seed >> 32).astype(np.uint32).view(np.int32),
-            "step": step,
-            "temperature": temperature.view(np.int32),
-            "top_p": top_p.view(np.int32),
-            "min_p": min_p.view(np.int32),
+            **sampling.packed(),
         }
         return np.concatenate([parts[name] for name, _ in layout.sections()])

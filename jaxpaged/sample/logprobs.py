@@ -1,0 +1,189 @@
+"""Log-probabilities: top-k and ranks on the device, ``Logprob`` dicts on the host.
+
+vLLM's conventions (``vllm/v1/sample/sampler.py``, ``vllm/v1/engine/logprobs.py``): the chosen
+token's rank is 1 + the number of vocabulary tokens with a strictly higher logprob; the top-k
+entries have ranks 1..k; each position's dict holds the chosen token plus the top-k (k or k + 1
+entries). ``k`` is static (the engine's ``max_logprobs``) so one compiled step serves every
+request's ``logprobs``; the host keeps the first ``logprobs`` of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.outputs import Logprob
+
+# Prompt positions whose logits are materialised at once: bounds the [chunk, vocab] buffer.
+PROMPT_LOGPROBS_CHUNK = 256
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TopLogprobs:
+    """Per row: the chosen token's logprob and rank, and the ``k`` best tokens."""
+
+    logprobs: jax.Array  # f32[N]: logprob of the chosen token.
+    ranks: jax.Array  # i32[N]: rank of the chosen token (1 = best).
+    top_ids: jax.Array  # i32[N, k], best first.
+    top_logprobs: jax.Array  # f32[N, k].
+
+    @classmethod
+    def zeros(cls, n: int, k: int) -> TopLogprobs:
+        return cls(
+            jnp.zeros(n, jnp.float32),
+            jnp.zeros(n, jnp.int32),
+            jnp.zeros((n, k), jnp.int32),
+            jnp.zeros((n, k), jnp.float32),
+        )
+
+
+def top_logprobs(logprobs: jax.Array, token_ids: jax.Array, k: int) -> TopLogprobs:
+    """Rank and top-k of ``token_ids`` (i32[N]) under ``logprobs`` (f32[N, vocab_size])."""
+    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)
+    ranks = 1 + jnp.sum(logprobs > chosen, axis=-1, dtype=jnp.int32)
+    if k == 0:
+        top_values = jnp.zeros((logprobs.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logprobs.shape[0], 0), jnp.int32)
+    else:
+        top_values, top_ids = jax.lax.top_k(logprobs, k)
+    return TopLogprobs(chosen[:, 0], ranks, top_ids.astype(jnp.int32), top_values)
+
+
+def prompt_top_logprobs(
+    hidden: jax.Array,
+    compute_logits: Callable[[jax.Array], jax.Array],
+    targets: jax.Array,
+    k: int,
+) -> TopLogprobs:
+    """Raw logprobs of each token's successor in the prompt, for every token of the step.
+
+    Args:
+        hidden: [T, hidden_size], the model's final hidden state per token.
+        compute_logits: the LM head, ``[N, hidden_size] -> f32[N, vocab_size]``.
+        targets: i32[T], the next prompt token per token; -1 where none is wanted (its result is
+            garbage and ignored by the host).
+        k: top logprobs per position (static).
+
+    Returns:
+        ``TopLogprobs`` with ``N = T``. Logits are computed ``PROMPT_LOGPROBS_CHUNK`` tokens at a
+        time, so memory stays at ``[chunk, vocab_size]`` whatever ``T`` is.
+    """
+    t = hidden.shape[0]
+    targets = jnp.maximum(targets, 0)
+
+    def one_chunk(args):
+        h, ids = args
+        logprobs = jax.nn.log_softmax(compute_logits(h).astype(jnp.float32), axis=-1)
+        return top_logprobs(logprobs, ids, k)
+
+    if t <= PROMPT_LOGPROBS_CHUNK:
+        return one_chunk((hidden, targets))
+    chunk = PROMPT_LOGPROBS_CHUNK
+    num_chunks = -(-t // chunk)
+    pad = num_chunks * chunk - t
+    hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(num_chunks, chunk, -1)
+    targets = jnp.pad(targets, (0, pad)).reshape(num_chunks, chunk)
+    out = jax.lax.map(one_chunk, (hidden, targets))
+    return jax.tree.map(lambda x: x.reshape(num_chunks * chunk, *x.shape[2:])[:t], out)
+
+
+def step_prompt_logprobs(
+    hidden: jax.Array,
+    logits: jax.Array,
+    compute_logits: Callable[[jax.Array], jax.Array],
+    targets: jax.Array,
+    k: int,
+    *,
+    decode_only: bool,
+) -> TopLogprobs:
+    """``prompt_top_logprobs`` for a step, computed only when some token wants it (``lax.cond``).
+
+    Args:
+        hidden: [T, hidden_size]; logits: f32[B, vocab_size], the sampled rows' logits.
+        decode_only: static; then token ``i`` is row ``i`` of ``logits`` (``T == B``), which
+            serve as they are instead of a second pass through the LM head.
+    """
+
+    def compute(h):
+        if decode_only:
+            logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+            return top_logprobs(logprobs, jnp.maximum(targets, 0), k)
+        return prompt_top_logprobs(h, compute_logits, targets, k)
+
+    return jax.lax.cond(
+        jnp.any(targets >= 0), compute, lambda h: TopLogprobs.zeros(h.shape[0], k), hidden
+    )
+
+
+class TokenLogprobs(NamedTuple):
+    """Host copy of one position's logprobs: the chosen token and the top-k (best first)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclasses.dataclass
+class ModelRunnerOutput:
+    """What one step returns to the engine, keyed by sequence id."""
+
+    sampled_token_ids: dict[str, int]
+    """The token sampled for each sequence whose step computed its last token."""
+    logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)
+    """For sampled sequences that asked for logprobs."""
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = dataclasses.field(
+        default_factory=dict
+    )
+    """For sequences that asked for prompt logprobs: (prompt position >= 1, its logprobs) for the
+    positions this step's tokens predict."""
+
+
+class LogprobsBuilder:
+    """Turns ``TokenLogprobs`` into vLLM's ``{token_id: Logprob}`` dicts.
+
+    ``decoded_token`` is ``tokenizer.decode([token_id])`` with the leading space that
+    SentencePiece's decode strips put back (as current vLLM does), cached per id.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+
+    def decoded(self, token_id: int) -> str:
+        text = self._text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) or ""
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and piece.startswith("\u2581") and not text.startswith(" "):
+                text = " " + text
+            self._text[token_id] = text
+        return text
+
+    def build(self, entry: TokenLogprobs, num_top: int) -> dict[int, Logprob]:
+        """The chosen token first, then the ``num_top`` best tokens (ranks 1..num_top)."""
+        out = {entry.token_id: Logprob(entry.logprob, entry.rank, self.decoded(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(
+            zip(entry.top_ids[:num_top], entry.top_logprobs[:num_top], strict=True), start=1
+        ):
+            if token_id not in out:
+                out[token_id] = Logprob(logprob, rank, self.decoded(token_id))
+        return out
+
+
+def host_token_logprobs(top: dict[str, np.ndarray], i: int, token_id: int) -> TokenLogprobs:
+    """Row ``i`` of fetched ``TopLogprobs`` arrays (numpy, by field name)."""
+    return TokenLogprobs(
+        token_id=int(token_id),
+        logprob=float(top["logprobs"][i]),
+        rank=int(top["ranks"][i]),
+        top_ids=top["top_ids"][i].tolist(),
+        top_logprobs=top["top_logprobs"][i].tolist(),
+    )
