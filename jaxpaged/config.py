@@ -38,6 +38,11 @@ class EngineArgs:
         "Local HF model directory (config.json + safetensors + tokenizer). None: embedded stories260k.",
     )
     tokenizer: str | None = _arg(None, "Tokenizer directory; None means the model directory.")
+    skip_tokenizer_init: bool = _arg(
+        False,
+        "Load no tokenizer: prompts must be token ids and outputs carry token ids with empty text "
+        "(benchmarks on config-only model directories).",
+    )
     dtype: str = _arg(
         "auto",
         "Compute and weight dtype: auto (the checkpoint's dtype), float32/float, bfloat16, float16/half.",
@@ -79,6 +84,11 @@ class EngineArgs:
         None,
         "Compile step buckets on first use instead of all at start-up; None: eager on CPU only.",
     )
+    async_scheduling: bool = _arg(
+        True,
+        "Schedule and prepare step N+1 while the device runs step N (decode inputs come from "
+        "step N's on-device samples; tokens are read back one step late). Outputs are identical.",
+    )
     disable_log_stats: bool = _arg(True, "Silence the periodic stats log line.")
 
     def create_engine_config(self) -> EngineConfig:
@@ -94,6 +104,7 @@ class EngineArgs:
 class ModelConfig:
     model: str
     tokenizer: str
+    skip_tokenizer_init: bool
     dtype: str
     max_model_len: int
     load_format: str
@@ -124,6 +135,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     attention_backend: str
     enforce_eager: bool | None
+    async_scheduling: bool
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -183,6 +195,7 @@ class EngineConfig:
             model_config=ModelConfig(
                 model=model,
                 tokenizer=args.tokenizer or model,
+                skip_tokenizer_init=bool(args.skip_tokenizer_init),
                 dtype=args.dtype,
                 max_model_len=max_model_len,
                 load_format=args.load_format,
@@ -203,6 +216,7 @@ class EngineConfig:
             ),
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
+            async_scheduling=bool(args.async_scheduling),
         )
 
 

@@ -2,6 +2,10 @@
 
 One ``step`` is DESIGN.md §2: schedule (host), prepare + run (one transfer, one jitted step),
 commit (append tokens, check stops, free finished sequences' blocks, emit outputs).
+
+With ``async_scheduling`` (the default) the commit of step N waits until step N+1 is on the
+device (``jaxpaged.engine.async_scheduling``): each ``step()`` call schedules and dispatches the
+next step, then commits the previous one, so its outputs are one step behind.
 """
 
 from __future__ import annotations
@@ -20,14 +24,18 @@ from jaxpaged.config import EngineArgs, EngineConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.detokenizer import decode_output_text
+from jaxpaged.engine.async_scheduling import InFlightStep, apply_placeholders, resolve_step
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sequence import Sequence, SequenceStatus
 from jaxpaged.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     KVCacheSpec,
+    MemoryBudget,
     allocate_kv_caches,
-    device_kv_budget,
+    bytes_in_use,
+    kv_cache_shapes,
+    measure_kv_budget,
     num_blocks_for_budget,
 )
 from jaxpaged.worker.model_runner import ModelRunner
@@ -54,7 +62,11 @@ class LLMEngine:
         self.attention_backend = backend
         self.dtype = _resolve_dtype(mc.dtype, mc.hf_config_json)
 
-        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
+        # skip_tokenizer_init (vLLM's name): prompts are token ids and outputs carry empty text,
+        # so a config-only directory with dummy weights is enough (benchmarks).
+        self.tokenizer = (
+            None if mc.skip_tokenizer_init else AutoTokenizer.from_pretrained(mc.tokenizer)
+        )
         model, self.hf_config = load_model(
             mc.model,
             dtype=self.dtype,
@@ -80,43 +92,89 @@ class LLMEngine:
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
         )
+        self.memory_budget: MemoryBudget | None = None
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
         elif cc.kv_cache_memory_bytes is not None:
             num_blocks = num_blocks_for_budget(spec, cc.kv_cache_memory_bytes, cap=2**31 - 1)
         else:
-            num_blocks = self._profile_num_blocks(model, spec, runner_kwargs)
-            if num_blocks is None:  # no device memory statistics (CPU): fixed budget
+            self.memory_budget = self._profile_memory(model, spec, runner_kwargs)
+            if self.memory_budget is None:  # no device memory statistics (CPU): fixed budget
                 cap = sc.max_num_seqs * max_blocks_per_seq + 1
                 num_blocks = num_blocks_for_budget(spec, DEFAULT_CPU_KV_CACHE_BYTES, cap=cap)
+            else:
+                num_blocks = num_blocks_for_budget(spec, self.memory_budget.kv_bytes, cap=2**31 - 1)
         self.num_blocks = num_blocks
-        kv_caches = allocate_kv_caches(spec, num_blocks)
-        self.model_runner = ModelRunner(model, kv_caches, **runner_kwargs)
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size)
-        self.scheduler = Scheduler(sc, self.kv_cache_manager)
+        # Compile against the cache's shapes before allocating it: XLA's autotuning scratch then
+        # comes out of memory the cache will occupy, not out of the activations' share.
+        self.model_runner = ModelRunner(model, kv_cache_shapes(spec, num_blocks), **runner_kwargs)
         enforce_eager = config.enforce_eager
         if enforce_eager is None:
             # XLA:CPU takes seconds per bucket and CPU runs are short: compile what is used.
             enforce_eager = not on_gpu
+        self.compile_seconds = 0.0
         if not enforce_eager:
+            start = time.perf_counter()
             self.model_runner.compile_all(show_progress=show_progress)
+            self.compile_seconds = time.perf_counter() - start
+        self.model_runner.kv_caches = allocate_kv_caches(spec, num_blocks)
+        if not enforce_eager:
+            self.model_runner.warmup()
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size)
+        self.scheduler = Scheduler(sc, self.kv_cache_manager)
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: InFlightStep | None = None
+        logger.info("%s", self.kv_cache_report())
 
         self._requests: dict[str, _Request] = {}
         self._seed_counter = itertools.count()
 
-    def _profile_num_blocks(self, model, spec: KVCacheSpec, runner_kwargs: dict) -> int | None:
-        """Blocks that fit after one profiling step at the full token budget (vLLM's rule), or
-        None when the device reports no memory statistics (CPU)."""
+    def _profile_memory(self, model, spec: KVCacheSpec, runner_kwargs: dict) -> MemoryBudget | None:
+        """Memory left for KV blocks after one profiling step at the full token budget (vLLM's
+        rule), or None when the device reports no memory statistics (CPU)."""
         device = jax.devices()[0]
-        if device_kv_budget(1.0, device) is None:
+        weights = bytes_in_use(device)
+        if weights is None:
             return None
         sc = self.config.scheduler_config
         probe_blocks = -(-sc.max_num_batched_tokens // spec.block_size) + 1
         probe = ModelRunner(model, allocate_kv_caches(spec, probe_blocks), **runner_kwargs)
         probe.profile_run()
         del probe
-        budget = device_kv_budget(self.config.cache_config.gpu_memory_utilization, device)
-        return num_blocks_for_budget(spec, budget, cap=2**31 - 1)
+        return measure_kv_budget(
+            self.config.cache_config.gpu_memory_utilization, device, weights_bytes=weights
+        )
+
+    def kv_cache_report(self) -> str:
+        """One line: KV blocks, tokens and GiB, and (after profiling) their share of the memory
+        left after weights and activations."""
+        block_size = self.config.cache_config.block_size
+        kv_bytes = self.num_blocks * self.kv_cache_spec.bytes_per_block
+        line = (
+            f"KV cache: {kv_bytes / 2**30:.2f} GiB, {self.num_blocks} blocks of {block_size} "
+            f"tokens = {self.num_blocks * block_size} tokens"
+        )
+        budget = self.memory_budget
+        if budget is not None:
+            left = budget.left_after_weights_and_activations
+            line += (
+                f"; device {budget.total / 2**30:.1f} GiB, gpu_memory_utilization "
+                f"{self.config.cache_config.gpu_memory_utilization} -> usable "
+                f"{budget.usable / 2**30:.2f} GiB (JAX pool {budget.pool / 2**30:.2f} GiB), "
+                f"weights {budget.weights / 2**30:.2f} GiB, peak after profiling "
+                f"{budget.peak / 2**30:.2f} GiB, left {left / 2**30:.2f} GiB, of which the KV "
+                f"cache takes {100 * kv_bytes / max(left, 1):.1f}%"
+            )
+        return line
+
+    def fragmentation_report(self) -> str:
+        """One line: tokens stored / slots held by the running sequences (internal
+        fragmentation, the PagedAttention paper's < 4% claim)."""
+        stored, held = self.kv_cache_manager.slots_stored_vs_held()
+        waste = 100 * (1 - stored / held) if held else 0.0
+        return (
+            f"KV slots: {stored} tokens stored / {held} held = {waste:.2f}% internal fragmentation"
+        )
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs) -> LLMEngine:
@@ -160,6 +218,14 @@ class LLMEngine:
         self.scheduler.add_request(seq)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if self.tokenizer is None and (
+            isinstance(prompt, str)
+            or (isinstance(prompt, Mapping) and "prompt_token_ids" not in prompt)
+        ):
+            raise ValueError(
+                "prompt text needs a tokenizer but the engine has skip_tokenizer_init=True; "
+                "pass {'prompt_token_ids': [...]}"
+            )
         if isinstance(prompt, str):
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, Mapping):
@@ -210,6 +276,10 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
+        in_flight = self._in_flight
+        if in_flight is not None and any(seq is request.seq for seq in in_flight.sampled_seqs):
+            # Its last token is still a placeholder: wait for the step and report the real one.
+            request.seq.replace_last_token(in_flight.pending.result()[request_id][0])
         self.scheduler.abort(request_id)
         return self._make_output(request)
 
@@ -221,23 +291,49 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one engine step and return the outputs of requests that advanced or finished."""
+        """Run one engine step and return the outputs of requests that advanced or finished.
+
+        With async scheduling the outputs are those of the step dispatched by the previous call
+        (this call's step is still running on the device when it returns).
+        """
+        if not self.async_scheduling:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty:
+                return []
+            sampled = self.model_runner.execute_model(scheduler_output)
+            updated = self.scheduler.update_from_output(
+                scheduler_output, {sid: tok for sid, (tok, _) in sampled.items()}
+            )
+            return self._emit(updated, sampled)
+
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return []
-        sampled = self.model_runner.execute_model(scheduler_output)
+        pending = None
+        if not scheduler_output.is_empty:
+            pending = self.model_runner.dispatch(scheduler_output)
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None:
+            # The device runs the step just dispatched while the host commits the one before.
+            in_flight, self._in_flight = self._in_flight, None
+            sampled = in_flight.pending.result()
+            updated = resolve_step(self.scheduler, in_flight, sampled, self._is_live)
+            outputs = self._emit(updated, sampled)
+        if pending is not None:
+            self._in_flight = apply_placeholders(self.scheduler, scheduler_output, pending)
+        return outputs
+
+    def _is_live(self, seq: Sequence) -> bool:
+        """The sequence's request was neither aborted nor replaced since it was scheduled."""
+        request = self._requests.get(seq.seq_id)
+        return request is not None and request.seq is seq
+
+    def _emit(self, updated: list[Sequence], sampled: dict[str, tuple[int, float]]):
         now = time.monotonic()
-        for seq_id, (_, logprob) in sampled.items():
-            request = self._requests[seq_id]
-            request.cumulative_logprob += logprob
-            if request.first_token_time is None:
-                request.first_token_time = now
-        updated = self.scheduler.update_from_output(
-            scheduler_output, {sid: tok for sid, (tok, _) in sampled.items()}
-        )
         outputs = []
         for seq in updated:
             request = self._requests[seq.seq_id]
+            request.cumulative_logprob += sampled[seq.seq_id][1]
+            if request.first_token_time is None:
+                request.first_token_time = now
             finished = seq.status.is_finished
             if finished:
                 request.finished_time = now
@@ -251,7 +347,9 @@ class LLMEngine:
         params = seq.sampling_params
         completion = CompletionOutput(
             index=0,
-            text=decode_output_text(
+            text=""
+            if self.tokenizer is None
+            else decode_output_text(
                 self.tokenizer,
                 seq.prompt_token_ids,
                 seq.output_token_ids,
@@ -315,7 +413,9 @@ def _first_eos(hf_config, tokenizer) -> int | None:
     eos = getattr(hf_config, "eos_token_id", None)
     if isinstance(eos, list):
         eos = eos[0] if eos else None
-    return eos if eos is not None else tokenizer.eos_token_id
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return eos
 
 
 # Sequence status is re-exported for callers that inspect engine state.

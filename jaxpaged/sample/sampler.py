@@ -28,12 +28,18 @@ class SamplingMetadata:
     step: jax.Array  # i32[B]; index of the token being sampled (number of outputs so far).
 
 
-def sample(logits: jax.Array, metadata: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
+def sample(
+    logits: jax.Array, metadata: SamplingMetadata, *, apply_filters: bool | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row.
 
     Args:
         logits: f32[B, vocab_size] raw model logits.
         metadata: per-row parameters, each ``[B]``.
+        apply_filters: static choice of the top-k/top-p/min-p pass when the caller knows it
+            (True: run it, False: no row filters). None decides on the device with a
+            ``lax.cond``, which XLA:GPU implements by copying the predicate to the host and
+            waiting for it: a host sync in the middle of the step.
 
     Returns:
         ``(token_ids i32[B], logprobs f32[B])``; logprobs are the sampled tokens' log-probabilities
@@ -46,14 +52,17 @@ def sample(logits: jax.Array, metadata: SamplingMetadata) -> tuple[jax.Array, ja
     is_greedy = metadata.temperature == 0.0
     temperature = jnp.where(is_greedy, 1.0, metadata.temperature)
     scaled = logits / temperature[:, None]
-    needs_filter = jnp.any((metadata.top_k > 0) | (metadata.top_p < 1.0) | (metadata.min_p > 0.0))
-    # The sort costs O(V log V) per row; skip it when no row filters (the common case).
-    scaled = jax.lax.cond(
-        needs_filter,
-        lambda x: _apply_top_k_top_p_min_p(x, metadata.top_k, metadata.top_p, metadata.min_p),
-        lambda x: x,
-        scaled,
+    filters = lambda x: _apply_top_k_top_p_min_p(  # noqa: E731
+        x, metadata.top_k, metadata.top_p, metadata.min_p
     )
+    if apply_filters is None:
+        needs_filter = jnp.any(
+            (metadata.top_k > 0) | (metadata.top_p < 1.0) | (metadata.min_p > 0.0)
+        )
+        # The sort costs O(V log V) per row; skip it when no row filters (the common case).
+        scaled = jax.lax.cond(needs_filter, filters, lambda x: x, scaled)
+    elif apply_filters:
+        scaled = filters(scaled)
     keys = jax.vmap(_row_key)(metadata.seed_lo, metadata.seed_hi, metadata.step)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
     sampled_ids = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)

@@ -115,12 +115,14 @@ def test_recompute_preemption_gives_the_same_outputs_as_ample_memory(stories_llm
 def test_compilations_stay_within_bucket_count_and_steady_state_never_traces(stories_llm):
     runner = stories_llm.llm_engine.model_runner
     num_buckets = len(runner.all_bucket_keys())
+    # One sampler per distinct B, with and without top-k/top-p/min-p.
+    num_programs = num_buckets + len(runner.all_sampler_keys())
     runner.compile_all(show_progress=False)  # start-up compilation (lazy on CPU by default)
-    assert runner.num_compilations == num_buckets
+    assert runner.num_compilations == num_programs
     prompts = _random_prompts((5, 33, 60, 17, 3, 9, 44, 21, 30), seed=3)
     with jax.no_tracing(True):
         _greedy(stories_llm, prompts, max_tokens=12)
-    assert runner.num_compilations == num_buckets
+    assert runner.num_compilations == num_programs
     assert num_buckets == len(runner.seq_buckets) + len(runner.token_buckets)
 
 
