@@ -40,6 +40,11 @@ class EngineArgs:
         "Local HF model directory (config.json + safetensors + tokenizer). None: embedded stories260k.",
     )
     tokenizer: str | None = _arg(None, "Tokenizer directory; None means the model directory.")
+    skip_tokenizer_init: bool = _arg(
+        False,
+        "Load no tokenizer: prompts must be token ids and outputs carry token ids with empty text "
+        "(benchmarks on config-only model directories).",
+    )
     dtype: str = _arg(
         "auto",
         "Compute and weight dtype: auto (the checkpoint's dtype), float32/float, bfloat16, float16/half.",
@@ -115,6 +120,7 @@ class EngineArgs:
 class ModelConfig:
     model: str
     tokenizer: str
+    skip_tokenizer_init: bool
     dtype: str
     max_model_len: int
     load_format: str
@@ -223,6 +229,7 @@ class EngineConfig:
             model_config=ModelConfig(
                 model=model,
                 tokenizer=args.tokenizer or model,
+                skip_tokenizer_init=bool(args.skip_tokenizer_init),
                 dtype=args.dtype,
                 max_model_len=max_model_len,
                 load_format=args.load_format,

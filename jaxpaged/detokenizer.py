@@ -55,7 +55,9 @@ class IncrementalDetokenizer:
         self.num_output_tokens = 0
         self._sent_offset = 0
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if use_fast and isinstance(backend, Tokenizer):
+        if tokenizer is None:  # skip_tokenizer_init: token ids only, empty text
+            self._decoder = _NoTextDecoder()
+        elif use_fast and isinstance(backend, Tokenizer):
             self._decoder = _StreamDecoder(tokenizer, backend, prompt_token_ids, params)
         else:
             self._decoder = _WindowDecoder(tokenizer, prompt_token_ids, params)
@@ -114,6 +116,16 @@ class IncrementalDetokenizer:
             return ""
         self._sent_offset = end
         return self.output_text[start:end]
+
+
+class _NoTextDecoder:
+    """Decoder of an engine without a tokenizer (``skip_tokenizer_init``): no text."""
+
+    def decode_next(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
 
 
 class _WindowDecoder:

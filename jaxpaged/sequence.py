@@ -137,3 +137,11 @@ class Sequence:
         """Record a sampled token; its K/V are computed by the next step that schedules it."""
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+
+    def replace_last_token(self, token_id: int) -> None:
+        """Overwrite the last output token: async scheduling appends a placeholder first and
+        learns the sampled id one step later."""
+        if not self.output_token_ids:
+            raise ValueError(f"sequence {self.seq_id!r} has no output token to replace")
+        self.token_ids[-1] = token_id
+        self.output_token_ids[-1] = token_id

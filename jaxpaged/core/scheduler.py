@@ -283,6 +283,11 @@ class Scheduler:
         # Front of the queue: it arrived before everything still waiting.
         self.waiting.appendleft(seq)
 
+    def check_stop(self, seq: Sequence) -> SequenceStatus | None:
+        """The stop rule of `update_from_output` on `seq`'s last token, without acting on it
+        (async scheduling re-checks once a placeholder token is replaced by the sampled one)."""
+        return self._check_stop(seq)
+
     def _check_stop(self, seq: Sequence) -> SequenceStatus | None:
         params = seq.sampling_params
         last = seq.last_token_id

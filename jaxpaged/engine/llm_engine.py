@@ -29,8 +29,10 @@ from jaxpaged.worker.distributed import agree_on_min, initialize_distributed, is
 from jaxpaged.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     KVCacheSpec,
+    MemoryBudget,
     allocate_kv_caches,
-    device_kv_budget,
+    bytes_in_use,
+    measure_kv_budget,
     num_blocks_for_budget,
 )
 from jaxpaged.worker.model_runner import ModelRunner
@@ -67,7 +69,11 @@ class LLMEngine:
         self.attention_backend = backend
         self.dtype = _resolve_dtype(mc.dtype, mc.hf_config_json)
 
-        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
+        # skip_tokenizer_init (vLLM's name): prompts are token ids and outputs carry empty text,
+        # so a config-only directory with dummy weights is enough (benchmarks).
+        self.tokenizer = (
+            None if mc.skip_tokenizer_init else AutoTokenizer.from_pretrained(mc.tokenizer)
+        )
         load = (
             load_model
             if self.mesh is None
@@ -103,15 +109,19 @@ class LLMEngine:
             max_logprobs=mc.max_logprobs,
         )
         # Budgets are per device; the cache splits evenly over the tp devices.
+        self.memory_budget: MemoryBudget | None = None
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
         elif cc.kv_cache_memory_bytes is not None:
             num_blocks = num_blocks_for_budget(spec, cc.kv_cache_memory_bytes * tp, cap=2**31 - 1)
         else:
-            num_blocks = self._profile_num_blocks(model, spec, runner_kwargs, kv_sharding)
-            if num_blocks is None:  # no device memory statistics (CPU): fixed budget
+            self.memory_budget = self._profile_memory(model, spec, runner_kwargs, kv_sharding)
+            if self.memory_budget is None:  # no device memory statistics (CPU): fixed budget
                 cap = sc.max_num_seqs * max_blocks_per_seq + 1
                 num_blocks = num_blocks_for_budget(spec, DEFAULT_CPU_KV_CACHE_BYTES * tp, cap=cap)
+            else:
+                per_device = self.memory_budget.kv_bytes
+                num_blocks = num_blocks_for_budget(spec, per_device * tp, cap=2**31 - 1)
         # Every process must hold the same number of blocks, or their schedules diverge.
         num_blocks = agree_on_min(num_blocks)
         self.num_blocks = num_blocks
@@ -129,18 +139,19 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._seed_counter = itertools.count()
 
-    def _profile_num_blocks(
+    def _profile_memory(
         self, model, spec: KVCacheSpec, runner_kwargs: dict, kv_sharding
-    ) -> int | None:
-        """Blocks that fit after one profiling step at the full token budget (vLLM's rule), or
-        None when the device reports no memory statistics (CPU). With tensor parallelism the
-        tightest of this process's mesh devices sets the per-device budget."""
+    ) -> MemoryBudget | None:
+        """Per-device memory left for KV blocks after one profiling step at the full token
+        budget (vLLM's rule), or None when the device reports no memory statistics (CPU). With
+        tensor parallelism the tightest of this process's mesh devices sets the budget."""
         devices = (
             [jax.local_devices()[0]]
             if self.mesh is None
             else [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         )
-        if device_kv_budget(1.0, devices[0]) is None:
+        weights = [bytes_in_use(d) for d in devices]
+        if weights[0] is None:
             return None
         sc = self.config.scheduler_config
         probe_blocks = -(-sc.max_num_batched_tokens // spec.block_size) + 1
@@ -149,9 +160,43 @@ class LLMEngine:
         probe.profile_run()
         del probe, probe_caches
         utilization = self.config.cache_config.gpu_memory_utilization
-        per_device = min(device_kv_budget(utilization, d) for d in devices)
+        budgets = [
+            measure_kv_budget(utilization, d, weights_bytes=w)
+            for d, w in zip(devices, weights, strict=True)
+        ]
+        return min(budgets, key=lambda budget: budget.kv_bytes)
+
+    def kv_cache_report(self) -> str:
+        """One line: KV blocks, tokens and GiB, and (after profiling) their share of the memory
+        left after weights and activations (per device)."""
+        block_size = self.config.cache_config.block_size
         tp = self.config.parallel_config.tensor_parallel_size
-        return num_blocks_for_budget(spec, per_device * tp, cap=2**31 - 1)
+        kv_bytes = self.num_blocks * self.kv_cache_spec.bytes_per_block // tp
+        line = (
+            f"KV cache: {kv_bytes / 2**30:.2f} GiB per device, {self.num_blocks} blocks of "
+            f"{block_size} tokens = {self.num_blocks * block_size} tokens"
+        )
+        budget = self.memory_budget
+        if budget is not None:
+            left = budget.left_after_weights_and_activations
+            line += (
+                f"; device {budget.total / 2**30:.1f} GiB, gpu_memory_utilization "
+                f"{self.config.cache_config.gpu_memory_utilization} -> usable "
+                f"{budget.usable / 2**30:.2f} GiB (JAX pool {budget.pool / 2**30:.2f} GiB), "
+                f"weights {budget.weights / 2**30:.2f} GiB, peak after profiling "
+                f"{budget.peak / 2**30:.2f} GiB, left {left / 2**30:.2f} GiB, of which the KV "
+                f"cache takes {100 * kv_bytes / max(left, 1):.1f}%"
+            )
+        return line
+
+    def fragmentation_report(self) -> str:
+        """One line: tokens stored / slots held by the running sequences (internal
+        fragmentation, the PagedAttention paper's < 4% claim)."""
+        stored, held = self.kv_cache_manager.slots_stored_vs_held()
+        waste = 100 * (1 - stored / held) if held else 0.0
+        return (
+            f"KV slots: {stored} tokens stored / {held} held = {waste:.2f}% internal fragmentation"
+        )
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs) -> LLMEngine:
@@ -208,6 +253,14 @@ class LLMEngine:
         self.scheduler.add_request(seq)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        is_text = isinstance(prompt, str) or (
+            isinstance(prompt, Mapping) and "prompt_token_ids" not in prompt and "prompt" in prompt
+        )
+        if is_text and self.tokenizer is None:
+            raise ValueError(
+                "text prompts need a tokenizer, but the engine was built with "
+                "skip_tokenizer_init=True: give {'prompt_token_ids': [...]} instead"
+            )
         if isinstance(prompt, str):
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, Mapping):
@@ -307,7 +360,9 @@ def _first_eos(hf_config, tokenizer) -> int | None:
     eos = getattr(hf_config, "eos_token_id", None)
     if isinstance(eos, list):
         eos = eos[0] if eos else None
-    return eos if eos is not None else tokenizer.eos_token_id
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return eos
 
 
 # Sequence status is re-exported for callers that inspect engine state.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 import types
@@ -32,6 +33,17 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
             )
         else:
             group.add_argument(flag, type=base, default=field.default, help=help_text)
+
+
+def set_jax_memory_fraction(gpu_memory_utilization: float) -> None:
+    """Size JAX's GPU memory pool to ``gpu_memory_utilization`` of the card.
+
+    JAX preallocates ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the card (75% by default) when its
+    GPU backend starts, and the engine's KV cache can only use memory inside that pool, so an
+    entry point sets it before the first JAX operation. A value the user exported is kept.
+    Library users set the variable themselves before using jax.
+    """
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{gpu_memory_utilization:.4f}")
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
@@ -90,6 +102,7 @@ def _generate(args: argparse.Namespace) -> int:
     from jaxpaged.worker.distributed import is_driver
 
     engine_args = engine_args_from(args)
+    set_jax_memory_fraction(engine_args.gpu_memory_utilization)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -23,6 +23,12 @@ class LLM:
     ``num_gpu_blocks_override``, ``seed``, ``load_format``, ...). ``model=None`` loads the
     embedded stories260k checkpoint.
 
+    GPU memory: JAX preallocates ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the card (75% by default)
+    when it first touches the GPU, and the KV cache can only use memory inside that pool. The
+    ``jaxpaged`` CLI and the benchmark scripts set it from ``gpu_memory_utilization``; a program
+    that builds an ``LLM`` itself sets that environment variable (e.g. to ``"0.90"``) before
+    its first JAX operation, or the KV cache is capped by the smaller pool.
+
     Raises:
         ValueError: for an invalid argument or a missing / unsupported model directory.
     """

@@ -157,7 +157,9 @@ class LogprobsBuilder:
         self.tokenizer = tokenizer
         self._text: dict[int, str] = {}
 
-    def decoded(self, token_id: int) -> str:
+    def decoded(self, token_id: int) -> str | None:
+        if self.tokenizer is None:  # skip_tokenizer_init: no text, as vLLM reports None
+            return None
         text = self._text.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id]) or ""

@@ -1,13 +1,15 @@
 """KV cache on the device: how many blocks fit, and allocating them.
 
 Sizing follows vLLM (DESIGN.md §3): after the weights are loaded and one profiling step at the
-full token budget has run, the KV cache gets ``gpu_memory_utilization * device_limit - peak``
-bytes. ``kv_cache_memory_bytes`` replaces that rule (the default on CPU, where there is no device
-limit to read), and ``num_gpu_blocks_override`` forces a block count.
+full token budget has run, the KV cache gets ``gpu_memory_utilization * device_memory - peak``
+bytes (capped by the JAX allocator's pool; see ``MemoryBudget``). ``kv_cache_memory_bytes``
+replaces that rule (the default on CPU, where there is no device limit to read), and
+``num_gpu_blocks_override`` forces a block count.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import jax
@@ -50,16 +52,98 @@ def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int, *, cap: int) -> 
     return int(num_blocks)
 
 
-def device_kv_budget(gpu_memory_utilization: float, device: jax.Device) -> int | None:
-    """Bytes left for the KV cache on ``device`` after weights and the profiling step, or None.
+@dataclasses.dataclass(frozen=True)
+class MemoryBudget:
+    """How the device's memory was split, in bytes (DESIGN.md §3).
 
-    None means the device reports no memory statistics (CPU): the caller uses a fixed budget.
+    ``usable = min(gpu_memory_utilization * total, pool)``: the engine may use the fraction of
+    the card the user asked for, but never more than the JAX allocator's pool (JAX preallocates
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the card, 75% by default; the CLI and the benchmark
+    scripts set it from ``--gpu-memory-utilization`` before importing jax, library users set it
+    themselves). ``peak`` is the allocator's peak after the weights were loaded and one
+    profiling step at the full token budget ran, so ``usable - peak`` is the memory left after
+    weights and activations; the KV cache gets all of it but a small headroom.
+    """
+
+    total: int  # physical device memory; equals `pool` when the driver cannot be asked
+    pool: int  # JAX allocator limit (`bytes_limit` of `device.memory_stats()`)
+    requested: int  # gpu_memory_utilization * total
+    weights: int  # bytes in use after loading the weights, before profiling
+    peak: int  # peak bytes in use after the profiling step
+    headroom: int  # kept free for allocator fragmentation and untracked temporaries
+
+    @property
+    def usable(self) -> int:
+        return min(self.requested, self.pool)
+
+    @property
+    def left_after_weights_and_activations(self) -> int:
+        return self.usable - self.peak
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.left_after_weights_and_activations - self.headroom
+
+
+# Share of the memory left after weights and activations that the KV cache does not take: room
+# for allocator fragmentation and for step temporaries larger than the profiled bucket's.
+KV_HEADROOM_FRACTION = 0.01
+
+
+def device_memory_bytes(device: jax.Device) -> int | None:
+    """Physical memory of a CUDA ``device`` from the driver (``cuDeviceTotalMem``), or None.
+
+    JAX reports only its allocator pool (a fraction of the card), so the card's size comes from
+    the CUDA driver library, which every CUDA process has loaded. None off CUDA or when the
+    driver cannot be asked.
+    """
+    if device.platform != "gpu":
+        return None
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    ordinal = getattr(device, "local_hardware_id", None)
+    ordinal = device.id if ordinal is None else ordinal
+    handle, total = ctypes.c_int(), ctypes.c_size_t()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(handle), int(ordinal)) != 0:
+        return None
+    if cuda.cuDeviceTotalMem_v2(ctypes.byref(total), handle) != 0:
+        return None
+    return int(total.value)
+
+
+def bytes_in_use(device: jax.Device) -> int | None:
+    """Bytes the JAX allocator holds now on ``device``; None without memory statistics (CPU)."""
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats.get("bytes_in_use", 0))
+
+
+def measure_kv_budget(
+    gpu_memory_utilization: float, device: jax.Device, *, weights_bytes: int
+) -> MemoryBudget | None:
+    """The split of ``device``'s memory after weights and the profiling step, or None on CPU.
+
+    Call it right after the profiling step (its peak is what activations need).
     """
     stats = device.memory_stats()
     if not stats or "bytes_limit" not in stats:
         return None
-    peak = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
-    return int(gpu_memory_utilization * stats["bytes_limit"]) - int(peak)
+    pool = int(stats["bytes_limit"])
+    total = device_memory_bytes(device) or pool
+    peak = int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)))
+    requested = int(gpu_memory_utilization * total)
+    left = min(requested, pool) - peak
+    return MemoryBudget(
+        total=total,
+        pool=pool,
+        requested=requested,
+        weights=weights_bytes,
+        peak=peak,
+        headroom=max(0, int(KV_HEADROOM_FRACTION * left)),
+    )
 
 
 def allocate_kv_caches(
@@ -75,3 +159,11 @@ def allocate_kv_caches(
     placement = {} if sharding is None else {"out_shardings": sharding}
     make = jax.jit(lambda: jnp.full(shape, fill_value, spec.dtype), **placement)
     return [(make(), make()) for _ in range(spec.num_layers)]
+
+
+def kv_cache_shapes(spec: KVCacheSpec, num_blocks: int) -> list:
+    """The caches ``allocate_kv_caches`` makes, as ``jax.ShapeDtypeStruct`` pairs (compiling
+    needs only these)."""
+    shape = kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    leaf = jax.ShapeDtypeStruct(shape, spec.dtype)
+    return [(leaf, leaf) for _ in range(spec.num_layers)]

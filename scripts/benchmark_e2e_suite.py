@@ -1,0 +1,133 @@
+"""The end-to-end suite of docs/benchmarks.md in one process: one engine (compiled once) runs the
+offline throughput workloads (fixed 128/128 and ShareGPT-like, each also timed with synchronous
+steps to measure the device's idle fraction) and the batch-1 latency, then prints a summary.
+
+    python scripts/benchmark_e2e_suite.py --model benchmarks/configs/llama-3-8b \\
+        --load-format dummy --skip-tokenizer-init --dtype bfloat16 --max-model-len 2048 \\
+        --max-num-seqs 1024 --max-num-batched-tokens 16384 --output-dir results/
+
+``scripts/benchmark_e2e_report.py`` turns its JSON (and the HF baseline's) into the tables and the
+plot of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import platform
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from jaxpaged.entrypoints.cli import add_engine_args  # noqa: E402
+from scripts import benchmark_latency, benchmark_throughput  # noqa: E402
+from scripts.benchmark_dataset import make_requests  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=1000, help="requests per workload")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens (fixed)")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens (fixed)")
+    parser.add_argument("--latency-input-len", type=int, default=128, help="batch-1 prompt")
+    parser.add_argument("--latency-output-len", type=int, default=128, help="batch-1 output")
+    parser.add_argument("--latency-warmup", type=int, default=2, help="untimed iterations")
+    parser.add_argument("--latency-iters", type=int, default=5, help="timed iterations")
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["random", "sharegpt-synthetic", "latency"],
+        choices=["random", "sharegpt-synthetic", "latency"],
+        help="what to run, in order",
+    )
+    parser.add_argument("--output-dir", default=".", help="where suite.json goes")
+    benchmark_throughput.add_tensor_parallel_arg(parser)
+    add_engine_args(parser)
+    return parser
+
+
+def _environment() -> dict:
+    import jax
+
+    import jaxpaged
+
+    device = jax.devices()[0]
+    return {
+        "jax": jax.__version__,
+        "jaxpaged": jaxpaged.__version__,
+        "python": platform.python_version(),
+        "backend": jax.default_backend(),
+        "device_kind": device.device_kind,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    benchmark_throughput.check_tensor_parallel(parser, args)
+    out_dir = pathlib.Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    suite: dict = {"args": vars(args)}
+
+    def save() -> None:
+        (out_dir / "suite.json").write_text(json.dumps(suite, indent=2))
+
+    start = time.perf_counter()
+    llm = benchmark_throughput.build_llm(args)
+    engine = llm.llm_engine
+    suite["environment"] = _environment()
+    suite["startup_seconds"] = time.perf_counter() - start
+    suite["compile_seconds"] = engine.compile_seconds
+    suite["num_buckets"] = len(engine.model_runner.all_bucket_keys())
+    suite["kv_cache"] = {
+        "report": engine.kv_cache_report(),
+        "num_blocks": engine.num_blocks,
+        "block_size": engine.config.cache_config.block_size,
+        "bytes": engine.num_blocks * engine.kv_cache_spec.bytes_per_block,
+        "budget": dataclasses.asdict(engine.memory_budget) if engine.memory_budget else None,
+    }
+    print(engine.kv_cache_report(), flush=True)
+    print(
+        f"Start-up {suite['startup_seconds']:.1f} s, of which compiling "
+        f"{suite['num_buckets']} step buckets {engine.compile_seconds:.1f} s",
+        flush=True,
+    )
+    save()
+
+    for workload in args.workloads:
+        print(f"=== {workload} ===", flush=True)
+        if workload == "latency":
+            result = benchmark_latency.run_latency(
+                llm,
+                batch_size=1,
+                input_len=args.latency_input_len,
+                output_len=args.latency_output_len,
+                num_iters_warmup=args.latency_warmup,
+                num_iters=args.latency_iters,
+                seed=args.seed,
+            )
+            lines = benchmark_latency.result_lines(result)
+        else:
+            requests = make_requests(
+                workload,
+                num_prompts=args.num_prompts,
+                input_len=args.input_len,
+                output_len=args.output_len,
+                vocab_size=engine.vocab_size,
+                seed=args.seed,
+            )
+            result = benchmark_throughput.run_throughput(llm, requests)
+            lines = benchmark_throughput.result_lines(result)
+        for line in lines:
+            print(line, flush=True)
+        suite[workload] = result
+        save()
+    print(engine.fragmentation_report(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
