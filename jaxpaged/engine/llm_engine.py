@@ -133,8 +133,11 @@ class LLMEngine:
         if enforce_eager is None:
             # XLA:CPU takes seconds per bucket and CPU runs are short: compile what is used.
             enforce_eager = not on_gpu
+        compile_start = time.perf_counter()
         if not enforce_eager:
             self.model_runner.compile_all(show_progress=show_progress)
+        # Seconds spent compiling step buckets at start-up (0 with lazy compilation).
+        self.compile_seconds = time.perf_counter() - compile_start
 
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._seed_counter = itertools.count()
