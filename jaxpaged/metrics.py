@@ -60,9 +60,9 @@ class ServerMetrics:
         self.model_name = model_name
 
         def make(kind, name, doc, **kwargs):
-            return kind(PREFIX + name, doc, ["model_name"], registry=self.registry, **kwargs).labels(
-                model_name
-            )
+            return kind(
+                PREFIX + name, doc, ["model_name"], registry=self.registry, **kwargs
+            ).labels(model_name)
 
         self.num_requests_running = make(
             Gauge, "num_requests_running", "Number of requests in the running batch."
@@ -113,7 +113,9 @@ class ServerMetrics:
             ITL_BUCKETS,
         )
         self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds", "Arrival to last token, seconds.", REQUEST_LATENCY_BUCKETS
+            "e2e_request_latency_seconds",
+            "Arrival to last token, seconds.",
+            REQUEST_LATENCY_BUCKETS,
         )
         self.request_queue_time = histogram(
             "request_queue_time_seconds",

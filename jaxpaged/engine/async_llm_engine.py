@@ -123,7 +123,8 @@ class AsyncLLMEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float | None = 60.0) -> None:
-        """Stop the engine thread after its current step and wait for it."""
+        """Stop the engine thread after its current step and wait for it; requests still
+        running are aborted and their streams fail with ``EngineDeadError``."""
         with self._ops_lock:
             self._stopping = True
         self._wakeup.set()
@@ -200,6 +201,8 @@ class AsyncLLMEngine:
                     self._wakeup.wait()
                 self._wakeup.clear()
                 if self._stopping:
+                    for request_id in self._streams:  # leave the engine clean for reuse
+                        engine.abort_request(request_id)
                     self._fail_all(EngineDeadError("the engine loop was shut down"))
                     return
                 self._apply_ops()

@@ -56,7 +56,9 @@ class NotFoundError(OpenAIError):
 
 def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
     error_type = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=status))
+    return ErrorResponse(
+        error=ErrorInfo(message=message, type=error_type, param=param, code=status)
+    )
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:

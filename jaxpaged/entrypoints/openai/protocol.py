@@ -103,8 +103,7 @@ class CompletionRequest(_SamplingFields):
         ):
             return value
         raise ValueError(
-            "must be a string, a list of strings, a list of token ids or a list of "
-            "token-id lists"
+            "must be a string, a list of strings, a list of token ids or a list of token-id lists"
         )
 
 
@@ -185,9 +184,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError(
-                "add_generation_prompt and continue_final_message cannot both be true"
-            )
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         return self
 
 

@@ -84,9 +84,7 @@ class OpenAIServingChat(OpenAIServing):
         # A request's template is inline Jinja only: reading a path a client names would let
         # it render any server file into a prompt.
         template = (
-            chat_template
-            or self.chat_template
-            or getattr(self.tokenizer, "chat_template", None)
+            chat_template or self.chat_template or getattr(self.tokenizer, "chat_template", None)
         )
         if not template:
             raise BadRequestError(
@@ -142,11 +140,15 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = request.max_tokens
         self.check_length(len(ids), max_tokens, "messages")
         values = self.common_sampling_values(request)
-        values["max_tokens"] = max_tokens if max_tokens is not None else self.max_model_len - len(ids)
+        values["max_tokens"] = (
+            max_tokens if max_tokens is not None else self.max_model_len - len(ids)
+        )
         values["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(values)
         request_id = random_id("chatcmpl")
-        (stream,) = await self.add_requests(request_id, [(prompt_text, ids)], [params], arrival_time)
+        (stream,) = await self.add_requests(
+            request_id, [(prompt_text, ids)], [params], arrival_time
+        )
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, stream), media_type="text/event-stream"

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.entrypoints.openai.conftest import MODEL_NAME
+from tests.live_server import MODEL_NAME
 
 openai = pytest.importorskip("openai")
 
 MESSAGES = [
     {"role": "system", "content": "Tell a story."},
-    {"role": "user", "content": [{"type": "text", "text": "Once upon"}, {"type": "text", "text": "a time"}]},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "Once upon"}, {"type": "text", "text": "a time"}],
+    },
 ]
 # The test template (conftest.CHAT_TEMPLATE) rendered by hand: text parts joined by newlines.
 RENDERED = "system: Tell a story.\nuser: Once upon\na time\nassistant:"
@@ -84,7 +87,9 @@ def test_streamed_chat_starts_with_role_and_adds_usage_only_when_asked(client, e
 
 def test_request_chat_template_replaces_the_server_one(client, stories_llm, greedy_reference):
     template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    ids = stories_llm.get_tokenizer().encode("Tell a story. Once upon\na time ", add_special_tokens=False)
+    ids = stories_llm.get_tokenizer().encode(
+        "Tell a story. Once upon\na time ", add_special_tokens=False
+    )
     (reference,) = greedy_reference([{"prompt_token_ids": ids}], 5)
     response = client.chat.completions.create(
         model=MODEL_NAME,

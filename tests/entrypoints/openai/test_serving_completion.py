@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests.entrypoints.openai.conftest import API_KEY, MODEL_NAME
+from tests.live_server import API_KEY, MODEL_NAME
 
 openai = pytest.importorskip("openai")
 
@@ -77,9 +77,7 @@ def test_token_id_prompts_and_echo(client, greedy_reference, stories_llm):
     expected = greedy_reference([{"prompt_token_ids": p} for p in ids], 6)
     batch = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=6, temperature=0)
     assert [c.text for c in batch.choices] == [e.outputs[0].text for e in expected]
-    single = client.completions.create(
-        model=MODEL_NAME, prompt=ids[0], max_tokens=6, temperature=0
-    )
+    single = client.completions.create(model=MODEL_NAME, prompt=ids[0], max_tokens=6, temperature=0)
     assert single.choices[0].text == expected[0].outputs[0].text
     assert single.usage.prompt_tokens == len(ids[0])
 
