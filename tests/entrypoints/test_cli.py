@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-
 import httpx
 import pytest
 
@@ -63,35 +57,29 @@ def test_serve_rejects_conflicting_model_and_negative_queue_bound():
         serve_options(_serve_args("--max-num-queued-requests", "-1"), environ={})
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def test_jaxpaged_serve_builds_the_app_and_serves_it(monkeypatch):
+    """``main(["serve", ...])`` end to end, with uvicorn's blocking ``run`` replaced by a
+    recorder whose app is then served on loopback."""
+    import uvicorn
 
+    from jaxpaged.entrypoints.cli import main
+    from tests.live_server import RunningServer
 
-def test_jaxpaged_serve_starts_and_answers(tmp_path):
-    port = _free_port()
-    env = dict(os.environ, JAXPAGED_API_KEY="k")
-    command = [sys.executable, "-m", "jaxpaged.entrypoints.cli", "serve", "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--max-model-len", "64", "--uvicorn-log-level", "warning"]
-    log = open(tmp_path / "server.log", "w")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    served = {}
+
+    def record(app, **kwargs):
+        served.update(kwargs, app=app)
+
+    monkeypatch.setattr(uvicorn, "run", record)
+    monkeypatch.setenv("JAXPAGED_API_KEY", "k")
+    assert main(["serve", "--port", "1234", "--max-model-len", "64"]) == 0
+    assert (served["host"], served["port"]) == ("0.0.0.0", 1234)
+    running = RunningServer(served["app"])
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        assert httpx.get(f"{url}/v1/models").status_code == 401
-        models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k"}).json()
-        assert [m["id"] for m in models["data"]] == ["stories260k"]
-        assert models["data"][0]["max_model_len"] == 64
+        assert httpx.get(f"{running.url}/health").status_code == 200
+        assert httpx.get(f"{running.url}/v1/models").status_code == 401
+        models = httpx.get(f"{running.url}/v1/models", headers={"Authorization": "Bearer k"})
+        assert [m["id"] for m in models.json()["data"]] == ["stories260k"]
+        assert models.json()["data"][0]["max_model_len"] == 64
     finally:
-        process.terminate()
-        process.wait(30)
-        log.close()
+        running.stop()

@@ -70,7 +70,6 @@ class _SamplingFields(OpenAIBaseModel):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    request_id: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

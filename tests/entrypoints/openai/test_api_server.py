@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -276,53 +277,44 @@ def test_full_waiting_queue_answers_429_and_others_are_unaffected(server, slow_s
     assert kv.num_free_blocks == kv.num_blocks
 
 
-def test_engine_death_fails_requests_with_500_and_health_with_503():
+def test_engine_death_fails_in_flight_requests_with_500_and_health_with_503():
+    """The step dies once a whole response and a stream (chat sends its role chunk before any
+    step) are both in flight; no model step runs, so nothing compiles."""
     from jaxpaged.entrypoints.openai.api_server import build_app
 
     llm_engine = make_engine()
-
-    def broken_step():
-        raise RuntimeError("device lost")
-
-    llm_engine.step = broken_step
-    running = RunningServer(build_app(llm_engine, served_model_names=[MODEL_NAME]))
-    try:
-        body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 4}
-        with httpx.Client(base_url=running.url, timeout=60) as http_client:
-            dead = _error(http_client.post("/v1/completions", json=body), 500, match="device lost")
-            assert dead["type"] == "InternalServerError"
-            health = _error(http_client.get("/health"), 503, match="device lost")
-            assert health["type"] == "ServiceUnavailableError"
-            _error(http_client.post("/v1/completions", json=body), 500, match="has died")
-    finally:
-        running.stop()
-
-
-def test_engine_death_mid_stream_sends_an_error_event_then_done():
-    from jaxpaged.entrypoints.openai.api_server import build_app
-
-    llm_engine = make_engine()
-    step = llm_engine.step
-    calls = []
 
     def dying_step():
-        calls.append(1)
-        if len(calls) > 1:  # one real step: a chunk is out, then the loop dies
-            raise RuntimeError("device lost")
-        return step()
+        if llm_engine.get_num_unfinished_requests() < 2:
+            time.sleep(0.001)
+            return []
+        raise RuntimeError("device lost")
 
     llm_engine.step = dying_step
-    running = RunningServer(build_app(llm_engine, served_model_names=[MODEL_NAME]))
+    app = build_app(llm_engine, served_model_names=[MODEL_NAME], chat_template="{{ 'x' }}")
+    running = RunningServer(app)
+    completion = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 4}
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+    async def both():
+        async with httpx.AsyncClient(base_url=running.url, timeout=60) as http_client:
+            return await asyncio.gather(
+                http_client.post("/v1/completions", json=completion),
+                http_client.post("/v1/chat/completions", json=chat),
+            )
+
     try:
-        body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 50, "stream": True}
+        whole, stream = asyncio.run(both())
+        assert _error(whole, 500, match="device lost")["type"] == "InternalServerError"
+        assert stream.status_code == 200
+        events = [line for line in stream.text.splitlines() if line]
+        assert '"role": "assistant"' in events[0]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 500 and "device lost" in error["message"]
         with httpx.Client(base_url=running.url, timeout=60) as http_client:
-            lines = [
-                line
-                for line in http_client.post("/v1/completions", json=body).text.splitlines()
-                if line
-            ]
-        assert lines[-1] == "data: [DONE]"
-        assert '"error"' in lines[-2] and "device lost" in lines[-2] and '"code": 500' in lines[-2]
-        assert all('"text_completion"' in line for line in lines[:-2])
+            health = _error(http_client.get("/health"), 503, match="device lost")
+            assert health["type"] == "ServiceUnavailableError"
+            _error(http_client.post("/v1/completions", json=completion), 500, match="has died")
     finally:
         running.stop()
