@@ -244,7 +244,7 @@ class AsyncLLMEngine:
                 continue
             try:
                 engine.add_request(request_id, prompt, params, arrival_time=arrival_time)
-            except ValueError as error:
+            except Exception as error:  # ValueError (400) or a bug (500): this request only
                 resolutions.append((accepted, error))
                 continue
             self._streams[request_id] = stream
