@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import secrets
 from collections.abc import Awaitable, Sequence
 
@@ -42,8 +41,6 @@ from jaxpaged.entrypoints.openai.protocol import (
 from jaxpaged.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from jaxpaged.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxpaged.metrics import ServerMetrics
-
-logger = logging.getLogger(__name__)
 
 
 def build_app(

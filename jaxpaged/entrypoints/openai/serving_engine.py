@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
@@ -37,8 +36,6 @@ from jaxpaged.entrypoints.openai.protocol import (
 )
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 # Values that mean "feature off": a field the engine does not support yet may still be sent
 # with these (clients often send the OpenAI defaults explicitly).
