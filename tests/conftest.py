@@ -32,3 +32,13 @@ def stories_llm():
     from jaxpaged import LLM
 
     return LLM(dtype="float32", **SMALL_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def server():
+    """A live OpenAI-compatible server on loopback (``tests/live_server.py``)."""
+    from tests.live_server import start_test_server
+
+    running = start_test_server()
+    yield running
+    running.stop()

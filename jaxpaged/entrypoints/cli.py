@@ -1,7 +1,7 @@
-"""The ``jaxpaged`` command: ``jaxpaged generate "Once upon a time"``.
+"""The ``jaxpaged`` command: ``jaxpaged generate "Once upon a time"``, ``jaxpaged serve``.
 
 Every ``EngineArgs`` field is a flag (``--max-model-len``, ``--block-size``, ...), as in vLLM.
-This is the only module that reads ``os.environ``.
+This is the only module that reads ``os.environ`` (``JAXPAGED_API_KEY`` for ``serve``).
 """
 
 from __future__ import annotations
@@ -93,7 +93,93 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--ignore-eos", action="store_true", help="generate past the EOS token")
     add_engine_args(gen)
+    _add_serve_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser(
+        "serve", help="start the OpenAI-compatible HTTP server (vLLM's `vllm serve`)"
+    )
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="local HF model directory; omitted: the embedded stories260k (same as --model)",
+    )
+    serve.add_argument(
+        "--host", default=None, help="address to listen on (default: all interfaces)"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients send as `model`; the first is echoed in responses and "
+        "labels the metrics (default: MODEL, or stories260k for the embedded model)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* (default: env JAXPAGED_API_KEY, "
+        "else no key)",
+    )
+    serve.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template file path or inline Jinja, replacing the tokenizer's",
+    )
+    serve.add_argument(
+        "--max-num-queued-requests",
+        type=int,
+        default=None,
+        help="most requests that may wait for a batch slot; more get HTTP 429 "
+        "(default: unbounded, as vLLM)",
+    )
+    serve.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level (default: info)",
+    )
+    add_engine_args(serve)
+
+
+def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
+    """``run_server`` keywords from parsed ``serve`` flags (``environ`` supplies the key).
+
+    Raises:
+        ValueError: MODEL and --model disagree, or a bad --max-num-queued-requests.
+    """
+    from jaxpaged.config import DEFAULT_MODEL_NAME
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(
+            f"MODEL ({args.model_tag!r}) and --model ({args.model!r}) disagree; give one"
+        )
+    args.model = args.model_tag or args.model
+    if args.max_num_queued_requests is not None and args.max_num_queued_requests < 0:
+        raise ValueError(
+            f"--max-num-queued-requests must be >= 0, got {args.max_num_queued_requests}"
+        )
+    return dict(
+        engine_args=engine_args_from(args),
+        host=args.host,
+        port=args.port,
+        served_model_names=args.served_model_name or [args.model or DEFAULT_MODEL_NAME],
+        api_key=args.api_key or environ.get("JAXPAGED_API_KEY") or None,
+        chat_template=args.chat_template,
+        max_num_queued_requests=args.max_num_queued_requests,
+        uvicorn_log_level=args.uvicorn_log_level,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from jaxpaged.entrypoints.openai.api_server import run_server
+
+    run_server(**serve_options(args))
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -136,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
     except ValueError as error:
         print(f"jaxpaged: error: {error}", file=sys.stderr)
         return 2

@@ -1,0 +1,245 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over an ``AsyncLLMEngine``.
+
+Routes (vLLM's, ``reference/vllm_surface.md`` section 2.2): ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (200, or 503 once the engine
+loop has died), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
+(Prometheus text). With an API key, only ``/v1/*`` paths require
+``Authorization: Bearer <key>`` (401 otherwise), as in vLLM.
+
+A client that disconnects has its engine requests aborted: streaming responses through
+Starlette's disconnect listener (which cancels the body iterator), whole responses through
+``_cancel_on_disconnect``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import Awaitable, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
+from transformers import AutoTokenizer
+
+import jaxpaged
+from jaxpaged.engine.async_llm_engine import AsyncLLMEngine
+from jaxpaged.entrypoints.openai.errors import error_response, install_error_handlers
+from jaxpaged.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    ModelPermission,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from jaxpaged.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
+from jaxpaged.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxpaged.metrics import ServerMetrics
+
+
+def build_app(
+    llm_engine,
+    *,
+    served_model_names: Sequence[str] | None = None,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    max_num_queued_requests: int | None = None,
+) -> FastAPI:
+    """The server app over ``llm_engine`` (an ``LLMEngine``); its loop starts with the app's
+    lifespan and stops with it.
+
+    Args:
+        served_model_names: accepted ``model`` values; the first is echoed in responses and
+            is the ``model_name`` metric label. None: the model path.
+        api_key: required as ``Authorization: Bearer <key>`` on ``/v1/*``; None: no key.
+        chat_template: a file path or inline Jinja template replacing the tokenizer's.
+        max_num_queued_requests: bound of the waiting queue (HTTP 429 beyond); None: unbounded.
+
+    ``app.state.engine`` is the ``AsyncLLMEngine``, ``app.state.metrics`` its ``ServerMetrics``.
+
+    Raises:
+        ValueError: an empty served name list, a bad chat template or queue bound.
+    """
+    model_config = llm_engine.config.model_config
+    names = list(served_model_names or [model_config.model])
+    if not names or not all(names):
+        raise ValueError(f"served_model_names must be non-empty names, got {names!r}")
+    metrics = ServerMetrics(names[0])
+    engine = AsyncLLMEngine(
+        llm_engine, max_num_queued_requests=max_num_queued_requests, metrics=metrics
+    )
+    # The frontend tokenizes on the event loop while the engine thread decodes: separate
+    # instances, so no tokenizer is shared across threads.
+    tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
+    max_model_len = llm_engine.config.scheduler_config.max_model_len
+    common = dict(
+        engine=engine,
+        tokenizer=tokenizer,
+        served_model_names=names,
+        max_model_len=max_model_len,
+    )
+    completion = OpenAIServingCompletion(**common)
+    chat = OpenAIServingChat(**common, chat_template=load_chat_template(chat_template))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="jaxpaged OpenAI-compatible server", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_dead:
+            return error_response(503, f"the engine loop has died: {engine.dead_error!r}")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": jaxpaged.__version__})
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(
+                    id=name,
+                    root=model_config.model,
+                    max_model_len=max_model_len,
+                    permission=[ModelPermission(id=f"modelperm-{secrets.token_hex(16)}")],
+                )
+                for name in names
+            ]
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        return await _cancel_on_disconnect(raw_request, completion.create_completion(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await _cancel_on_disconnect(raw_request, chat.create_chat_completion(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        completion.check_model(request.model)
+        if request.messages is not None:
+            text = chat.render_messages(
+                request.messages,
+                chat_template=request.chat_template,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template_kwargs=request.chat_template_kwargs,
+            )
+            add_special = bool(request.add_special_tokens)
+        else:
+            text = request.prompt
+            add_special = request.add_special_tokens is not False
+        ids = list(tokenizer.encode(text, add_special_tokens=add_special))
+        strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        completion.check_model(request.model)
+        bad = [t for t in request.tokens if not 0 <= t < len(tokenizer)]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {len(tokenizer)})")
+        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _cancel_on_disconnect(raw_request: Request, handler: Awaitable[Response]) -> Response:
+    """Run ``handler``, cancelling it (its ``finally`` blocks abort the engine requests) if the
+    client disconnects first. vLLM's ``with_cancellation`` does the same."""
+    handler_task = asyncio.ensure_future(handler)
+    disconnect_task = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    done, _ = await asyncio.wait(
+        {handler_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED
+    )
+    if handler_task in done:
+        disconnect_task.cancel()
+        return handler_task.result()
+    handler_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await handler_task
+    # Nobody reads this: the client is gone.
+    return Response(status_code=499)
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _APIKeyMiddleware:
+    """Pure ASGI middleware (``BaseHTTPMiddleware`` would wrap streaming responses and hide
+    client disconnects): ``/v1/*`` needs ``Authorization: Bearer <api_key>``."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if (
+            scope["type"] == "http"
+            and scope["path"].startswith("/v1")
+            and scope["method"] != "OPTIONS"
+        ):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(given, self._expected):
+                response = error_response(401, "Unauthorized: missing or invalid API key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def run_server(
+    engine_args,
+    *,
+    host: str | None = None,
+    port: int = 8000,
+    served_model_names: Sequence[str] | None = None,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    max_num_queued_requests: int | None = None,
+    uvicorn_log_level: str = "info",
+) -> None:
+    """Build the engine from ``engine_args`` (``EngineArgs``) and serve until interrupted.
+
+    ``host`` None listens on all interfaces (vLLM's default).
+    """
+    import uvicorn
+
+    from jaxpaged.engine.llm_engine import LLMEngine
+
+    llm_engine = LLMEngine.from_engine_args(engine_args)
+    app = build_app(
+        llm_engine,
+        served_model_names=served_model_names,
+        api_key=api_key,
+        chat_template=chat_template,
+        max_num_queued_requests=max_num_queued_requests,
+    )
+    uvicorn.run(app, host=host or "0.0.0.0", port=port, log_level=uvicorn_log_level)

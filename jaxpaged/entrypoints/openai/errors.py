@@ -1,0 +1,127 @@
+"""HTTP errors in OpenAI's JSON shape, and the FastAPI handlers that produce them.
+
+Every error body is ``{"error": {"message", "type", "param", "code"}}`` (vLLM's current shape);
+``type`` is the name of the exception the ``openai`` Python client raises for that status
+(``BadRequestError`` for 400, ...), ``code`` the HTTP status. Request-body validation failures
+are answered 400, as vLLM does, instead of FastAPI's 422.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxpaged.engine.async_llm_engine import EngineDeadError, QueueFullError
+from jaxpaged.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class OpenAIError(Exception):
+    """An error answered with an HTTP status and OpenAI's error body."""
+
+    status_code = HTTPStatus.BAD_REQUEST
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class BadRequestError(OpenAIError):
+    status_code = HTTPStatus.BAD_REQUEST
+
+
+class AuthenticationError(OpenAIError):
+    status_code = HTTPStatus.UNAUTHORIZED
+
+
+class NotFoundError(OpenAIError):
+    status_code = HTTPStatus.NOT_FOUND
+
+
+def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
+    error_type = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    return ErrorResponse(
+        error=ErrorInfo(message=message, type=error_type, param=param, code=status)
+    )
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param).model_dump(), status_code=status)
+
+
+def error_from_exception(error: BaseException) -> ErrorResponse:
+    """The body for an exception raised while serving (also used inside SSE streams)."""
+    if isinstance(error, OpenAIError):
+        return error_body(int(error.status_code), error.message, error.param)
+    if isinstance(error, QueueFullError):
+        return error_body(429, str(error))
+    if isinstance(error, ValueError):
+        # SamplingParamsError (and similar) name the offending field in ``parameter``.
+        return error_body(400, str(error), getattr(error, "parameter", None))
+    if isinstance(error, EngineDeadError):
+        return error_body(500, str(error))
+    return error_body(500, f"internal server error: {type(error).__name__}: {error}")
+
+
+def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    """First pydantic error as "field: rule (got value)" and the field's dotted name."""
+    errors = error.errors()
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return f"the request body is not valid JSON: {ctx.get('error', first.get('msg'))}", None
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    if "input" in first and first.get("type") != "missing":
+        got = repr(first["input"])
+        message = f"{message} (got {got[:100]}{'...' if len(got) > 100 else ''})"
+    return (f"{param}: {message}" if param else message), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map validation errors, our ``OpenAIError``s, HTTP errors and crashes to OpenAI bodies."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, error: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(error)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_response(error.status_code, str(error.detail))
+
+    async def _known(_: Request, error: Exception) -> JSONResponse:
+        body = error_from_exception(error)
+        if body.error.code >= 500:
+            logger.error("request failed: %s", error)
+        return JSONResponse(body.model_dump(), status_code=body.error.code)
+
+    # Expected failures get their own handlers (Starlette re-raises what only the catch-all
+    # ``Exception`` handler answers, which would log a traceback for every 400).
+    for error_class in (OpenAIError, ValueError, QueueFullError, EngineDeadError):
+        app.add_exception_handler(error_class, _known)
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, error: Exception) -> JSONResponse:
+        logger.error("request failed", exc_info=error)
+        body = error_from_exception(error)
+        return JSONResponse(body.model_dump(), status_code=body.error.code)

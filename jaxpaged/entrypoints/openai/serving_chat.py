@@ -1,0 +1,269 @@
+"""``POST /v1/chat/completions``: render the chat template, then generate like a completion.
+
+vLLM's rules (``vllm/entrypoints/openai/serving_chat.py``, ``vllm/entrypoints/chat_utils.py``):
+the messages are rendered to text with the request's ``chat_template``, else the server's
+``--chat-template``, else the tokenizer's own; the text is tokenized *without* adding special
+tokens (the template writes them). Text content parts are joined with newlines. When streaming,
+each choice first gets a chunk whose delta is ``{"role": "assistant", "content": ""}``, then
+content deltas, the last with ``finish_reason``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import jinja2
+from fastapi.responses import StreamingResponse
+
+from jaxpaged.engine.async_llm_engine import RequestStream
+from jaxpaged.entrypoints.openai.errors import BadRequestError, error_from_exception
+from jaxpaged.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    ChatMessageParam,
+    DeltaMessage,
+)
+from jaxpaged.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    random_id,
+    sse,
+    sse_error,
+    stable_text,
+    usage_of,
+)
+
+
+def load_chat_template(chat_template: str | None) -> str | None:
+    """``--chat-template``: a file path (read) or an inline Jinja template (kept as is).
+
+    Raises:
+        ValueError: the value is neither an existing file nor looks like Jinja.
+    """
+    if chat_template is None:
+        return None
+    if os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            return f.read()
+    if any(marker in chat_template for marker in ("{{", "{%", "\n")):
+        return chat_template
+    raise ValueError(
+        f"chat_template must be a file path or an inline Jinja template, got "
+        f"{chat_template!r} (no such file, and no '{{{{' or '{{%' in it)"
+    )
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat endpoint; ``chat_template`` is the server-wide template text (or None)."""
+
+    def __init__(self, *args, chat_template: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.chat_template = chat_template
+
+    def render_messages(
+        self,
+        messages: Sequence[ChatMessageParam],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> str:
+        """The prompt text for ``messages``.
+
+        Raises:
+            BadRequestError: no template anywhere, a non-text content part, or a template error.
+        """
+        # A request's template is inline Jinja only: reading a path a client names would let
+        # it render any server file into a prompt.
+        template = (
+            chat_template or self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        )
+        if not template:
+            raise BadRequestError(
+                "this model's tokenizer has no chat template: start the server with "
+                "--chat-template or send chat_template in the request",
+                param="messages",
+            )
+        conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation,
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+        except (jinja2.TemplateError, ValueError) as error:
+            raise BadRequestError(
+                f"the chat template failed on these messages: {error}", param="messages"
+            ) from error
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest
+    ) -> ChatCompletionResponse | StreamingResponse:
+        """Validate, render, submit and answer (or stream) one chat completion.
+
+        Raises:
+            NotFoundError: unknown ``model``.
+            BadRequestError / ValueError: invalid parameters or messages (HTTP 400).
+            QueueFullError: the waiting queue is full (HTTP 429).
+        """
+        arrival_time = time.monotonic()
+        self.check_model(request.model)
+        if request.tools:
+            raise BadRequestError("tools are not supported by this server", param="tools")
+        response_type = (request.response_format or {}).get("type", "text")
+        if response_type != "text":
+            raise BadRequestError(
+                f"response_format type {response_type!r} is not supported; only 'text'",
+                param="response_format",
+            )
+        prompt_text = self.render_messages(
+            request.messages,
+            chat_template=request.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs,
+        )
+        ids = list(self.tokenizer.encode(prompt_text, add_special_tokens=False))
+        max_tokens = request.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = request.max_tokens
+        self.check_length(len(ids), max_tokens, "messages")
+        values = self.common_sampling_values(request)
+        values["max_tokens"] = (
+            max_tokens if max_tokens is not None else self.max_model_len - len(ids)
+        )
+        values["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.sampling_params(values)
+        request_id = random_id("chatcmpl")
+        (stream,) = await self.add_requests(
+            request_id, [(prompt_text, ids)], [params], arrival_time
+        )
+        if request.stream:
+            return StreamingResponse(
+                self._stream(request, request_id, stream), media_type="text/event-stream"
+            )
+        return await self._full(request, request_id, stream)
+
+    def _logprobs(self, request, completion, start: int):
+        if not request.logprobs or completion.logprobs is None:
+            return None
+        return self.chat_logprobs(
+            completion.token_ids[start:], completion.logprobs[start:], request.top_logprobs or 0
+        )
+
+    async def _full(
+        self, request: ChatCompletionRequest, request_id: str, stream: RequestStream
+    ) -> ChatCompletionResponse:
+        final = None
+        try:
+            async for output in stream:
+                final = output
+        finally:
+            stream.close()
+        choices = [
+            ChatCompletionResponseChoice(
+                index=completion.index,
+                message=ChatMessage(role="assistant", content=completion.text),
+                logprobs=self._logprobs(request, completion, 0),
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+            for completion in final.outputs
+        ]
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=usage_of([final])
+        )
+
+    async def _stream(
+        self, request: ChatCompletionRequest, request_id: str, stream: RequestStream
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = include_usage and bool(options.continuous_usage_stats)
+
+        def chunk(choices, usage=None) -> str:
+            response = ChatCompletionStreamResponse(
+                id=request_id, created=created, model=self.model_name, choices=choices
+            )
+            data = response.model_dump()
+            for choice in data["choices"]:
+                # A delta carries only what it adds (role first, then content), as OpenAI's do.
+                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            if usage is None:
+                del data["usage"]
+            else:
+                data["usage"] = usage.model_dump()
+            return sse(json.dumps(data))
+
+        sent_text: dict[int, str] = {}
+        sent_tokens: dict[int, int] = {}
+        final = None
+        try:
+            for index in range(request.n):
+                yield chunk(
+                    [
+                        ChatCompletionResponseStreamChoice(
+                            index=index, delta=DeltaMessage(role="assistant", content="")
+                        )
+                    ]
+                )
+            async for output in stream:
+                final = output
+                for completion in output.outputs:
+                    index = completion.index
+                    finished = completion.finish_reason is not None
+                    text = stable_text(completion.text, finished)
+                    previous = sent_text.get(index, "")
+                    delta = text[len(previous) :]
+                    if not delta and not finished:
+                        continue
+                    logprobs = self._logprobs(request, completion, sent_tokens.get(index, 0))
+                    sent_text[index] = text
+                    sent_tokens[index] = len(completion.token_ids)
+                    choice = ChatCompletionResponseStreamChoice(
+                        index=index,
+                        delta=DeltaMessage(content=delta),
+                        logprobs=logprobs,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                    yield chunk([choice], usage_of([output]) if continuous_usage else None)
+            if include_usage:
+                yield chunk([], usage_of([final]))
+        except Exception as error:  # headers are sent: report in-band, as vLLM does
+            yield sse_error(error_from_exception(error))
+        finally:
+            stream.close()
+        yield SSE_DONE
+
+
+def _message_dict(message: ChatMessageParam, position: int) -> dict:
+    """A template-ready message: text parts joined by newlines; other fields passed through."""
+    data = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequestError(
+                    f"messages[{position}].content: only text parts are supported, got a part "
+                    f"of type {part.get('type')!r}",
+                    param=f"messages.{position}.content",
+                )
+            texts.append(part["text"])
+        data["content"] = "\n".join(texts)
+    elif content is None:
+        data["content"] = ""
+    return data

@@ -1,0 +1,205 @@
+"""``POST /v1/completions``: one engine request per prompt, answered whole or as SSE chunks.
+
+Behaviour follows vLLM's ``vllm/entrypoints/openai/serving_completion.py``: ``prompt`` may be a
+string, a list of strings, a list of token ids or a list of such lists; with several prompts and
+``n`` choices each, choice ``index = prompt_index * n + i``; ``echo`` puts the prompt in front of
+the text (of the first chunk when streaming); empty deltas are not sent; with
+``stream_options.include_usage`` a last chunk with empty ``choices`` carries the usage; the
+stream ends with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from jaxpaged.engine.async_llm_engine import RequestStream
+from jaxpaged.entrypoints.openai.errors import BadRequestError, error_from_exception
+from jaxpaged.entrypoints.openai.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+)
+from jaxpaged.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    merge_streams,
+    random_id,
+    sse,
+    sse_error,
+    stable_text,
+    usage_of,
+)
+from jaxpaged.outputs import RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """The completions endpoint over an ``AsyncLLMEngine`` (see ``OpenAIServing``)."""
+
+    async def create_completion(
+        self, request: CompletionRequest
+    ) -> CompletionResponse | StreamingResponse:
+        """Validate, submit every prompt, and answer (or stream) the completions.
+
+        Raises:
+            NotFoundError: unknown ``model``.
+            BadRequestError / ValueError: invalid parameters or prompts (HTTP 400).
+            QueueFullError: the waiting queue is full (HTTP 429).
+        """
+        arrival_time = time.monotonic()
+        self.check_model(request.model)
+        if request.suffix is not None:
+            raise BadRequestError("suffix is not supported", param="suffix")
+        prompts = self._prompts(request.prompt)
+        params = []
+        for _, ids in prompts:
+            self.check_length(len(ids), request.max_tokens, "prompt")
+            values = self.common_sampling_values(request)
+            values["max_tokens"] = (
+                request.max_tokens
+                if request.max_tokens is not None
+                else self.max_model_len - len(ids)
+            )
+            values["logprobs"] = request.logprobs
+            prompt_logprobs = request.prompt_logprobs
+            if request.echo and request.logprobs is not None:
+                prompt_logprobs = request.logprobs  # echoed prompt tokens get logprobs too
+            values["prompt_logprobs"] = prompt_logprobs
+            params.append(self.sampling_params(values))
+        request_id = random_id("cmpl")
+        streams = await self.add_requests(request_id, prompts, params, arrival_time)
+        if request.stream:
+            return StreamingResponse(
+                self._stream(request, request_id, streams),
+                media_type="text/event-stream",
+            )
+        return await self._full(request, request_id, streams)
+
+    def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) per prompt; text prompts get the tokenizer's BOS as in
+        ``LLM.generate``."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise BadRequestError("prompt must not be empty", param="prompt")
+        return [
+            (p, list(self.tokenizer.encode(p))) if isinstance(p, str) else (None, list(p))
+            for p in prompt
+        ]
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        return self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=True)
+
+    def _logprobs(self, request, output, completion, start: int, text_offset: int, echo: bool):
+        """Logprobs of output tokens ``start:`` (and of the prompt when ``echo``), or None."""
+        if request.logprobs is None or completion.logprobs is None:
+            return None
+        token_ids = list(completion.token_ids[start:])
+        steps = list(completion.logprobs[start:])
+        if echo:
+            prompt_steps = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+            token_ids = list(output.prompt_token_ids) + token_ids
+            steps = list(prompt_steps) + steps
+        return self.completion_logprobs(token_ids, steps, text_offset)
+
+    async def _full(
+        self, request: CompletionRequest, request_id: str, streams: list[RequestStream]
+    ) -> CompletionResponse:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for index, output in merge_streams(streams):
+                finals[index] = output
+        finally:
+            for stream in streams:
+                stream.close()
+        choices = []
+        for prompt_index, output in enumerate(finals):
+            prompt_text = self._prompt_text(output) if request.echo else ""
+            for completion in output.outputs:
+                choices.append(
+                    CompletionResponseChoice(
+                        index=prompt_index * request.n + completion.index,
+                        text=prompt_text + completion.text,
+                        logprobs=self._logprobs(request, output, completion, 0, 0, request.echo),
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                )
+        return CompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=usage_of(finals)
+        )
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        streams: list[RequestStream],
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = include_usage and bool(options.continuous_usage_stats)
+        sent_text: dict[int, str] = {}  # choice index -> text streamed so far
+        sent_tokens: dict[int, int] = {}
+        latest: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for prompt_index, output in merge_streams(streams):
+                latest[prompt_index] = output
+                for completion in output.outputs:
+                    index = prompt_index * request.n + completion.index
+                    finished = completion.finish_reason is not None
+                    text = stable_text(completion.text, finished)
+                    first = index not in sent_text
+                    previous = sent_text.get(index, "")
+                    delta = text[len(previous) :]
+                    if not delta and not finished:
+                        continue  # nothing new to show (held-back bytes, prefill chunk)
+                    echo = request.echo and first
+                    prefix = self._prompt_text(output) if echo else ""
+                    start = sent_tokens.get(index, 0)
+                    logprobs = self._logprobs(
+                        request, output, completion, start, len(previous), echo
+                    )
+                    sent_text[index] = text
+                    sent_tokens[index] = len(completion.token_ids)
+                    chunk = CompletionStreamResponse(
+                        id=request_id,
+                        created=created,
+                        model=self.model_name,
+                        choices=[
+                            CompletionResponseStreamChoice(
+                                index=index,
+                                text=prefix + delta,
+                                logprobs=logprobs,
+                                finish_reason=completion.finish_reason,
+                                stop_reason=completion.stop_reason,
+                            )
+                        ],
+                    )
+                    if continuous_usage:
+                        chunk.usage = usage_of([output])
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(
+                    CompletionStreamResponse(
+                        id=request_id,
+                        created=created,
+                        model=self.model_name,
+                        choices=[],
+                        usage=usage_of(latest),
+                    )
+                )
+        except Exception as error:  # headers are sent: report in-band, as vLLM does
+            yield sse_error(error_from_exception(error))
+        finally:
+            for stream in streams:
+                stream.close()
+        yield SSE_DONE

@@ -1,0 +1,169 @@
+"""Shared serving pieces without HTTP: logprob formatting, usage, held-back text, stream merging,
+and choice indexing for n > 1 (fed by a scripted engine, since the engine's n > 1 is not here
+yet)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+
+import pytest
+
+from jaxpaged.entrypoints.openai.protocol import CompletionRequest
+from jaxpaged.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxpaged.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    merge_streams,
+    stable_text,
+    usage_of,
+)
+from jaxpaged.outputs import CompletionOutput, RequestOutput
+
+
+@dataclasses.dataclass
+class Logprob:  # vLLM's shape: logprob, rank, decoded_token
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(f"<{i}>" for i in ids)
+
+    def encode(self, text, add_special_tokens=True):
+        return [1, *range(10, 10 + len(text.split()))]
+
+
+def _serving(cls=OpenAIServing, engine=None):
+    return cls(engine, _Tokenizer(), ["m"], 64)
+
+
+def test_completion_logprobs_follow_openai_shape():
+    serving = _serving()
+    steps = [
+        None,  # first prompt token: no logprob
+        {7: Logprob(-0.5, 1, "a"), 8: Logprob(-1.5, 2, "bb")},
+        {9: Logprob(-math.inf, 3, "c"), 8: Logprob(-0.1, 1, "bb"), 7: Logprob(-2.0, 2, "a")},
+    ]
+    out = serving.completion_logprobs([5, 7, 9], steps, text_offset=3)
+    assert out.tokens == ["<5>", "a", "c"]
+    assert out.text_offset == [3, 6, 7]
+    assert out.token_logprobs == [None, -0.5, -9999.0]
+    assert out.top_logprobs[0] is None
+    assert list(out.top_logprobs[2]) == ["bb", "a", "c"]  # by rank
+    assert out.top_logprobs[2]["c"] == -9999.0
+
+
+def test_chat_logprobs_limit_alternatives_and_give_bytes():
+    serving = _serving()
+    step = {4: Logprob(-0.2, 1, "é"), 6: Logprob(-1.0, 2, "x"), 3: Logprob(-3.0, 3, "y")}
+    out = serving.chat_logprobs([6], [step], num_top=2)
+    (entry,) = out.content
+    assert (entry.token, entry.logprob, entry.bytes) == ("x", -1.0, [120])
+    assert [(t.token, t.logprob) for t in entry.top_logprobs] == [("é", -0.2), ("x", -1.0)]
+    assert entry.top_logprobs[0].bytes == [0xC3, 0xA9]
+
+
+def test_usage_counts_prompts_once_and_every_choice():
+    output = RequestOutput(
+        "r",
+        None,
+        [1, 2, 3],
+        [CompletionOutput(0, "", [4, 5]), CompletionOutput(1, "", [6])],
+        True,
+    )
+    usage = usage_of([output, output])
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (6, 6, 12)
+
+
+def test_unfinished_text_holds_back_a_trailing_replacement_character():
+    assert stable_text("ab\ufffd", finished=False) == "ab"
+    assert stable_text("ab\ufffd", finished=True) == "ab\ufffd"
+
+
+class _Stream:
+    def __init__(self, items, delay=0.0):
+        self.items, self.delay, self.closed = list(items), delay, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(self.delay)
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self):
+        self.closed = True
+
+
+def test_merge_streams_interleaves_and_reraises():
+    async def collect(streams):
+        return [pair async for pair in merge_streams(streams)]
+
+    merged = asyncio.run(collect([_Stream("ab", 0.02), _Stream("xyz", 0.001)]))
+    assert sorted(merged) == [(0, "a"), (0, "b"), (1, "x"), (1, "y"), (1, "z")]
+    assert merged[0] == (1, "x")  # arrival order, not stream order
+    with pytest.raises(ValueError, match="boom"):
+        asyncio.run(collect([_Stream(["a", ValueError("boom")]), _Stream("xy")]))
+
+
+class _ScriptedEngine:
+    """Answers every request with two choices (as an engine with n = 2 would)."""
+
+    def __init__(self):
+        self.streams = []
+
+    async def add_request(self, request_id, prompt, params, arrival_time=None):
+        ids = prompt["prompt_token_ids"]
+
+        def output(tokens, finished):
+            reason = "length" if finished else None
+            choices = [
+                CompletionOutput(
+                    i, "".join(f"<{t}>" for t in tokens[i]), tokens[i], finish_reason=reason
+                )
+                for i in range(2)
+            ]
+            return RequestOutput(request_id, prompt["prompt"], ids, choices, finished)
+
+        stream = _Stream([output([[7], [8]], False), output([[7, 7], [8, 9]], True)])
+        self.streams.append(stream)
+        return stream
+
+
+def test_choices_of_several_prompts_with_n_2_are_indexed_prompt_major():
+    engine = _ScriptedEngine()
+    serving = _serving(OpenAIServingCompletion, engine)
+    serving.sampling_params = lambda values: values  # the engine's SamplingParams has n == 1
+    request = CompletionRequest(prompt=["a b", "c"], n=2, max_tokens=2)
+    response = asyncio.run(serving.create_completion(request))
+    assert [(c.index, c.text) for c in response.choices] == [
+        (0, "<7><7>"),
+        (1, "<8><9>"),
+        (2, "<7><7>"),
+        (3, "<8><9>"),
+    ]
+    assert response.usage.prompt_tokens == 3 + 2
+    assert response.usage.completion_tokens == 8
+    assert all(stream.closed for stream in engine.streams)
+
+    async def streamed():
+        stream_request = request.model_copy(update={"stream": True})
+        response = await serving.create_completion(stream_request)
+        return [chunk async for chunk in response.body_iterator]
+
+    events = asyncio.run(streamed())
+    assert events[-1] == "data: [DONE]\n\n"
+    texts: dict[int, str] = {}
+    for event in events[:-1]:
+        for choice in json.loads(event.removeprefix("data: "))["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: "<7><7>", 1: "<8><9>", 2: "<7><7>", 3: "<8><9>"}

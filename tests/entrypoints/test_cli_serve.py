@@ -1,0 +1,85 @@
+"""``jaxpaged serve``: flag parsing, the API key from the environment, and a real start-up."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from jaxpaged.entrypoints.cli import _build_parser, serve_options
+
+
+def _serve_args(*argv):
+    return _build_parser().parse_args(["serve", *argv])
+
+
+def test_serve_flags_map_to_run_server_options():
+    options = serve_options(
+        _serve_args(
+            "/models/m",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "9000",
+            "--served-model-name",
+            "a",
+            "b",
+            "--max-num-queued-requests",
+            "5",
+            "--max-model-len",
+            "64",
+            "--no-enforce-eager",
+        ),
+        environ={},
+    )
+    assert options["engine_args"].model == "/models/m"
+    assert options["engine_args"].max_model_len == 64
+    assert options["engine_args"].enforce_eager is False
+    assert (options["host"], options["port"]) == ("127.0.0.1", 9000)
+    assert options["served_model_names"] == ["a", "b"]
+    assert options["max_num_queued_requests"] == 5
+    assert options["api_key"] is None
+
+
+def test_serve_defaults_embedded_model_port_8000_and_env_api_key():
+    options = serve_options(_serve_args(), environ={"JAXPAGED_API_KEY": "from-env"})
+    assert options["engine_args"].model is None
+    assert options["served_model_names"] == ["stories260k"]
+    assert (options["host"], options["port"]) == (None, 8000)
+    assert options["api_key"] == "from-env"
+    flag_wins = serve_options(_serve_args("--api-key", "flag"), environ={"JAXPAGED_API_KEY": "x"})
+    assert flag_wins["api_key"] == "flag"
+
+
+def test_serve_rejects_conflicting_model_and_negative_queue_bound():
+    with pytest.raises(ValueError, match="disagree"):
+        serve_options(_serve_args("/a", "--model", "/b"), environ={})
+    with pytest.raises(ValueError, match="--max-num-queued-requests must be >= 0, got -1"):
+        serve_options(_serve_args("--max-num-queued-requests", "-1"), environ={})
+
+
+def test_jaxpaged_serve_builds_the_app_and_serves_it(monkeypatch):
+    """``main(["serve", ...])`` end to end, with uvicorn's blocking ``run`` replaced by a
+    recorder whose app is then served on loopback."""
+    import uvicorn
+
+    from jaxpaged.entrypoints.cli import main
+    from tests.live_server import RunningServer
+
+    served = {}
+
+    def record(app, **kwargs):
+        served.update(kwargs, app=app)
+
+    monkeypatch.setattr(uvicorn, "run", record)
+    monkeypatch.setenv("JAXPAGED_API_KEY", "k")
+    assert main(["serve", "--port", "1234", "--max-model-len", "64"]) == 0
+    assert (served["host"], served["port"]) == ("0.0.0.0", 1234)
+    running = RunningServer(served["app"])
+    try:
+        assert httpx.get(f"{running.url}/health").status_code == 200
+        assert httpx.get(f"{running.url}/v1/models").status_code == 401
+        models = httpx.get(f"{running.url}/v1/models", headers={"Authorization": "Bearer k"})
+        assert [m["id"] for m in models.json()["data"]] == ["stories260k"]
+        assert models.json()["data"][0]["max_model_len"] == 64
+    finally:
+        running.stop()
