@@ -1,6 +1,6 @@
 """The end-to-end suite of docs/benchmarks.md in one process: one engine (compiled once) runs the
-offline throughput workloads (fixed 128/128 and ShareGPT-like, each also timed with synchronous
-steps to measure the device's idle fraction) and the batch-1 latency, then prints a summary.
+offline throughput workloads (fixed 128/128 and ShareGPT-like) and the batch-1 latency, then
+prints a summary.
 
     python scripts/benchmark_e2e_suite.py --model benchmarks/configs/llama-3-8b \\
         --load-format dummy --skip-tokenizer-init --dtype bfloat16 --max-model-len 2048 \\
