@@ -3,6 +3,8 @@ prompt logprobs, penalties and seeds, with one compiled step per bucket througho
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -213,35 +215,56 @@ def test_same_seed_same_tokens_whatever_the_batch_and_different_seeds_differ(sto
 
 
 def test_changing_sampling_parameters_never_traces_again(stories_llm):
+    """A run with plain parameters compiles the buckets it needs (and the LogitsState row writer,
+    for the one request with a neutral logit_bias); the same schedule with every sampling feature
+    switched on then runs without tracing anything."""
     runner = stories_llm.llm_engine.model_runner
-    runner.compile_all(show_progress=False)
+    prompts = [{"prompt_token_ids": _random_prompt(n, seed=n)} for n in (3, 70, 17, 40)]
+    common = dict(max_tokens=6, ignore_eos=True)  # same steps, so the same buckets, both times
+    plain = [SamplingParams(temperature=0.0, **common)] * 3
+    plain.append(SamplingParams(temperature=0.0, logit_bias={5: 0.0}, **common))
+    stories_llm.generate(prompts, plain, use_tqdm=False)
     compiled = runner.num_compilations
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, prompt_logprobs=3),
+    varied = [
+        SamplingParams(temperature=0.0, logprobs=5, prompt_logprobs=3, **common),
         SamplingParams(
             temperature=0.5,
             top_k=3,
             top_p=0.9,
             min_p=0.05,
             seed=1,
-            max_tokens=6,
             logprobs=1,
             logprobs_mode="processed",
+            **common,
         ),
         SamplingParams(
-            max_tokens=6,
             presence_penalty=1.0,
             frequency_penalty=-0.5,
             repetition_penalty=0.8,
             min_tokens=3,
-            stop=[" the"],
+            **common,
         ),
-        SamplingParams(max_tokens=6, logit_bias={5: 3.0}, allowed_token_ids=list(range(3, 400))),
+        SamplingParams(logit_bias={5: 3.0}, allowed_token_ids=list(range(3, 400)), **common),
     ]
-    prompts = [{"prompt_token_ids": _random_prompt(n, seed=n)} for n in (3, 70, 17, 40)]
     with jax.no_tracing(True):
-        stories_llm.generate(prompts, params, use_tqdm=False)
+        outs = stories_llm.generate(prompts, varied, use_tqdm=False)
     assert runner.num_compilations == compiled
+    assert outs[0].prompt_logprobs is not None and outs[1].outputs[0].logprobs is not None
+
+
+@pytest.mark.parametrize("num_seqs, decode_only", [(1, True), (16, False)])
+def test_step_never_copies_the_logits_state(stories_llm, num_seqs, decode_only):
+    """The donated LogitsState is updated in place: a copy would cost [S, vocab] per step."""
+    runner = stories_llm.llm_engine.model_runner
+    key = runner.bucket_for(num_seqs, num_seqs, decode_only)
+    executable = runner._executables.get(key) or runner._compile(key)
+    rows = "{},{}".format(*runner.logits_state.output_counts.shape)
+    copies = [
+        line
+        for line in executable.as_text().splitlines()
+        if re.search(rf"\[{rows}\]\S* copy\(", line)
+    ]
+    assert not copies, copies[:3]
 
 
 @pytest.mark.parametrize(
