@@ -112,14 +112,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def abort(self, data):
         seq_id = data.draw(st.sampled_from(sorted(self.sched.requests)))
-        seq = self.sched.abort(seq_id)
-        assert seq is not None and seq.status is SequenceStatus.FINISHED_ABORTED
+        group = self.sched.abort(seq_id)
+        assert group is not None and group.seqs[0].status is SequenceStatus.FINISHED_ABORTED
 
     @invariant()
     def blocks_are_consistent(self):
-        self.kv.check_invariants(self.sched.running)
-        assert all(seq.status is SequenceStatus.RUNNING for seq in self.sched.running)
-        assert all(seq.status is SequenceStatus.WAITING for seq in self.sched.waiting)
+        self.kv.check_invariants(self.sched.running_seqs())
+        assert all(seq.status is SequenceStatus.RUNNING for seq in self.sched.running_seqs())
+        assert all(g.seqs[0].status is SequenceStatus.WAITING for g in self.sched.waiting)
         assert self.sched.num_running <= self.config.max_num_seqs
         unfinished = {s.seq_id for s in self.seqs if not s.is_finished}
         assert set(self.sched.requests) == unfinished
