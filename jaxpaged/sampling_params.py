@@ -28,7 +28,10 @@ class SamplingParams:
     """Per-request sampling parameters (vLLM semantics)."""
 
     n: int = 1
-    """Completions to return; only 1 is supported in this release."""
+    """Completions to return, >= 1; more than 1 needs temperature > 0."""
+    best_of: int | None = None
+    """Completions to generate, >= n (None means n); the n with the highest cumulative logprob
+    are returned."""
     temperature: float = 1.0
     """Softmax temperature, >= 0; 0 means greedy (argmax)."""
     top_p: float = 1.0
@@ -60,8 +63,16 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
-        if self.n != 1:
-            raise SamplingParamsError("n", self.n, "must be 1 in this release")
+        if self.n < 1:
+            raise SamplingParamsError("n", self.n, "must be at least 1")
+        if self.best_of is not None and self.best_of < self.n:
+            raise SamplingParamsError("best_of", self.best_of, f"must be at least n ({self.n})")
+        if (self.best_of or self.n) > 1 and self.temperature == 0.0:
+            raise SamplingParamsError(
+                "n" if self.best_of is None else "best_of",
+                self.best_of or self.n,
+                "must be 1 when using greedy sampling (temperature 0)",
+            )
         if self.temperature < 0.0:
             raise SamplingParamsError("temperature", self.temperature, "must be non-negative")
         if not 0.0 < self.top_p <= 1.0:

@@ -33,6 +33,8 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # Could never fit in the KV cache (a multi-sequence group that outgrew it): vLLM v0's name.
+    FINISHED_IGNORED = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -44,6 +46,7 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "length",
 }
 
 

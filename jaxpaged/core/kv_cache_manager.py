@@ -249,7 +249,9 @@ class KVCacheManager:
         self._free_device(seq.seq_id)
         cpu_table = self.cpu_block_tables.pop(seq.seq_id, None)
         if cpu_table:
-            self.cpu_block_pool.free(reversed(cpu_table))
+            freed = set(self.cpu_block_pool.free(reversed(cpu_table)))
+            # Aborted before its pending swap-out ran: nothing needs saving there any more.
+            self._swap_out = [(d, h) for d, h in self._swap_out if h not in freed]
 
     def _free_device(self, seq_id: str) -> None:
         table = self.block_tables.pop(seq_id, None)
@@ -401,16 +403,23 @@ class KVCacheManager:
 
 def _check_tables(pool: BlockPool, tables: dict[str, list[int]], kind: str) -> None:
     pool.check_invariants()
-    holders = [0] * pool.num_blocks
+    holders: dict[int, int] = {}
     for seq_id, table in tables.items():
         _check(len(table) > 0, f"empty {kind} table kept: {seq_id=}")
         for block_id in table:
-            holders[block_id] += 1
-    for block_id, (ref_count, n) in enumerate(zip(pool.ref_counts, holders, strict=True)):
+            holders[block_id] = holders.get(block_id, 0) + 1
+    for block_id, n in holders.items():
+        ref_count = pool.ref_counts[block_id]
         _check(
             ref_count == n,
             f"{kind} ref count != tables holding it: {block_id=} {ref_count=} {n=}",
         )
+    num_referenced = pool.num_blocks - pool.ref_counts.count(0)
+    _check(
+        num_referenced == len(holders),
+        f"{kind} ref count != tables holding it: {num_referenced=} blocks referenced, "
+        f"{len(holders)} held by tables",
+    )
 
 
 def _check(condition: bool, message: str) -> None:

@@ -229,7 +229,7 @@ class Scheduler:
                         # Alone on the device and still short of blocks: the group can never
                         # fit (only multi-sequence groups can outgrow the cache), so end it
                         # rather than preempt it forever.
-                        self._finish_group(group, SequenceStatus.FINISHED_LENGTH)
+                        self._finish_group(group, SequenceStatus.FINISHED_IGNORED)
                         self._finished_while_scheduling.extend(group.seqs)
                         gone.add(group.request_id)
                         break
@@ -289,7 +289,7 @@ class Scheduler:
                 # Nothing else holds device blocks, so it will never fit (a multi-sequence
                 # group re-prefilling after recompute); end it instead of waiting forever.
                 self.waiting.popleft()
-                self._finish_group(group, SequenceStatus.FINISHED_LENGTH, queue_removed=True)
+                self._finish_group(group, SequenceStatus.FINISHED_IGNORED, queue_removed=True)
                 self._finished_while_scheduling.extend(group.seqs)
                 continue
             self.waiting.popleft()

@@ -16,13 +16,16 @@ import jax
 import jax.numpy as jnp
 from transformers import AutoTokenizer
 
+from jaxpaged.beam_search import BeamSearchParams
 from jaxpaged.config import EngineArgs, EngineConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.detokenizer import decode_output_text
+from jaxpaged.engine.group_outputs import ranked_completions
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from jaxpaged.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     KVCacheSpec,
@@ -31,6 +34,7 @@ from jaxpaged.worker.kv_cache import (
     num_blocks_for_budget,
 )
 from jaxpaged.worker.model_runner import ModelRunner
+from jaxpaged.worker.swap import BlockMover
 from models.weights import load_model
 
 logger = logging.getLogger(__name__)
@@ -92,7 +96,14 @@ class LLMEngine:
         self.num_blocks = num_blocks
         kv_caches = allocate_kv_caches(spec, num_blocks)
         self.model_runner = ModelRunner(model, kv_caches, **runner_kwargs)
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size)
+        num_cpu_blocks = cc.swap_space_bytes // spec.bytes_per_block
+        self.block_mover = BlockMover(spec, num_cpu_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            cc.block_size,
+            enable_caching=cc.enable_prefix_caching,
+            num_cpu_blocks=num_cpu_blocks,
+        )
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
         enforce_eager = config.enforce_eager
         if enforce_eager is None:
@@ -127,7 +138,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         *,
         arrival_time: float | None = None,
         final_only: bool = False,
@@ -136,28 +147,50 @@ class LLMEngine:
 
         Args:
             prompt: text, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}`` (TokensPrompt).
-            final_only: emit a ``RequestOutput`` only when the request finishes.
+            params: ``SamplingParams`` (``n`` / ``best_of`` > 1 fork the prompt's blocks), or
+                ``BeamSearchParams`` for a beam search (its output holds the ranked beams).
+            final_only: emit a ``RequestOutput`` only when the request finishes (beam searches
+                always do).
 
         Raises:
             ValueError: duplicate id, empty prompt, token ids outside the vocabulary, a prompt
-                that leaves no room under ``max_model_len`` or does not fit in the KV cache.
+                that leaves no room under ``max_model_len`` or does not fit in the KV cache,
+                ``best_of`` / ``beam_width`` above ``max_num_seqs``.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(
+                f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}"
+            )
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
+        group_kwargs = {}
+        seq_params = params
+        if isinstance(params, BeamSearchParams):
+            if 2 * params.beam_width > self.vocab_size:
+                raise ValueError(
+                    f"beam_width must be at most vocab_size / 2 ({self.vocab_size // 2}), "
+                    f"got {params.beam_width}"
+                )
+            # The beams' rows are sampled greedily (ignored); candidates come from the top-k.
+            seq_params = SamplingParams(
+                temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos
+            )
+            group_kwargs = dict(beam_width=params.beam_width, beam_params=params)
+        else:
+            group_kwargs = dict(best_of=getattr(params, "best_of", None) or params.n)
         seq = Sequence(
             seq_id=request_id,
             prompt_token_ids=prompt_ids,
-            sampling_params=params,
+            sampling_params=seq_params,
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
         )
         seq.sampling_seed = self._request_seed(params)
-        self._requests[request_id] = _Request(seq, prompt_text, final_only)
-        self.scheduler.add_request(seq)
+        group = SequenceGroup(request_id, seq, **group_kwargs)
+        self.scheduler.add_request(group)
+        self._requests[request_id] = _Request(group, prompt_text, final_only)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -198,9 +231,10 @@ class LLMEngine:
                 f"tokens ({self.num_blocks} blocks)"
             )
 
-    def _request_seed(self, params: SamplingParams) -> int:
-        if params.seed is not None:
-            return params.seed
+    def _request_seed(self, params: SamplingParams | BeamSearchParams) -> int:
+        seed = getattr(params, "seed", None)
+        if seed is not None:
+            return seed
         # Unseeded requests still get a reproducible stream per engine seed and arrival order.
         return (self.config.model_config.seed * 1_000_003 + next(self._seed_counter)) % 2**63
 
@@ -213,6 +247,15 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         return self._make_output(request)
 
+    def get_stats(self) -> SchedulerStats:
+        """Scheduler and KV-cache counters for metrics (fields named after vLLM's metrics)."""
+        return self.scheduler.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (blocks in use keep their K/V). Returns True."""
+        self.kv_cache_manager.reset_prefix_cache()
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
@@ -223,52 +266,61 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step and return the outputs of requests that advanced or finished."""
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return []
-        sampled = self.model_runner.execute_model(scheduler_output)
+        sampled = {}
+        if not scheduler_output.is_empty:
+            self.model_runner.execute_block_ops(scheduler_output, self.block_mover)
+            sampled = self.model_runner.execute_model(scheduler_output)
         now = time.monotonic()
-        for seq_id, (_, logprob) in sampled.items():
-            request = self._requests[seq_id]
-            request.cumulative_logprob += logprob
-            if request.first_token_time is None:
-                request.first_token_time = now
         updated = self.scheduler.update_from_output(
-            scheduler_output, {sid: tok for sid, (tok, _) in sampled.items()}
+            scheduler_output,
+            {seq_id: token for seq_id, (token, _) in sampled.items()},
+            {seq_id: logprob for seq_id, (_, logprob) in sampled.items()},
+            beam_candidates=self.model_runner.beam_candidates,
         )
         outputs = []
-        for seq in updated:
-            request = self._requests[seq.seq_id]
-            finished = seq.status.is_finished
+        for request_id in dict.fromkeys(seq.group.request_id for seq in updated):
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = now
+            finished = request.group.is_finished
             if finished:
                 request.finished_time = now
-                del self._requests[seq.seq_id]
-            if finished or not request.final_only:
+                del self._requests[request_id]
+            if finished or not (request.final_only or request.group.is_beam_search):
                 outputs.append(self._make_output(request))
         return outputs
 
     def _make_output(self, request: _Request) -> RequestOutput:
-        seq = request.seq
-        params = seq.sampling_params
-        completion = CompletionOutput(
-            index=0,
-            text=decode_output_text(
-                self.tokenizer,
-                seq.prompt_token_ids,
-                seq.output_token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-            ),
-            token_ids=list(seq.output_token_ids),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
+        group = request.group
+        completions = [
+            CompletionOutput(
+                index=index,
+                text=decode_output_text(
+                    self.tokenizer,
+                    seq.prompt_token_ids,
+                    seq.output_token_ids,
+                    skip_special_tokens=seq.sampling_params.skip_special_tokens,
+                ),
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if group.is_beam_search else None,
+                logprobs=list(seq.beam_logprobs) if group.is_beam_search else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for index, seq in enumerate(ranked_completions(group))
+        ]
+        parent = group.seqs[0]
         return RequestOutput(
-            request_id=seq.seq_id,
+            request_id=group.request_id,
             prompt=request.prompt_text,
-            prompt_token_ids=list(seq.prompt_token_ids),
-            outputs=[completion],
-            finished=seq.status.is_finished,
+            prompt_token_ids=list(parent.prompt_token_ids),
+            outputs=completions,
+            finished=group.is_finished,
+            num_cached_tokens=group.num_cached_tokens or 0,
             metrics={
-                "arrival_time": seq.arrival_time,
+                "arrival_time": group.arrival_time,
                 "first_token_time": request.first_token_time,
                 "finished_time": request.finished_time,
             },
@@ -276,13 +328,12 @@ class LLMEngine:
 
 
 class _Request:
-    """Engine-side record of one request: its sequence plus what only the frontend needs."""
+    """Engine-side record of one request: its sequence group plus what only the frontend needs."""
 
-    def __init__(self, seq: Sequence, prompt_text: str | None, final_only: bool):
-        self.seq = seq
+    def __init__(self, group: SequenceGroup, prompt_text: str | None, final_only: bool):
+        self.group = group
         self.prompt_text = prompt_text
         self.final_only = final_only
-        self.cumulative_logprob = 0.0
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
 

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.sample.sampler import SamplingMetadata, sample
+from jaxpaged.worker.beam_candidates import top_logprobs
 from jaxpaged.worker.buckets import make_buckets, round_up_to_bucket
 from models.attention_metadata import AttentionMetadata
 
@@ -34,6 +35,9 @@ class BucketKey:
     num_tokens: int
     num_seqs: int
     decode_only: bool
+    # Beam search: top-k (token, logprob) pairs returned per row, a power of two; 0 (every
+    # bucket compiled at start-up) returns none, so beam steps compile only when beams are used.
+    num_beam_candidates: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +103,7 @@ class ModelRunner:
         # Split once: jitting a pure function of the flat state keeps the HLO free of baked-in
         # weights and avoids re-traversing NNX objects every step (milliseconds on big models).
         self._graphdef, self._state = nnx.split(model)
+        self.vocab_size = int(model.vocab_size)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
@@ -111,9 +116,12 @@ class ModelRunner:
         self.num_compilations = 0
         self._jitted_step = jax.jit(
             self._step,
-            static_argnames=("layout", "decode_only"),
+            static_argnames=("layout", "decode_only", "num_beam_candidates"),
             donate_argnames=("kv_caches",),
         )
+        # Beam search output of the last execute_model: seq_id -> (token_ids, logprobs), each
+        # [k] best first, for the sampled rows; empty when the step asked for none.
+        self.beam_candidates: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     # ----------------------------------------------------------------- buckets and compilation
     def all_bucket_keys(self) -> list[BucketKey]:
@@ -149,7 +157,12 @@ class ModelRunner:
         layout = _PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         compiled = self._jitted_step.lower(
-            self._state, self.kv_caches, packed, layout=layout, decode_only=key.decode_only
+            self._state,
+            self.kv_caches,
+            packed,
+            layout=layout,
+            decode_only=key.decode_only,
+            num_beam_candidates=key.num_beam_candidates,
         ).compile()
         self._executables[key] = compiled
         self.num_compilations += 1
@@ -167,7 +180,16 @@ class ModelRunner:
         token_ids.block_until_ready()
 
     # ---------------------------------------------------------------------------- the step
-    def _step(self, state, kv_caches, packed, *, layout: _PackedLayout, decode_only: bool):
+    def _step(
+        self,
+        state,
+        kv_caches,
+        packed,
+        *,
+        layout: _PackedLayout,
+        decode_only: bool,
+        num_beam_candidates: int = 0,
+    ):
         arrays = layout.unpack(packed)
         b = layout.num_seqs
         metadata = AttentionMetadata(
@@ -193,22 +215,42 @@ class ModelRunner:
         # Only the rows that sample reach the LM head.
         logits = model.compute_logits(hidden[arrays["logits_indices"]])
         token_ids, logprobs = sample(logits, sampling)
+        if num_beam_candidates:
+            beams = top_logprobs(logits, sampling.temperature, num_beam_candidates)
+            return token_ids, logprobs, kv_caches, beams
         return token_ids, logprobs, kv_caches
+
+    def execute_block_ops(self, scheduler_output: SchedulerOutput, block_mover) -> None:
+        """Run the step's swap-out, swap-in and copy-on-write block moves, in that order, on the
+        KV cache (``jaxpaged.worker.swap.BlockMover``); call before ``execute_model``."""
+        self.kv_caches = block_mover.execute(self.kv_caches, scheduler_output)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, tuple[int, float]]:
         """Run one step; returns ``{seq_id: (token_id, logprob)}`` for sequences that sample."""
         scheduled = scheduler_output.scheduled
+        self.beam_candidates = {}
         if not scheduled:
             return {}
         decode_only = all(s.num_new_tokens == 1 for s in scheduled)
         key = self.bucket_for(scheduler_output.num_batched_tokens, len(scheduled), decode_only)
+        num_candidates = getattr(scheduler_output, "num_beam_candidates", 0)
+        if num_candidates:
+            padded = min(1 << (num_candidates - 1).bit_length(), self.vocab_size)
+            key = dataclasses.replace(key, num_beam_candidates=padded)
         layout = _PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
         packed = self._prepare_inputs(scheduled, layout)
         executable = self._executables.get(key) or self._compile(key)
-        token_ids, logprobs, self.kv_caches = executable(
+        token_ids, logprobs, self.kv_caches, *beams = executable(
             self._state, self.kv_caches, jax.device_put(packed)
         )
         token_ids, logprobs = np.asarray(token_ids), np.asarray(logprobs)
+        if beams:
+            beam_ids, beam_logprobs = (np.asarray(x) for x in beams[0])
+            self.beam_candidates = {
+                s.seq.seq_id: (beam_ids[i], beam_logprobs[i])
+                for i, s in enumerate(scheduled)
+                if s.do_sample
+            }
         return {
             s.seq.seq_id: (int(token_ids[i]), float(logprobs[i]))
             for i, s in enumerate(scheduled)
