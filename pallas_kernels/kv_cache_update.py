@@ -30,6 +30,12 @@ def _scatter(k_cache, v_cache, k_new, v_new, slot_mapping):
     # JAX wraps negative indices (-1 would mean the last slot), so padding slots are sent to
     # num_slots, which is out of range and dropped by mode="drop". Slots >= num_slots drop too.
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
+    if slots.shape[0] == 1:
+        # XLA turns a one-row scatter into a dynamic-update-slice that it duplicates into each
+        # consumer, copying the whole (donated) cache every step; one dropped row avoids that.
+        slots = jnp.append(slots, num_slots)
+        k_new = jnp.concatenate([k_new, k_new], axis=0)
+        v_new = jnp.concatenate([v_new, v_new], axis=0)
     flat_shape = (num_slots, num_kv_heads, head_dim)
     k_flat = k_cache.reshape(flat_shape).at[slots].set(
         k_new.astype(k_cache.dtype), mode="drop", unique_indices=False)
