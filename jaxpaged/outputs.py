@@ -44,6 +44,6 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache (0 until prefix caching lands)."""
+    """Prompt tokens served from the prefix cache at admission (whole blocks, never the last)."""
     metrics: dict | None = None
     """Timestamps (seconds, ``time.monotonic``): arrival_time, first_token_time, finished_time."""

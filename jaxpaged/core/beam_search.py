@@ -11,7 +11,10 @@ transformers), where vLLM's `len` counts prompt and generated tokens, minus a fi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceABC
+
+from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +39,8 @@ def beam_search_score(
 
 
 def select_beams(
-    cumulative_logprobs: Sequence[float],
-    candidates: Sequence[Sequence[tuple[int, float]]],
+    cumulative_logprobs: SequenceABC[float],
+    candidates: SequenceABC[SequenceABC[tuple[int, float]]],
     *,
     beam_width: int,
     eos_token_id: int | None,
@@ -70,3 +73,77 @@ def select_beams(
                 live.append(candidate)
     live.sort(key=lambda candidate: candidate.cumulative_logprob, reverse=True)
     return completed, live[:beam_width]
+
+
+def advance_beams(
+    group: SequenceGroup,
+    beam_candidates: dict,
+    *,
+    fork: Callable[[SequenceGroup, Sequence], Sequence],
+    drop: Callable[[Sequence], None],
+    finish: Callable[[Sequence, SequenceStatus], None],
+    max_model_len: int,
+) -> list[Sequence]:
+    """One beam-search step of `group`, whose live beams all sampled this step (they run in
+    step): keep the best `beam_width` continuations, forking beams that several extend.
+
+    Args:
+        beam_candidates: `seq_id -> (token_ids, logprobs)` of each beam's best next tokens.
+        fork: the scheduler's fork (a new live sequence sharing the parent's blocks).
+        drop: frees a beam with no surviving continuation.
+        finish: ends a sequence with a status (max_tokens / max_model_len reached).
+
+    Returns the new live beams, then the beams completed (by EOS) at this step.
+    """
+    params = group.beam_params
+    beams = group.unfinished_seqs
+    k = 2 * group.beam_width
+    proposals = []
+    for beam in beams:
+        if beam.seq_id not in beam_candidates:
+            raise ValueError(f"no beam candidates for sequence {beam.seq_id!r}")
+        token_ids, logprobs = beam_candidates[beam.seq_id]
+        proposals.append(list(zip(token_ids[:k], logprobs[:k], strict=True)))
+    step_logprobs = [{int(t): float(lp) for t, lp in p} for p in proposals]
+    completed, continuing = select_beams(
+        [beam.cumulative_logprob for beam in beams],
+        proposals,
+        beam_width=group.beam_width,
+        eos_token_id=beams[0].eos_token_id,
+        ignore_eos=params.ignore_eos,
+    )
+    done = []
+    for candidate in completed:  # a finished copy of its parent; it needs no blocks
+        beam = beams[candidate.parent].fork(group.new_child_id())
+        _extend(beam, candidate, step_logprobs)
+        beam.status = SequenceStatus.FINISHED_STOPPED
+        done.append(beam)
+    group.completed_beams.extend(done)
+    # A parent's first continuation (in rank order) extends the parent itself, the others fork
+    # it; every fork is made before any parent takes its new token.
+    first_rank: dict[int, int] = {}
+    for rank, candidate in enumerate(continuing):
+        first_rank.setdefault(candidate.parent, rank)
+    new_beams = [
+        beams[c.parent] if first_rank[c.parent] == rank else fork(group, beams[c.parent])
+        for rank, c in enumerate(continuing)
+    ]
+    for index, beam in enumerate(beams):
+        if index not in first_rank:
+            drop(beam)
+    for beam, candidate in zip(new_beams, continuing, strict=True):
+        _extend(beam, candidate, step_logprobs)
+    group.seqs = new_beams
+    for beam in new_beams:
+        at_max_tokens = (
+            params.max_tokens is not None and beam.num_output_tokens >= params.max_tokens
+        )
+        if at_max_tokens or beam.num_tokens >= max_model_len:
+            finish(beam, SequenceStatus.FINISHED_LENGTH)
+    return new_beams + done
+
+
+def _extend(beam: Sequence, candidate: BeamCandidate, step_logprobs) -> None:
+    beam.append_token(candidate.token_id)
+    beam.cumulative_logprob = candidate.cumulative_logprob
+    beam.beam_logprobs.append(step_logprobs[candidate.parent])

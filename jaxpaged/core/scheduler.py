@@ -17,59 +17,16 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 
-from jaxpaged.core.beam_search import select_beams
+from jaxpaged.core.beam_search import advance_beams
 from jaxpaged.core.kv_cache_manager import KVCacheManager
+from jaxpaged.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus, derive_seed
 
 _PREEMPTION_MODES = (None, "recompute", "swap")
 
-
-@dataclass
-class ScheduledSequence:
-    """One sequence's share of a step: tokens `num_computed_tokens .. + num_new_tokens - 1`."""
-
-    seq: Sequence
-    num_computed_tokens: int
-    num_new_tokens: int
-    # The manager's live table: it covers num_computed_tokens + num_new_tokens tokens and is only
-    # ever appended to while the sequence holds it, so it is shared rather than copied per step.
-    block_table: list[int]
-    # True iff this step computes all of the sequence's tokens, so a token is sampled for it.
-    do_sample: bool
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step runs. Decodes come first in `scheduled`, then prefill chunks.
-
-    Block moves run before the step, in this order: swap-out, swap-in, copy (see
-    `KVCacheManager`).
-    """
-
-    scheduled: list[ScheduledSequence]
-    num_batched_tokens: int
-    # Ids of the sequences of the requests preempted while scheduling this step.
-    preempted_seq_ids: list[str] = field(default_factory=list)
-    # (host, device), (device, host) and (src, dst) block id pairs.
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # Beam search: how many top (token, logprob) candidates each sampled row must return
-    # (2 * the widest beam group scheduled); 0 when no beam group samples in this step.
-    num_beam_candidates: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing to run on the device: no tokens and no block moves."""
-        return not (
-            self.scheduled
-            or self.blocks_to_swap_in
-            or self.blocks_to_swap_out
-            or self.blocks_to_copy
-        )
+__all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -457,7 +414,16 @@ class Scheduler:
                 self._finish_seq(seq, status)
             outputs.append(seq)
         for group in beam_groups.values():
-            outputs.extend(self._beam_step(group, beam_candidates or {}))
+            outputs.extend(
+                advance_beams(
+                    group,
+                    beam_candidates or {},
+                    fork=self._fork,
+                    drop=self._drop_beam,
+                    finish=self._finish_seq,
+                    max_model_len=self.max_model_len,
+                )
+            )
         finished = {seq.group.request_id for seq in outputs if seq.group.is_finished}
         if finished:
             self.running = [g for g in self.running if g.request_id not in finished]
@@ -467,62 +433,9 @@ class Scheduler:
         self._finished_while_scheduling = []
         return outputs
 
-    def _beam_step(self, group: SequenceGroup, beam_candidates: dict) -> list[Sequence]:
-        """Keep the best `beam_width` continuations of the group's beams (all sampled this step:
-        they run in step), forking beams that several continuations extend."""
-        params = group.beam_params
-        beams = group.unfinished_seqs
-        proposals = []
-        for beam in beams:
-            if beam.seq_id not in beam_candidates:
-                raise ValueError(f"no beam candidates for sequence {beam.seq_id!r}")
-            token_ids, logprobs = beam_candidates[beam.seq_id]
-            k = 2 * group.beam_width
-            proposals.append(list(zip(token_ids[:k], logprobs[:k], strict=True)))
-        step_logprobs = [{int(t): float(lp) for t, lp in p} for p in proposals]
-        eos = beams[0].eos_token_id
-        completed, continuing = select_beams(
-            [beam.cumulative_logprob for beam in beams],
-            proposals,
-            beam_width=group.beam_width,
-            eos_token_id=eos,
-            ignore_eos=params.ignore_eos,
-        )
-        for candidate in completed:  # a finished copy; it needs no blocks
-            parent = beams[candidate.parent]
-            done = parent.fork(group.new_child_id())
-            self._extend_beam(done, candidate, step_logprobs)
-            done.status = SequenceStatus.FINISHED_STOPPED
-            group.completed_beams.append(done)
-        # A parent's first continuation (in rank order) extends the parent itself, the others
-        # fork it; every fork is made before any parent takes its new token.
-        first_rank: dict[int, int] = {}
-        for rank, candidate in enumerate(continuing):
-            first_rank.setdefault(candidate.parent, rank)
-        new_beams = [
-            beams[c.parent] if first_rank[c.parent] == rank else self._fork(group, beams[c.parent])
-            for rank, c in enumerate(continuing)
-        ]
-        for index, beam in enumerate(beams):
-            if index not in first_rank:  # no continuation survives: drop the beam
-                beam.status = SequenceStatus.FINISHED_ABORTED
-                self.kv_cache_manager.free(beam)
-                del self._live_seqs[beam.seq_id]
-        for beam, candidate in zip(new_beams, continuing, strict=True):
-            self._extend_beam(beam, candidate, step_logprobs)
-        group.seqs = new_beams
-        for beam in new_beams:
-            if (params.max_tokens is not None and beam.num_output_tokens >= params.max_tokens) or (
-                beam.num_tokens >= self.max_model_len
-            ):
-                self._finish_seq(beam, SequenceStatus.FINISHED_LENGTH)
-        return new_beams + group.completed_beams[len(group.completed_beams) - len(completed) :]
-
-    @staticmethod
-    def _extend_beam(beam: Sequence, candidate, step_logprobs) -> None:
-        beam.append_token(candidate.token_id)
-        beam.cumulative_logprob = candidate.cumulative_logprob
-        beam.beam_logprobs.append(step_logprobs[candidate.parent])
+    def _drop_beam(self, beam: Sequence) -> None:
+        """A beam none of whose continuations survived: freed and forgotten, never reported."""
+        self._finish_seq(beam, SequenceStatus.FINISHED_ABORTED)
 
     # ---------------------------------------------------------------------------- finishing
     def finish_sequence(
