@@ -173,9 +173,12 @@ class LLMEngine:
                     f"beam_width must be at most vocab_size / 2 ({self.vocab_size // 2}), "
                     f"got {params.beam_width}"
                 )
-            # The beams' rows are sampled greedily (ignored); candidates come from the top-k.
+            # The rows' temperature scales the beams' top-k log-probabilities; the token the
+            # sampler draws for them is ignored.
             seq_params = SamplingParams(
-                temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos
+                temperature=params.temperature,
+                max_tokens=params.max_tokens,
+                ignore_eos=params.ignore_eos,
             )
             group_kwargs = dict(beam_width=params.beam_width, beam_params=params)
         else:
