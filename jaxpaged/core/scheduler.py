@@ -186,6 +186,7 @@ class Scheduler:
                         # Alone on the device and still short of blocks: the group can never
                         # fit (only multi-sequence groups can outgrow the cache), so end it
                         # rather than preempt it forever.
+                        num_seats -= group.num_seats
                         self._finish_group(group, SequenceStatus.FINISHED_IGNORED)
                         self._finished_while_scheduling.extend(group.seqs)
                         gone.add(group.request_id)
