@@ -15,6 +15,7 @@ _EXPORTS = {
     "SamplingParams": "jaxpaged.sampling_params",
     "RequestOutput": "jaxpaged.outputs",
     "CompletionOutput": "jaxpaged.outputs",
+    "BeamSearchParams": "jaxpaged.beam_search",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

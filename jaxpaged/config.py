@@ -19,6 +19,7 @@ _DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
+_PREEMPTION_MODES = (None, "recompute", "swap")
 
 
 def default_model_path() -> str:
@@ -65,6 +66,14 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = _arg(
         None, "Force this many KV blocks regardless of memory (tests use it to force preemption)."
     )
+    swap_space: float = _arg(
+        4, "Host memory in GiB for KV blocks of swap-preempted requests, >= 0; 0 disables swap."
+    )
+    enable_prefix_caching: bool = _arg(
+        True,
+        "Reuse the KV blocks of a cached prompt prefix (automatic prefix caching); "
+        "--no-enable-prefix-caching turns it off.",
+    )
     max_num_seqs: int = _arg(256, "Most sequences in one step (the running batch).")
     max_num_batched_tokens: int | None = _arg(
         None,
@@ -81,7 +90,8 @@ class EngineArgs:
     )
     preemption_mode: str | None = _arg(
         None,
-        "recompute (the only mode in this release; swap comes with the memory-management work).",
+        "recompute (free the KV, prefill again) or swap (KV to host memory); None: recompute for "
+        "single-sequence requests, swap for n>1 / best_of / beam search (vLLM's rule).",
     )
     enforce_eager: bool | None = _arg(
         None,
@@ -135,6 +145,8 @@ class CacheConfig:
     gpu_memory_utilization: float
     kv_cache_memory_bytes: int | None
     num_gpu_blocks_override: int | None
+    swap_space_bytes: int
+    enable_prefix_caching: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +154,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    preemption_mode: str
+    preemption_mode: str | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,10 +197,10 @@ class EngineConfig:
         _check_choice("load_format", args.load_format, _LOAD_FORMATS)
         _check_choice("attention_backend", args.attention_backend, _ATTENTION_BACKENDS)
         _check_choice("block_size", args.block_size, _BLOCK_SIZES)
-        if args.preemption_mode not in (None, "recompute"):
+        _check_choice("preemption_mode", args.preemption_mode, _PREEMPTION_MODES)
+        if not args.swap_space >= 0:
             raise ValueError(
-                f"preemption_mode must be None or 'recompute' in this release, "
-                f"got {args.preemption_mode!r}"
+                f"swap_space must be a non-negative number of GiB, got {args.swap_space}"
             )
         if not 0.0 < args.gpu_memory_utilization <= 1.0:
             raise ValueError(
@@ -242,12 +254,14 @@ class EngineConfig:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 num_gpu_blocks_override=args.num_gpu_blocks_override,
+                swap_space_bytes=int(args.swap_space * 1024**3),
+                enable_prefix_caching=bool(args.enable_prefix_caching),
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
-                preemption_mode=args.preemption_mode or "recompute",
+                preemption_mode=args.preemption_mode,
             ),
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,

@@ -66,6 +66,6 @@ class RequestOutput:
     """Per prompt token (first entry None), {token_id: Logprob} with the prompt token and the top
     ``prompt_logprobs``; None when not requested. In DELTA mode only the first output has it."""
     num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache (0 until prefix caching lands)."""
+    """Prompt tokens served from the prefix cache at admission (whole blocks, never the last)."""
     metrics: dict | None = None
     """Timestamps (seconds, ``time.monotonic``): arrival_time, first_token_time, finished_time."""

@@ -56,7 +56,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    """Completions to return for the prompt, >= 1 (the engine may still refuse n > 1)."""
+    """Completions to return for the prompt, >= 1; more than 1 needs temperature > 0."""
     best_of: int | None = None
     """Completions to generate, returning the n with the highest cumulative logprob; >= n;
     None means n."""
@@ -200,8 +200,13 @@ class SamplingParams:
             raise SamplingParamsError(
                 "output_kind", self.output_kind, "must be a RequestOutputKind"
             )
-        if self.n > 1 and self.temperature == 0.0:
-            raise SamplingParamsError("n", self.n, "must be 1 when using greedy sampling")
+        if (self.best_of or self.n) > 1 and self.temperature == 0.0:
+            # Greedy samples would all be the same sequence (vLLM's rule).
+            raise SamplingParamsError(
+                "n" if self.best_of is None else "best_of",
+                self.best_of or self.n,
+                "must be 1 when using greedy sampling (temperature 0)",
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -10,11 +10,16 @@ runner reads token ids from. Token regions, as vLLM v1 draws them for a `Request
 `num_computed_tokens` counts the tokens whose K/V sit in the paged cache. Right after a token is
 sampled it is the only uncomputed token: the next step feeds it to the model (a decode). Recompute
 preemption sets `num_computed_tokens` back to 0, so the prompt *and* the generated tokens are
-prefilled again before the next token is sampled.
+prefilled again before the next token is sampled; swap preemption keeps it (the K/V wait in host
+memory).
+
+A `SequenceGroup` is one request: a single sequence, or the `best_of` samples (vLLM's parallel
+sampling) or `beam_width` beams that fork from its prompt and share its KV blocks.
 """
 
 from __future__ import annotations
 
+import copy
 import enum
 import time
 
@@ -24,9 +29,12 @@ class SequenceStatus(enum.Enum):
 
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    SWAPPED = enum.auto()  # preempted by swap: its K/V sit in host blocks
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # Could never fit in the KV cache (a multi-sequence group that outgrew it): vLLM v0's name.
+    FINISHED_IGNORED = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -38,6 +46,7 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "length",
 }
 
 
@@ -59,6 +68,7 @@ class Sequence:
         sampling_params,
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
+        block_hash_extra_keys: tuple = (),
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"prompt of sequence {seq_id!r} must have at least 1 token, got 0")
@@ -72,7 +82,7 @@ class Sequence:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        # Prefix-cache hit reported in RequestOutput.num_cached_tokens; 0 until prefix caching.
+        # Prompt tokens served by the prefix cache at first admission (RequestOutput.num_cached_tokens).
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         # The stop token id (or, set by the engine, the stop string) that ended the sequence.
@@ -80,6 +90,18 @@ class Sequence:
         # Prefix caching must not serve this sequence's prompt from cached blocks: prompt
         # logprobs need the logits of every prompt position (vLLM's skip_reading_prefix_cache).
         self.skip_prefix_cache = bool(getattr(sampling_params, "skip_reading_prefix_cache", False))
+        # Seed of this sequence's sampling stream (the engine sets it; forks derive their own).
+        self.sampling_seed = 0
+        # Sum of the sampled tokens' log-probabilities (best_of ranking, beam scores).
+        self.cumulative_logprob = 0.0
+        # Prefix caching: keys mixed into every block hash besides the tokens (e.g. a LoRA id),
+        # and the hashes of the full blocks of token_ids computed so far (append-only, like them).
+        self.block_hash_extra_keys = tuple(block_hash_extra_keys)
+        self.block_hashes: list[bytes] = []
+        # Beam search: the top candidates' {token_id: logprob} at each generated position.
+        self.beam_logprobs: list[dict[int, float]] = []
+        # The group (request) this sequence belongs to; set by SequenceGroup.
+        self.group: SequenceGroup | None = None
 
     def __repr__(self) -> str:
         return (
@@ -138,10 +160,118 @@ class Sequence:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
 
-    def replace_last_token(self, token_id: int) -> None:
-        """Overwrite the last output token: async scheduling appends a placeholder first and
-        learns the sampled id one step later."""
-        if not self.output_token_ids:
-            raise ValueError(f"sequence {self.seq_id!r} has no output token to replace")
-        self.token_ids[-1] = token_id
-        self.output_token_ids[-1] = token_id
+    def fork(self, seq_id: str) -> Sequence:
+        """A copy with its own token lists, counters and id, in the same group.
+
+        The copy's KV blocks are the caller's business (`KVCacheManager.fork` shares the
+        parent's table); the prompt list is shared because nothing ever mutates it.
+        """
+        child = copy.copy(self)
+        child.seq_id = seq_id
+        child.output_token_ids = list(self.output_token_ids)
+        child.token_ids = list(self.token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.beam_logprobs = list(self.beam_logprobs)
+        return child
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """Seed of sample `index` of a request seeded with `seed`, in [0, 2**63).
+
+    Index 0 keeps the request's seed, so `n=1` and the first of `n` samples draw the same tokens;
+    other indices mix (seed, index) with SplitMix64's finalizer (Steele et al., 2014), which
+    spreads neighbouring inputs over the whole range.
+    """
+    if index == 0:
+        return seed
+    mask = 2**64 - 1
+    z = (seed + index * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1
+
+
+class SequenceGroup:
+    """One request and the sequences it samples (vLLM v0's `SequenceGroup`).
+
+    Three kinds, all starting from one sequence holding the prompt (`seqs[0]`, whose id is the
+    request id):
+      - a single sample (`best_of == 1`, no beams);
+      - parallel sampling (`best_of > 1`): the prompt is computed once, up to its last token,
+        then the group forks into `best_of` sequences sharing those blocks (copy-on-write), each
+        with its own seed stream (`derive_seed`); `n <= best_of` of them are returned;
+      - beam search (`beam_width >= 1`): after every step the best `beam_width` continuations
+        among the beams' top candidates survive, forking beams that several of them extend.
+    Sequences of a multi-sequence group sample in the same step (the scheduler keeps them in
+    step), so that beams can be compared and forks share one prompt computation.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        seq: Sequence,
+        *,
+        best_of: int = 1,
+        beam_width: int = 0,
+        beam_params=None,
+    ) -> None:
+        if seq.seq_id != request_id:
+            raise ValueError(f"the first sequence's id must be the request id {request_id!r}")
+        if best_of < 1 or beam_width < 0 or (beam_width and best_of != 1):
+            raise ValueError(
+                f"need best_of >= 1 and beam_width >= 0, not both above 1; got {best_of=} "
+                f"{beam_width=}"
+            )
+        self.request_id = request_id
+        self.seqs: list[Sequence] = [seq]
+        seq.group = self
+        self.best_of = best_of
+        self.beam_width = beam_width
+        # Duck-typed beam parameters (beam_width, max_tokens, ignore_eos, length_penalty).
+        self.beam_params = beam_params
+        # Parallel sampling forks once, when the prompt is computed up to its last token.
+        self.forked = best_of == 1
+        # Beams that ended with EOS, kept until the group finishes (vLLM's `completed` list).
+        self.completed_beams: list[Sequence] = []
+        self.arrival_time = seq.arrival_time
+        self.num_cached_tokens: int | None = None  # set at first admission
+        self._num_children = 0
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs!r})"
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.beam_width > 0
+
+    @property
+    def sampling_params(self):
+        return self.seqs[0].sampling_params
+
+    @property
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [seq for seq in self.seqs if not seq.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+    @property
+    def num_seats(self) -> int:
+        """Running sequences this group may need at once (counted against `max_num_seqs`)."""
+        if self.is_beam_search:
+            return self.beam_width
+        if not self.forked:
+            return self.best_of
+        return len(self.unfinished_seqs)
+
+    @property
+    def needs_fork(self) -> bool:
+        """True when parallel sampling should fork now: all but the last prompt token computed."""
+        parent = self.seqs[0]
+        return not self.forked and parent.num_computed_tokens == parent.num_prompt_tokens - 1
+
+    def new_child_id(self) -> str:
+        """An id for the next forked sequence; unique among this group's sequences."""
+        self._num_children += 1
+        return f"{self.request_id}#{self._num_children}"

@@ -59,7 +59,14 @@ def test_normalisations():
     [
         (dict(n=0), "n must be at least 1, got 0"),
         (dict(n=2, best_of=1), r"best_of must be greater than or equal to n \(2\), got 1"),
-        (dict(n=3, temperature=0.0), "n must be 1 when using greedy sampling, got 3"),
+        (
+            dict(n=3, temperature=0.0),
+            r"n must be 1 when using greedy sampling \(temperature 0\), got 3",
+        ),
+        (
+            dict(best_of=2, temperature=0.0),
+            r"best_of must be 1 when using greedy sampling \(temperature 0\), got 2",
+        ),
         (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\], got 2.5"),
         (dict(frequency_penalty=-3), r"frequency_penalty must be in \[-2, 2\], got -3"),
         (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0, got 0.0"),

@@ -1,4 +1,4 @@
-"""Continuous batching with chunked prefill and recompute preemption (host only; no JAX).
+"""Continuous batching with chunked prefill, swap/recompute preemption and forks (host only; no JAX).
 
 Each step gives every scheduled sequence a range of its tokens to compute:
 
@@ -8,75 +8,54 @@ Each step gives every scheduled sequence a range of its tokens to compute:
 
 When the step computes a sequence's last token (`do_sample`), the model samples one new token for
 it, which `update_from_output` appends; that token is the only one the next step has to compute
-(a decode). The policy is vLLM v1's unified token budget (DESIGN.md section 2, step 1).
+(a decode). The policy is vLLM v1's unified token budget (DESIGN.md section 2, step 1) over vLLM
+v0's sequence groups, which bring swap preemption, parallel sampling and beam search.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
-from dataclasses import dataclass, field
 
+from jaxpaged.core.beam_search import advance_beams
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from jaxpaged.core.stats import SchedulerStats
+from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus, derive_seed
 
+_PREEMPTION_MODES = (None, "recompute", "swap")
 
-@dataclass
-class ScheduledSequence:
-    """One sequence's share of a step: tokens `num_computed_tokens .. + num_new_tokens - 1`."""
-
-    seq: Sequence
-    num_computed_tokens: int
-    num_new_tokens: int
-    # The manager's live table: it covers num_computed_tokens + num_new_tokens tokens and is only
-    # ever appended to while the sequence holds it, so it is shared rather than copied per step.
-    block_table: list[int]
-    # True iff this step computes all of the sequence's tokens, so a token is sampled for it.
-    do_sample: bool
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step runs. Decodes come first in `scheduled`, then prefill chunks."""
-
-    scheduled: list[ScheduledSequence]
-    num_batched_tokens: int
-    preempted_seq_ids: list[str] = field(default_factory=list)
-    # (src, dst) block pairs for swap preemption and copy-on-write; empty until those land.
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing to run on the device: no tokens and no block moves."""
-        return not (
-            self.scheduled
-            or self.blocks_to_swap_in
-            or self.blocks_to_swap_out
-            or self.blocks_to_copy
-        )
+__all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
-    """Decides, between steps, which sequences run and how many of their tokens each computes.
+    """Decides, between steps, which requests run and how many tokens each of their sequences
+    computes.
 
     `config` is duck-typed (`jaxpaged.config.SchedulerConfig`): `max_num_seqs`,
-    `max_num_batched_tokens`, `max_model_len` and optionally `long_prefill_token_threshold`
-    (0 = off: a prefill chunk may take the whole remaining budget).
+    `max_num_batched_tokens`, `max_model_len`, and optionally `long_prefill_token_threshold`
+    (0 = off: a prefill chunk may take the whole remaining budget) and `preemption_mode`.
 
-    Policy per step (vLLM v1 style, one token budget `max_num_batched_tokens` for everything):
-      1. Running sequences, in arrival order, decodes (1 token each) first, then continuing
-         prefill chunks, each taking `min(uncomputed tokens, remaining budget)` tokens. When
-         blocks run out, the newest running sequence is preempted by recompute (blocks freed,
-         back to the front of the waiting queue) and allocation is retried; if the newest is the
-         one being scheduled, it is preempted itself. A newer decode already scheduled this step
-         can be the victim of an older prefill chunk: it is taken out of the step again.
-      2. Only if nothing was preempted this step: waiting sequences, first come first served,
-         while fewer than `max_num_seqs` run and budget remains. A long prompt takes what budget
-         is left and continues next step (chunked prefill). If the head of the queue cannot get
-         blocks, admission stops and it waits (no skipping ahead).
-    `running` stays in arrival order: admission appends in queue order, and preemption pops the
-    newest and pushes it back to the front of the queue.
+    The unit of scheduling is the `SequenceGroup` (one request). Policy per step, one token budget
+    `max_num_batched_tokens` for everything and `max_num_seqs` counting sequences:
+      1. Running groups, in arrival order, decoding groups first, then prefill chunks, each
+         sequence taking `min(uncomputed tokens, remaining budget)` tokens. The sequences of a
+         multi-sequence group are kept in step: their prefill stops one token short of the end,
+         and they compute their last tokens (and sample) together, all or none. When blocks run
+         out, the newest running group is preempted and allocation is retried; if the newest is
+         the one being scheduled, it is preempted itself. A newer decode already scheduled this
+         step can be the victim of an older prefill chunk: it is taken out of the step again.
+      2. Only if nothing was preempted this step: swapped groups, oldest first, come back
+         (swap-in) while their blocks fit.
+      3. Only if nothing was preempted and nothing is swapped: waiting groups, first come first
+         served, reusing their longest cached prefix (prefix caching). A long prompt takes what
+         budget is left and continues next step (chunked prefill). If the head of the queue
+         cannot get blocks, admission stops and it waits (no skipping ahead).
+    Preemption (`preemption_mode`, vLLM v0's rule when None): recompute for single-sequence
+    groups (free the blocks; prefill again later, which prefix caching makes cheap), swap for
+    multi-sequence ones (copy the blocks to host memory), falling back to recompute when the
+    host lacks room.
     """
 
     def __init__(self, config, kv_cache_manager: KVCacheManager) -> None:
@@ -86,6 +65,12 @@ class Scheduler:
         self.long_prefill_token_threshold: int = (
             getattr(config, "long_prefill_token_threshold", 0) or 0
         )
+        self.preemption_mode: str | None = getattr(config, "preemption_mode", None)
+        if self.preemption_mode not in _PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {list(_PREEMPTION_MODES)}, "
+                f"got {self.preemption_mode!r}"
+            )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_seqs and max_num_batched_tokens must be at least 1, got "
@@ -101,10 +86,21 @@ class Scheduler:
                 f"{kv_cache_manager.block_size} tokens; the KV cache has only "
                 f"{kv_cache_manager.num_blocks}"
             )
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.requests: dict[str, Sequence] = {}  # unfinished sequences by id
-        self.num_preemptions = 0  # cumulative (vllm:num_preemptions_total)
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []  # oldest arrival first
+        self.requests: dict[str, SequenceGroup] = {}  # unfinished groups by request id
+        self._live_seqs: dict[str, Sequence] = {}  # unfinished sequences by id
+        self._arrival_order: dict[str, int] = {}
+        self._arrivals = itertools.count()
+        # Cumulative counters (vllm:num_preemptions, vllm:prefix_cache_queries / _hits).
+        self.num_preemptions = 0
+        self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        # Sequences of groups that `schedule` ended for lack of room; reported by the next
+        # update_from_output so the engine emits their final outputs.
+        self._finished_while_scheduling: list[Sequence] = []
 
     @property
     def num_running(self) -> int:
@@ -115,91 +111,283 @@ class Scheduler:
         return len(self.waiting)
 
     @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, seq: Sequence) -> None:
-        """Queue a new sequence at the back of the waiting queue."""
-        if seq.seq_id in self.requests:
-            raise ValueError(f"sequence id {seq.seq_id!r} is already scheduled")
-        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens:
-            raise ValueError(f"sequence {seq.seq_id!r} is not new: {seq!r}")
+    def running_seqs(self) -> list[Sequence]:
+        """Unfinished sequences of the running groups (those that may hold device blocks)."""
+        return [seq for group in self.running for seq in group.unfinished_seqs]
+
+    def swapped_seqs(self) -> list[Sequence]:
+        """Unfinished sequences of the swapped groups (those that may hold host blocks)."""
+        return [seq for group in self.swapped for seq in group.unfinished_seqs]
+
+    def add_request(self, request: Sequence | SequenceGroup) -> SequenceGroup:
+        """Queue a new request (a group, or a lone sequence wrapped in one) at the back."""
+        group = (
+            request
+            if isinstance(request, SequenceGroup)
+            else SequenceGroup(request.seq_id, request)
+        )
+        if group.request_id in self.requests or group.request_id in self._live_seqs:
+            raise ValueError(f"request id {group.request_id!r} is already scheduled")
+        seq = group.seqs[0]
+        if (
+            len(group.seqs) != 1
+            or seq.status is not SequenceStatus.WAITING
+            or (seq.num_computed_tokens)
+        ):
+            raise ValueError(f"request {group.request_id!r} is not new: {group!r}")
         if seq.num_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt has {seq.num_tokens} tokens; max_model_len is {self.max_model_len}"
             )
-        self.requests[seq.seq_id] = seq
-        self.waiting.append(seq)
+        if group.num_seats > self.max_num_seqs:
+            raise ValueError(
+                f"request {group.request_id!r} needs {group.num_seats} sequences at once "
+                f"(best_of / beam_width); max_num_seqs is {self.max_num_seqs}"
+            )
+        self.requests[group.request_id] = group
+        self._live_seqs[seq.seq_id] = seq
+        self._arrival_order[group.request_id] = next(self._arrivals)
+        self.waiting.append(group)
+        return group
 
+    # ---------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Pick this step's sequences and token counts; see the class docstring for the policy."""
+        kv = self.kv_cache_manager
         budget = self.max_num_batched_tokens
-        scheduled: dict[str, ScheduledSequence] = {}
-        preempted: list[Sequence] = []
+        scheduled: dict[str, list[ScheduledSequence]] = {}
+        preempted: list[SequenceGroup] = []
+        preempted_seq_ids: list[str] = []
+        num_seats = sum(group.num_seats for group in self.running)
 
-        # 1. Running sequences: decodes first so that they are never starved by prefill chunks.
-        decodes = [seq for seq in self.running if not seq.is_prefill]
-        prefills = [seq for seq in self.running if seq.is_prefill]
-        for seq in decodes + prefills:
+        # 1. Running groups: decodes first so that they are never starved by prefill chunks.
+        is_decoding = [all(not s.is_prefill for s in g.unfinished_seqs) for g in self.running]
+        order = [g for g, d in zip(self.running, is_decoding, strict=True) if d]
+        order += [g for g, d in zip(self.running, is_decoding, strict=True) if not d]
+        gone: set[str] = set()  # request ids taken off the device during this loop
+        for group in order:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_new = self._num_new_tokens(seq, budget)
-            while not self.kv_cache_manager.allocate_slots(seq, num_new):
-                victim = self.running[-1]
-                undone = scheduled.pop(victim.seq_id, None)
-                if undone is not None:  # a newer decode scheduled before this prefill chunk
-                    budget += undone.num_new_tokens
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                # It was the newest and preempted itself. vLLM v1 ends the pass here because in
-                # its arrival order every other running sequence is older and already visited;
-                # with decodes first, older prefill chunks may still be unvisited, so go on.
+            if group.request_id in gone:
                 continue
-            scheduled[seq.seq_id] = self._scheduled(seq, num_new)
-            budget -= num_new
+            self._fork_if_ready(group)
+            plan = self._plan(group, budget)
+            for seq, num_new in plan:
+                while not kv.allocate_slots(seq, num_new):
+                    victim = self.running[-1]
+                    if victim is group and len(self.running) == 1:
+                        # Alone on the device and still short of blocks: the group can never
+                        # fit (only multi-sequence groups can outgrow the cache), so end it
+                        # rather than preempt it forever.
+                        num_seats -= group.num_seats
+                        self._finish_group(group, SequenceStatus.FINISHED_IGNORED)
+                        self._finished_while_scheduling.extend(group.seqs)
+                        gone.add(group.request_id)
+                        break
+                    undone = scheduled.pop(victim.request_id, None)
+                    if undone is not None:  # a newer decode scheduled before this prefill chunk
+                        budget += sum(item.num_new_tokens for item in undone)
+                    preempted_seq_ids.extend(s.seq_id for s in victim.unfinished_seqs)
+                    num_seats -= victim.num_seats
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    gone.add(victim.request_id)
+                    if victim is group:
+                        break
+                if group.request_id in gone:
+                    break
+            if group.request_id in gone or not plan:
+                # Preempted itself. vLLM v1 ends the pass here because in its arrival order
+                # every other running group is older and already visited; with decodes first,
+                # older prefill chunks may still be unvisited, so go on.
+                continue
+            scheduled[group.request_id] = [self._scheduled(s, n) for s, n in plan]
+            budget -= sum(n for _, n in plan)
 
-        # 2. Waiting sequences, first come first served; not after a preemption, since the
-        #    blocks just freed belong to the running sequences that needed them.
-        while not preempted and self.waiting and budget > 0:
-            if len(self.running) >= self.max_num_seqs:
+        # 2. Swapped groups, oldest first; not after a preemption, since the blocks just freed
+        #    belong to the running groups that needed them.
+        while not preempted and self.swapped and budget > 0:
+            group = self.swapped[0]
+            if num_seats + group.num_seats > self.max_num_seqs:
                 break
-            seq = self.waiting[0]
-            num_new = self._num_new_tokens(seq, budget)
-            if not self.kv_cache_manager.allocate_slots(seq, num_new):
-                break  # the head waits for blocks; later arrivals do not overtake it
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            scheduled[seq.seq_id] = self._scheduled(seq, num_new)
-            budget -= num_new
+            seqs = group.unfinished_seqs
+            # One spare block per sequence lets each decode right away; alone, just fit.
+            if not kv.can_swap_in(seqs, len(seqs) if self.running else 0):
+                break
+            self.swapped.pop(0)
+            kv.swap_in(seqs)
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            num_seats += group.num_seats
+            self._fork_if_ready(group)
+            plan = self._plan(group, budget)
+            # All or none: a group in step must not sample with only some of its sequences.
+            # Blocks taken before a failure stay with their sequence for the next step.
+            if plan and all(kv.allocate_slots(s, n) for s, n in plan):
+                scheduled[group.request_id] = [self._scheduled(s, n) for s, n in plan]
+                budget -= sum(n for _, n in plan)
 
-        items = list(scheduled.values())
+        # 3. Waiting groups, first come first served.
+        while not preempted and not self.swapped and self.waiting and budget > 0:
+            group = self.waiting[0]
+            if num_seats + group.num_seats > self.max_num_seqs:
+                break
+            items = self._admit(group, budget)
+            if items is None:
+                if self.running:
+                    break  # the head waits for blocks; later arrivals do not overtake it
+                # Nothing else holds device blocks, so it will never fit (a multi-sequence
+                # group re-prefilling after recompute); end it instead of waiting forever.
+                self.waiting.popleft()
+                self._finish_group(group, SequenceStatus.FINISHED_IGNORED, queue_removed=True)
+                self._finished_while_scheduling.extend(group.seqs)
+                continue
+            self.waiting.popleft()
+            self.running.append(group)
+            num_seats += group.num_seats
+            scheduled[group.request_id] = items
+            budget -= sum(item.num_new_tokens for item in items)
+
+        items = [item for group_items in scheduled.values() for item in group_items]
         # Stable partition: 1-token decodes first, then prefill chunks (the runner's layout).
         items.sort(key=lambda item: item.seq.is_prefill)
+        swap_in, swap_out, copies = kv.take_block_ops()
+        beam_widths = [
+            self.requests[rid].beam_width
+            for rid, group_items in scheduled.items()
+            if any(item.do_sample for item in group_items)
+        ]
         return SchedulerOutput(
             scheduled=items,
             num_batched_tokens=sum(item.num_new_tokens for item in items),
-            preempted_seq_ids=[seq.seq_id for seq in preempted],
+            preempted_seq_ids=preempted_seq_ids,
+            blocks_to_swap_in=swap_in,
+            blocks_to_swap_out=swap_out,
+            blocks_to_copy=copies,
+            num_beam_candidates=2 * max(beam_widths, default=0),
         )
 
+    def _plan(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to compute) for this step; empty when the group waits this step."""
+        seqs = group.unfinished_seqs
+        if not group.forked:
+            # Parallel sampling computes the prompt once, up to its last token, then forks.
+            parent = seqs[0]
+            room = parent.num_prompt_tokens - 1 - parent.num_computed_tokens
+            num_new = min(self._num_new_tokens(parent, budget), room)
+            return [(parent, num_new)] if num_new > 0 else []
+        if len(seqs) == 1:
+            num_new = self._num_new_tokens(seqs[0], budget)
+            return [(seqs[0], num_new)] if num_new > 0 else []
+        if all(seq.num_uncomputed_tokens == 1 for seq in seqs):
+            # In step: every sequence computes its last token and samples, or none does.
+            return [(seq, 1) for seq in seqs] if budget >= len(seqs) else []
+        plan = []
+        for seq in seqs:  # catching up after recompute: prefill all but the last token
+            num_new = min(self._num_new_tokens(seq, budget), seq.num_uncomputed_tokens - 1)
+            if num_new > 0:
+                plan.append((seq, num_new))
+                budget -= num_new
+                if budget == 0:
+                    break
+        return plan
+
+    def _admit(self, group: SequenceGroup, budget: int) -> list[ScheduledSequence] | None:
+        """Give a waiting group its cached prefix and first chunk; None (nothing changed) if the
+        blocks are not there."""
+        kv = self.kv_cache_manager
+        seqs = group.unfinished_seqs
+        hits = {}
+        for seq in seqs:
+            blocks, num_hit = kv.get_computed_blocks(seq)
+            kv.allocate_slots(seq, 0, blocks)  # takes no new block, so it cannot fail
+            seq.num_computed_tokens = num_hit
+            seq.status = SequenceStatus.RUNNING
+            hits[seq.seq_id] = num_hit
+        was_forked = group.forked
+        self._fork_if_ready(group)
+        plan = self._plan(group, budget)
+        if not plan or not all(kv.allocate_slots(seq, n) for seq, n in plan):
+            for seq in group.unfinished_seqs:
+                kv.free(seq)
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING
+            if not was_forked and group.forked:
+                self._unfork(group)
+            return None
+        for seq in seqs:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += hits[seq.seq_id]
+        if group.num_cached_tokens is None:
+            group.num_cached_tokens = hits[group.request_id]
+            group.seqs[0].num_cached_tokens = group.num_cached_tokens
+        return [self._scheduled(seq, n) for seq, n in plan]
+
+    def _fork_if_ready(self, group: SequenceGroup) -> None:
+        """Parallel sampling: once the prompt is computed up to its last token, fork `best_of`
+        sequences sharing its blocks; each computes the last token itself and samples with its
+        own seed (so the n first tokens differ), copying the shared last block on write."""
+        if not group.needs_fork:
+            return
+        parent = group.seqs[0]
+        for index in range(1, group.best_of):
+            child = self._fork(group, parent)
+            child.sampling_seed = derive_seed(parent.sampling_seed, index)
+        group.forked = True
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        child_id = group.new_child_id()
+        while child_id in self._live_seqs:  # a user's request id may look like a child id
+            child_id = group.new_child_id()
+        child = parent.fork(child_id)
+        self.kv_cache_manager.fork(parent, child)
+        group.seqs.append(child)
+        self._live_seqs[child_id] = child
+        return child
+
+    def _unfork(self, group: SequenceGroup) -> None:
+        """Undo a fork whose children have sampled nothing: keep the prompt's sequence alone."""
+        for child in group.seqs[1:]:
+            self.kv_cache_manager.free(child)
+            del self._live_seqs[child.seq_id]
+        del group.seqs[1:]
+        group.forked = False
+
+    # ---------------------------------------------------------------------------- commit
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: dict[str, int],
+        sampled_logprobs: dict[str, float] | None = None,
+        beam_candidates: dict | None = None,
     ) -> list[Sequence]:
-        """Commit a step: advance `num_computed_tokens`, append sampled tokens, finish and free.
+        """Commit a step: advance `num_computed_tokens`, cache full blocks, append sampled tokens,
+        finish and free.
+
+        Args:
+            sampled_token_ids: the token sampled for each sequence with `do_sample`.
+            sampled_logprobs: their log-probabilities, summed into `cumulative_logprob`.
+            beam_candidates: for beam-search sequences, `seq_id -> (token_ids, logprobs)` of
+                at least `2 * beam_width` best next tokens, best first.
 
         Stop checks (vLLM's order, on the token just appended): once `min_tokens` outputs exist,
         `eos_token_id` (unless `ignore_eos`) or a `stop_token_ids` hit gives FINISHED_STOPPED
         (`stop_reason` = the stop token id); otherwise `max_tokens` outputs or `max_model_len`
-        tokens give FINISHED_LENGTH. Returns the sequences that got a token this step, finished
-        or not. Sequences aborted since `schedule` are skipped.
+        tokens give FINISHED_LENGTH. Returns the sequences that got a token this step (for beam
+        search: the surviving and completed beams), finished or not. Sequences aborted since
+        `schedule` are skipped.
         """
+        kv = self.kv_cache_manager
         outputs: list[Sequence] = []
-        any_finished = False
+        beam_groups: dict[str, SequenceGroup] = {}
         for item in scheduler_output.scheduled:
             seq = item.seq
             if seq.is_finished:
@@ -210,45 +398,148 @@ class Scheduler:
                     f"{seq.num_computed_tokens=} {item.num_computed_tokens=}"
                 )
             seq.num_computed_tokens += item.num_new_tokens
+            kv.cache_full_blocks(seq)
             if not item.do_sample:
+                continue
+            group = seq.group
+            if group.is_beam_search:
+                beam_groups[group.request_id] = group
                 continue
             if seq.seq_id not in sampled_token_ids:
                 raise ValueError(f"no sampled token for sequence {seq.seq_id!r}")
+            if sampled_logprobs is not None:
+                seq.cumulative_logprob += sampled_logprobs[seq.seq_id]
             seq.append_token(sampled_token_ids[seq.seq_id])
             status = self._check_stop(seq)
             if status is not None:
-                self._finish(seq, status)
-                any_finished = True
+                self._finish_seq(seq, status)
             outputs.append(seq)
-        if any_finished:
-            self.running = [seq for seq in self.running if not seq.is_finished]
+        for group in beam_groups.values():
+            outputs.extend(
+                advance_beams(
+                    group,
+                    beam_candidates or {},
+                    fork=self._fork,
+                    drop=self._drop_beam,
+                    finish=self._finish_seq,
+                    max_model_len=self.max_model_len,
+                )
+            )
+        finished = {seq.group.request_id for seq in outputs if seq.group.is_finished}
+        if finished:
+            self.running = [g for g in self.running if g.request_id not in finished]
+            for request_id in finished:
+                self._forget(request_id)
+        outputs.extend(self._finished_while_scheduling)
+        self._finished_while_scheduling = []
         return outputs
 
+    def _drop_beam(self, beam: Sequence) -> None:
+        """A beam none of whose continuations survived: freed and forgotten, never reported."""
+        self._finish_seq(beam, SequenceStatus.FINISHED_ABORTED)
+
+    # ---------------------------------------------------------------------------- finishing
     def finish_sequence(
         self, seq_id: str, status: SequenceStatus, stop_reason: int | str | None = None
     ) -> Sequence | None:
         """End a sequence from outside (e.g. a stop string found by the detokenizer).
 
-        Frees its blocks; returns it, or None if it is unknown or already finished.
+        Frees its blocks (and its group's place in the queues once all its sequences are done);
+        returns it, or None if it is unknown or already finished.
         """
         if not status.is_finished:
             raise ValueError(f"status must be a FINISHED_* status, got {status.name}")
-        seq = self.requests.get(seq_id)
+        seq = self._live_seqs.get(seq_id)
         if seq is None:
             return None
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
         if stop_reason is not None:
             seq.stop_reason = stop_reason
-        self._finish(seq, status)
+        self._finish_seq(seq, status)
+        group = seq.group
+        if group.is_finished:
+            self._remove_from_queue(group)
+            self._forget(group.request_id)
         return seq
 
-    def abort(self, seq_id: str) -> Sequence | None:
-        """Abort a waiting or running sequence (FINISHED_ABORTED, blocks freed); None if unknown."""
-        return self.finish_sequence(seq_id, SequenceStatus.FINISHED_ABORTED)
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        """Abort a request in any state (waiting, running, swapped, mid-chunked-prefill): every
+        unfinished sequence becomes FINISHED_ABORTED and all its device and host blocks are
+        freed at once. Returns the group, or None if the id is unknown or finished."""
+        group = self.requests.get(request_id)
+        if group is None:
+            return None
+        self._finish_group(group, SequenceStatus.FINISHED_ABORTED)
+        return group
 
+    def preempt(self, request_id: str) -> str | None:
+        """Take a running request off the device now, between steps (swap or recompute by the
+        preemption rule). Returns the mode used, or None if the request is not running."""
+        group = self.requests.get(request_id)
+        if group is None or group not in self.running:
+            return None
+        return self._preempt(group)
+
+    def _finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
+        seq.status = status
+        self.kv_cache_manager.free(seq)
+        self._live_seqs.pop(seq.seq_id, None)
+
+    def _finish_group(
+        self, group: SequenceGroup, status: SequenceStatus, *, queue_removed: bool = False
+    ) -> None:
+        for seq in group.unfinished_seqs:
+            self._finish_seq(seq, status)
+        if not queue_removed:
+            self._remove_from_queue(group)
+        self._forget(group.request_id)
+
+    def _remove_from_queue(self, group: SequenceGroup) -> None:
+        for queue in (self.running, self.waiting, self.swapped):
+            if group in queue:
+                queue.remove(group)
+                return
+
+    def _forget(self, request_id: str) -> None:
+        del self.requests[request_id]
+        del self._arrival_order[request_id]
+
+    # ---------------------------------------------------------------------------- preemption
+    def _preempt(self, group: SequenceGroup) -> str:
+        """Take a running group off the device so that older ones can grow; returns the mode.
+
+        Swap keeps the K/V in host blocks and the group resumes where it stopped. Recompute
+        frees the blocks and forgets the K/V; the group re-prefills its prompts and generated
+        tokens when admitted again (from the prefix cache where its blocks survived), then
+        samples its next tokens.
+        """
+        kv = self.kv_cache_manager
+        seqs = group.unfinished_seqs
+        mode = self.preemption_mode or ("recompute" if group.num_seats == 1 else "swap")
+        if mode == "swap" and not kv.can_swap_out(seqs):
+            mode = "recompute"  # vLLM v0 aborts the request here instead
+        self.running.remove(group)
+        if mode == "swap":
+            kv.swap_out(seqs)
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            order = self._arrival_order
+            bisect.insort(self.swapped, group, key=lambda g: order[g.request_id])
+        else:
+            for seq in seqs:
+                kv.free(seq)
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING
+            if group.best_of > 1 and not any(seq.output_token_ids for seq in group.seqs):
+                self._unfork(group)  # forked but nothing sampled yet: one prompt to recompute
+            # Front of the queue: it arrived before everything still waiting.
+            self.waiting.appendleft(group)
+        for seq in seqs:
+            seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.num_preemptions_by_mode[mode] += 1
+        return mode
+
+    # ---------------------------------------------------------------------------- helpers
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         num_new = min(seq.num_uncomputed_tokens, budget)
         if 0 < self.long_prefill_token_threshold < num_new:
@@ -264,29 +555,6 @@ class Scheduler:
             block_table=self.kv_cache_manager.get_block_table(seq.seq_id),
             do_sample=seq.num_computed_tokens + num_new == seq.num_tokens,
         )
-
-    def _preempt(self, seq: Sequence, mode: str = "recompute") -> None:
-        """Take a running sequence off the device so that older ones can grow.
-
-        Recompute (vLLM v1's only mode): free its blocks and forget its K/V; it re-prefills its
-        prompt and generated tokens when admitted again, then samples its next token. Swap mode
-        (copy its blocks to host memory) is the later extension of this method.
-        """
-        if mode != "recompute":
-            raise ValueError(f"preemption mode must be 'recompute', got {mode!r}")
-        self.running.remove(seq)
-        self.kv_cache_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        # Front of the queue: it arrived before everything still waiting.
-        self.waiting.appendleft(seq)
-
-    def check_stop(self, seq: Sequence) -> SequenceStatus | None:
-        """The stop rule of `update_from_output` on `seq`'s last token, without acting on it
-        (async scheduling re-checks once a placeholder token is replaced by the sampled one)."""
-        return self._check_stop(seq)
 
     def _check_stop(self, seq: Sequence) -> SequenceStatus | None:
         params = seq.sampling_params
@@ -305,8 +573,23 @@ class Scheduler:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        # The caller removes seq from `running`/`waiting` (in bulk where it can).
-        seq.status = status
-        self.kv_cache_manager.free(seq)
-        del self.requests[seq.seq_id]
+    def get_stats(self) -> SchedulerStats:
+        """A snapshot for metrics (see `SchedulerStats`)."""
+        kv = self.kv_cache_manager
+        stored, held = kv.slots_stored_vs_held()
+        return SchedulerStats(
+            num_requests_running=len(self.running),
+            num_requests_waiting=len(self.waiting),
+            num_requests_swapped=len(self.swapped),
+            kv_cache_usage_perc=kv.usage,
+            cpu_cache_usage_perc=kv.cpu_usage,
+            num_gpu_blocks=kv.num_blocks,
+            num_cpu_blocks=kv.num_cpu_blocks,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_preemptions_swap=self.num_preemptions_by_mode["swap"],
+            num_preemptions_recompute=self.num_preemptions_by_mode["recompute"],
+            kv_cache_tokens_stored=stored,
+            kv_cache_slots_held=held,
+        )

@@ -18,13 +18,16 @@ import jax
 import jax.numpy as jnp
 from transformers import AutoTokenizer
 
+from jaxpaged.beam_search import BeamSearchParams
 from jaxpaged.config import EngineArgs, EngineConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
-from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from jaxpaged.worker.distributed import agree_on_min, initialize_distributed, is_driver
 from jaxpaged.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -36,6 +39,7 @@ from jaxpaged.worker.kv_cache import (
     num_blocks_for_budget,
 )
 from jaxpaged.worker.model_runner import ModelRunner
+from jaxpaged.worker.swap import BlockMover
 from models.sharded_weights import load_sharded_model
 from models.sharding import kv_cache_sharding, make_mesh
 from models.tp_layout import TPLayout
@@ -127,7 +131,14 @@ class LLMEngine:
         self.num_blocks = num_blocks
         kv_caches = allocate_kv_caches(spec, num_blocks, sharding=kv_sharding)
         self.model_runner = ModelRunner(model, kv_caches, **runner_kwargs)
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size)
+        num_cpu_blocks = cc.swap_space_bytes // spec.bytes_per_block
+        self.block_mover = BlockMover(spec, num_cpu_blocks, cache_sharding=kv_sharding)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            cc.block_size,
+            enable_caching=cc.enable_prefix_caching,
+            num_cpu_blocks=num_cpu_blocks,
+        )
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
         enforce_eager = config.enforce_eager
         if enforce_eager is None:
@@ -210,7 +221,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         *,
         arrival_time: float | None = None,
         final_only: bool = False,
@@ -219,41 +230,61 @@ class LLMEngine:
 
         Args:
             prompt: text, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}`` (TokensPrompt).
+            params: ``SamplingParams`` (``n`` / ``best_of`` > 1 fork the prompt's blocks), or
+                ``BeamSearchParams`` for a beam search (its output holds the ranked beams).
             final_only: emit a ``RequestOutput`` only when the request finishes (overrides
-                ``params.output_kind``, as ``LLM.generate`` does).
+                ``params.output_kind``, as ``LLM.generate`` does; beam searches always do).
 
         Raises:
             ValueError: duplicate id, empty prompt, token ids outside the vocabulary, a prompt
                 that leaves no room under ``max_model_len`` or does not fit in the KV cache,
-                ``logprobs`` above ``max_logprobs``, or ``n > 1`` (not supported yet).
+                ``logprobs`` above ``max_logprobs``, ``best_of`` / ``beam_width`` above
+                ``max_num_seqs``.
         """
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.n != 1 or (params.best_of or 1) != 1:
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(
-                f"n and best_of must be 1 in this engine (parallel sampling is not supported "
-                f"yet), got n={params.n}, best_of={params.best_of}"
+                f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}"
             )
-        verify_for_model(
-            params,
-            vocab_size=self.vocab_size,
-            max_logprobs=self.config.model_config.max_logprobs,
-        )
+        if isinstance(params, SamplingParams):
+            verify_for_model(
+                params,
+                vocab_size=self.vocab_size,
+                max_logprobs=self.config.model_config.max_logprobs,
+            )
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
+        group_kwargs = {}
+        seq_params = params
+        if isinstance(params, BeamSearchParams):
+            if 2 * params.beam_width > self.vocab_size:
+                raise ValueError(
+                    f"beam_width must be at most vocab_size / 2 ({self.vocab_size // 2}), "
+                    f"got {params.beam_width}"
+                )
+            # The rows' temperature scales the beams' top-k log-probabilities; the token the
+            # sampler draws for them is ignored.
+            seq_params = SamplingParams(
+                temperature=params.temperature,
+                max_tokens=params.max_tokens,
+                ignore_eos=params.ignore_eos,
+            )
+            group_kwargs = dict(beam_width=params.beam_width, beam_params=params)
+        else:
+            group_kwargs = dict(best_of=getattr(params, "best_of", None) or params.n)
         seq = Sequence(
             seq_id=request_id,
             prompt_token_ids=prompt_ids,
-            sampling_params=params,
+            sampling_params=seq_params,
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
         )
         seq.sampling_seed = self._request_seed(params)
-        output_kind = RequestOutputKind.FINAL_ONLY if final_only else params.output_kind
-        self.output_processor.add_request(seq, prompt_text, output_kind)
-        self.scheduler.add_request(seq)
+        group = SequenceGroup(request_id, seq, **group_kwargs)
+        self.scheduler.add_request(group)
+        output_kind = RequestOutputKind.FINAL_ONLY if final_only else seq_params.output_kind
+        self.output_processor.add_request(group, prompt_text, output_kind)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         is_text = isinstance(prompt, str) or (
@@ -302,9 +333,10 @@ class LLMEngine:
                 f"tokens ({self.num_blocks} blocks)"
             )
 
-    def _request_seed(self, params: SamplingParams) -> int:
-        if params.seed is not None:
-            return params.seed
+    def _request_seed(self, params: SamplingParams | BeamSearchParams) -> int:
+        seed = getattr(params, "seed", None)
+        if seed is not None:
+            return seed
         # Unseeded requests still get a reproducible stream per engine seed and arrival order.
         return (self.config.model_config.seed * 1_000_003 + next(self._seed_counter)) % 2**63
 
@@ -316,6 +348,15 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         return self.output_processor.abort(request_id)
 
+    def get_stats(self) -> SchedulerStats:
+        """Scheduler and KV-cache counters for metrics (fields named after vLLM's metrics)."""
+        return self.scheduler.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (blocks in use keep their K/V). Returns True."""
+        self.kv_cache_manager.reset_prefix_cache()
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
 
@@ -326,11 +367,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step and return the outputs of requests that advanced or finished."""
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return []
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        runner_output = ModelRunnerOutput({})
+        if not scheduler_output.is_empty:
+            self.model_runner.execute_block_ops(scheduler_output, self.block_mover)
+            runner_output = self.model_runner.execute_model(scheduler_output)
+        # Also commits what finished while scheduling (ignored groups) when nothing ran.
         updated = self.scheduler.update_from_output(
-            scheduler_output, runner_output.sampled_token_ids
+            scheduler_output,
+            runner_output.sampled_token_ids,
+            runner_output.sampled_logprobs,
+            beam_candidates=self.model_runner.beam_candidates,
         )
         return self.output_processor.process(runner_output, updated, time.monotonic())
 

@@ -1,12 +1,16 @@
 """From a step's sampled tokens to ``RequestOutput``s: text, stop strings, logprobs, delta mode.
 
 The scheduler has already appended each sampled token and applied the token-level stops (EOS,
-stop_token_ids, max_tokens, max_model_len). Here each request's detokenizer adds the token's
-text; a stop string found in it ends the request through ``Scheduler.finish_sequence`` (blocks
-freed at once) and, as in vLLM v1, overrides a ``length`` finish of the same step. Logprob
-entries become ``{token_id: Logprob}`` dicts; ``RequestOutputKind`` decides whether an output
-carries everything so far (CUMULATIVE), only what is new (DELTA) or comes only at the end
-(FINAL_ONLY).
+stop_token_ids, max_tokens, max_model_len). Here each sequence's detokenizer adds the token's
+text; a stop string found in it ends that sequence through ``Scheduler.finish_sequence`` (blocks
+freed at once; the request ends with its last sequence) and, as in vLLM v1, overrides a
+``length`` finish of the same step. Logprob entries become ``{token_id: Logprob}`` dicts;
+``RequestOutputKind`` decides whether an output carries everything so far (CUMULATIVE), only
+what is new (DELTA) or comes only at the end (FINAL_ONLY).
+
+A request is a ``SequenceGroup``: one sequence, the ``best_of`` samples of parallel sampling or
+the beams of a beam search. Each sequence keeps its own detokenizer and logprobs; which of them
+are reported, and in what order, is ``group_outputs.ranked_completions``.
 """
 
 from __future__ import annotations
@@ -14,31 +18,39 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.engine.group_outputs import ranked_completions
 from jaxpaged.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from jaxpaged.sample.logprobs import LogprobsBuilder, ModelRunnerOutput
 from jaxpaged.sampling_params import RequestOutputKind
-from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclasses.dataclass
+class SequenceState:
+    """Output state of one sequence of a request."""
+
+    detokenizer: IncrementalDetokenizer
+    logprobs: SampleLogprobs | None
+    num_fed_tokens: int = 0  # output tokens given to the detokenizer (and logprobs) so far
+    num_sent_tokens: int = 0  # output tokens already reported (DELTA mode)
 
 
 @dataclasses.dataclass
 class RequestState:
     """Everything the frontend keeps about one unfinished request."""
 
-    seq: Sequence
+    group: SequenceGroup
     prompt_text: str | None
     output_kind: RequestOutputKind
-    detokenizer: IncrementalDetokenizer
-    logprobs: SampleLogprobs | None
-    cumulative_logprob: float | None
     prompt_logprobs: PromptLogprobs | None
-    num_sent_tokens: int = 0
+    seqs: dict[str, SequenceState] = dataclasses.field(default_factory=dict)
     prompt_logprobs_sent: bool = False
     first_token_time: float | None = None
     finished_time: float | None = None
 
 
 class OutputProcessor:
-    """Per-request output state of an engine; ``scheduler`` ends requests on stop strings."""
+    """Per-request output state of an engine; ``scheduler`` ends sequences on stop strings."""
 
     def __init__(self, tokenizer, scheduler):
         self.tokenizer = tokenizer
@@ -47,26 +59,28 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
 
     def add_request(
-        self, seq: Sequence, prompt_text: str | None, output_kind: RequestOutputKind
+        self, group: SequenceGroup, prompt_text: str | None, output_kind: RequestOutputKind
     ) -> None:
-        params = seq.sampling_params
-        wants_logprobs = params.logprobs is not None
+        """Track ``group`` (its first sequence holds the prompt). Beam searches report only
+        their final output: beams are ranked only once the search ends."""
+        seq = group.seqs[0]
         prompt_logprobs = None
-        if params.prompt_logprobs is not None:
+        if getattr(seq.sampling_params, "prompt_logprobs", None) is not None:
             prompt_logprobs = [None] * seq.num_prompt_tokens
-        self.requests[seq.seq_id] = RequestState(
-            seq=seq,
+        if group.is_beam_search:
+            output_kind = RequestOutputKind.FINAL_ONLY
+        state = RequestState(
+            group=group,
             prompt_text=prompt_text,
             output_kind=output_kind,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params),
-            logprobs=[] if wants_logprobs else None,
-            cumulative_logprob=0.0 if wants_logprobs else None,
             prompt_logprobs=prompt_logprobs,
         )
+        self.requests[group.request_id] = state
+        self._seq_state(state, seq)
 
-    def abort(self, seq_id: str) -> RequestOutput | None:
-        """Forget the request and return its final output (the caller aborted the sequence)."""
-        state = self.requests.pop(seq_id, None)
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Forget the request and return its final output (the caller aborted its sequences)."""
+        state = self.requests.pop(request_id, None)
         if state is None:
             return None
         return self._make_output(state, finished=True)
@@ -74,46 +88,87 @@ class OutputProcessor:
     def process(
         self, runner_output: ModelRunnerOutput, updated: list[Sequence], now: float
     ) -> list[RequestOutput]:
-        """Commit one step's text and logprobs; return the outputs due this step.
+        """Commit one step's text and logprobs; return the outputs due this step, one per
+        request that advanced or finished.
 
         Args:
             runner_output: what the model runner returned for the step.
-            updated: sequences that got a token this step (``Scheduler.update_from_output``).
+            updated: sequences that got a token this step (``Scheduler.update_from_output``),
+                or finished while it was scheduled.
             now: ``time.monotonic()`` of the step's end.
         """
         builder = self.logprobs_builder
         for seq_id, entries in runner_output.prompt_logprobs.items():
-            state = self.requests.get(seq_id)
+            state = self._state_of_seq(seq_id)
             if state is None:
                 continue
-            num_top = state.seq.sampling_params.prompt_logprobs
+            num_top = state.group.sampling_params.prompt_logprobs
             for position, entry in entries:  # recompute overwrites the same positions
                 state.prompt_logprobs[position] = builder.build(entry, num_top)
 
-        outputs = []
+        advanced: dict[str, RequestState] = {}
         for seq in updated:
-            state = self.requests[seq.seq_id]
-            params = seq.sampling_params
-            if state.first_token_time is None:
+            state = self.requests.get(seq.group.request_id)
+            if state is None:
+                continue
+            advanced[seq.group.request_id] = state
+            if state.first_token_time is None and seq.output_token_ids:
                 state.first_token_time = now
-            if state.logprobs is not None:
-                entry = runner_output.logprobs[seq.seq_id]
-                state.logprobs.append(builder.build(entry, params.logprobs))
-                state.cumulative_logprob += entry.logprob
-            stop = state.detokenizer.update(
-                [seq.last_token_id],
-                stop_terminated=seq.status is SequenceStatus.FINISHED_STOPPED,
-                finished=seq.is_finished,
-            )
-            if stop is not None:
-                self._finish_on_stop_string(seq, stop)
-            finished = seq.is_finished
+            self._commit_tokens(state, seq, runner_output)
+
+        outputs = []
+        for request_id, state in advanced.items():
+            finished = state.group.is_finished
             if finished:
                 state.finished_time = now
-                del self.requests[seq.seq_id]
+                del self.requests[request_id]
             if finished or state.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._make_output(state, finished=finished))
         return outputs
+
+    def _commit_tokens(
+        self, state: RequestState, seq: Sequence, runner_output: ModelRunnerOutput
+    ) -> None:
+        seq_state = self._seq_state(state, seq)
+        new_ids = seq.output_token_ids[seq_state.num_fed_tokens :]
+        seq_state.num_fed_tokens = seq.num_output_tokens
+        if not new_ids:  # finished while scheduled (aborted or ignored): nothing new
+            return
+        params = seq.sampling_params
+        entry = runner_output.logprobs.get(seq.seq_id)
+        if seq_state.logprobs is not None and entry is not None:
+            seq_state.logprobs.append(self.logprobs_builder.build(entry, params.logprobs))
+        stop = seq_state.detokenizer.update(
+            new_ids,
+            stop_terminated=seq.status is SequenceStatus.FINISHED_STOPPED,
+            finished=seq.is_finished,
+        )
+        if stop is not None:
+            self._finish_on_stop_string(seq, stop)
+
+    def _seq_state(self, state: RequestState, seq: Sequence) -> SequenceState:
+        """The sequence's output state, created on first sight (forked sequences appear when
+        the scheduler forks them: parallel samples before their first token, beams with their
+        parent's tokens, which the next update feeds to the new detokenizer at once)."""
+        seq_state = state.seqs.get(seq.seq_id)
+        if seq_state is None:
+            params = seq.sampling_params
+            wants_logprobs = getattr(params, "logprobs", None) is not None
+            seq_state = SequenceState(
+                detokenizer=IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params),
+                logprobs=[] if wants_logprobs else None,
+            )
+            state.seqs[seq.seq_id] = seq_state
+        return seq_state
+
+    def _state_of_seq(self, seq_id: str) -> RequestState | None:
+        state = self.requests.get(seq_id)
+        if state is not None:
+            return state
+        for state in self.requests.values():  # a forked sequence: "<request_id>#<k>"
+            if any(seq.seq_id == seq_id for seq in state.group.seqs):
+                return state
+        return None
 
     def _finish_on_stop_string(self, seq: Sequence, stop: str) -> None:
         if seq.is_finished:
@@ -124,34 +179,57 @@ class OutputProcessor:
             self.scheduler.finish_sequence(seq.seq_id, SequenceStatus.FINISHED_STOPPED, stop)
 
     def _make_output(self, state: RequestState, *, finished: bool) -> RequestOutput:
-        seq = state.seq
+        group = state.group
         delta = state.output_kind is RequestOutputKind.DELTA
-        text = state.detokenizer.get_next_output_text(finished=finished, delta=delta)
-        start = state.num_sent_tokens if delta else 0
-        state.num_sent_tokens = seq.num_output_tokens
+        completions = []
+        for index, seq in enumerate(ranked_completions(group)):
+            seq_state = self._seq_state(state, seq)
+            if seq_state.num_fed_tokens < seq.num_output_tokens:  # e.g. a beam never updated
+                seq_state.detokenizer.update(
+                    seq.output_token_ids[seq_state.num_fed_tokens :],
+                    stop_terminated=seq.status is SequenceStatus.FINISHED_STOPPED,
+                    finished=finished,
+                )
+                seq_state.num_fed_tokens = seq.num_output_tokens
+            seq_finished = finished or seq.is_finished
+            text = seq_state.detokenizer.get_next_output_text(finished=seq_finished, delta=delta)
+            start = seq_state.num_sent_tokens if delta else 0
+            seq_state.num_sent_tokens = seq.num_output_tokens
+            if group.is_beam_search:
+                # Beams report their candidates' logprobs and score whatever was asked.
+                logprobs = list(seq.beam_logprobs)
+                cumulative_logprob = seq.cumulative_logprob
+            elif seq_state.logprobs is not None:
+                logprobs = seq_state.logprobs[start:]
+                cumulative_logprob = seq.cumulative_logprob
+            else:
+                logprobs = cumulative_logprob = None  # vLLM v1: only with logprobs
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=seq.output_token_ids[start:],
+                    cumulative_logprob=cumulative_logprob,
+                    logprobs=logprobs,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
         prompt_logprobs = state.prompt_logprobs
         if delta and state.prompt_logprobs_sent:
             prompt_logprobs = None
         state.prompt_logprobs_sent = True
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=seq.output_token_ids[start:],
-            cumulative_logprob=state.cumulative_logprob,
-            logprobs=None if state.logprobs is None else state.logprobs[start:],
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
+        parent = group.seqs[0]
         return RequestOutput(
-            request_id=seq.seq_id,
+            request_id=group.request_id,
             prompt=state.prompt_text,
-            prompt_token_ids=list(seq.prompt_token_ids),
-            outputs=[completion],
+            prompt_token_ids=list(parent.prompt_token_ids),
+            outputs=completions,
             finished=finished,
             prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs),
-            num_cached_tokens=seq.num_cached_tokens,
+            num_cached_tokens=group.num_cached_tokens or 0,
             metrics={
-                "arrival_time": seq.arrival_time,
+                "arrival_time": group.arrival_time,
                 "first_token_time": state.first_token_time,
                 "finished_time": state.finished_time,
             },

@@ -7,8 +7,10 @@ from collections.abc import Mapping, Sequence
 
 from tqdm.auto import tqdm
 
+from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine, PromptType
+from jaxpaged.entrypoints.beam_search import beam_search_outputs
 from jaxpaged.entrypoints.chat import Conversation, chat_prompt, is_single_conversation
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
@@ -42,6 +44,35 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's ``LLM.reset_prefix_cache``)."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's ``LLM.beam_search``); outputs in input order.
+
+        The beams of a prompt are forked sequences of one request that share their KV blocks
+        (copy-on-write); each step keeps the best ``beam_width`` of the beams' top
+        ``2 * beam_width`` continuations. Each output lists the best ``beam_width`` beams by
+        ``cum_logprob / len ** length_penalty``, best first.
+
+        Raises:
+            ValueError: for a bad prompt or parameter (nothing is queued then).
+        """
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        request_ids = self._add_requests(prompts, [params] * len(prompts))
+        outputs = self._run_engine(request_ids, use_tqdm=use_tqdm)
+        engine = self.llm_engine
+        return beam_search_outputs(outputs, engine.tokenizer, engine.eos_token_id, params)
 
     def generate(
         self,
@@ -77,6 +108,10 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
                     "give one, or one per prompt"
                 )
+        request_ids = self._add_requests(prompts, params_list)
+        return self._run_engine(request_ids, use_tqdm=use_tqdm)
+
+    def _add_requests(self, prompts: list, params_list: list) -> list[str]:
         engine = self.llm_engine
         request_ids = [str(next(self._request_counter)) for _ in prompts]
         added = []
@@ -88,7 +123,7 @@ class LLM:
             for request_id in added:  # one bad prompt must not leave the others queued
                 engine.abort_request(request_id)
             raise
-        return self._run_engine(request_ids, use_tqdm=use_tqdm)
+        return request_ids
 
     def chat(
         self,
@@ -142,7 +177,7 @@ class LLM:
                 for output in engine.step():
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
-                        output_tokens += len(output.outputs[0].token_ids)
+                        output_tokens += sum(len(c.token_ids) for c in output.outputs)
                         elapsed = bar.format_dict["elapsed"] or 1e-9
                         bar.set_postfix_str(f"output: {output_tokens / elapsed:.1f} toks/s")
                         bar.update(1)

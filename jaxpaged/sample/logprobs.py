@@ -55,6 +55,27 @@ def top_logprobs(logprobs: jax.Array, token_ids: jax.Array, k: int) -> TopLogpro
     return TopLogprobs(chosen[:, 0], ranks, top_ids.astype(jnp.int32), top_values)
 
 
+def sampled_logprobs(
+    logits: jax.Array, token_ids: jax.Array, metadata, top: TopLogprobs
+) -> jax.Array:
+    """f32[B]: the logprob of each row's sampled token, for ``cumulative_logprob``.
+
+    Rows that asked for logprobs take the value they report (``top.logprobs``, raw or processed
+    by their ``logprobs_mode``), so the cumulative logprob is the sum of the reported ones as in
+    vLLM v1; other rows take the raw model logprob (``logits[token] - logsumexp(logits)``), one
+    reduction over the vocabulary, which best_of ranking needs even without logprobs.
+
+    Args:
+        logits: f32[B, vocab_size] raw model logits; token_ids: i32[B], the sampled tokens.
+        metadata: the step's ``SamplingMetadata`` (``num_logprobs``, ``[B]``).
+        top: the sampler's ``TopLogprobs`` (zeros unless some row asked).
+    """
+    logits = logits.astype(jnp.float32)
+    chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0]
+    raw = chosen - jax.nn.logsumexp(logits, axis=-1)
+    return jnp.where(metadata.num_logprobs >= 0, top.logprobs, raw)
+
+
 def prompt_top_logprobs(
     hidden: jax.Array,
     compute_logits: Callable[[jax.Array], jax.Array],
@@ -137,6 +158,9 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int]
     """The token sampled for each sequence whose step computed its last token."""
+    sampled_logprobs: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Each sampled token's logprob (``sample.logprobs.sampled_logprobs``), summed by the engine
+    into ``cumulative_logprob`` (best_of ranking, beam scores, ``CompletionOutput``)."""
     logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)
     """For sampled sequences that asked for logprobs."""
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = dataclasses.field(

@@ -21,9 +21,15 @@ from tqdm.auto import tqdm
 
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.sample import logits_state as ls
-from jaxpaged.sample.logprobs import ModelRunnerOutput, host_token_logprobs, step_prompt_logprobs
+from jaxpaged.sample.logprobs import (
+    ModelRunnerOutput,
+    host_token_logprobs,
+    sampled_logprobs,
+    step_prompt_logprobs,
+)
 from jaxpaged.sample.metadata import SamplingArrays, SamplingMetadata, packed_sections
 from jaxpaged.sample.sampler import sample
+from jaxpaged.worker.beam_candidates import top_logprobs
 from jaxpaged.worker.buckets import make_buckets, round_up_to_bucket
 from models.attention_metadata import AttentionMetadata
 
@@ -39,6 +45,9 @@ class BucketKey:
     num_tokens: int
     num_seqs: int
     decode_only: bool
+    # Beam search: top-k (token, logprob) pairs returned per row, a power of two; 0 (every
+    # bucket compiled at start-up) returns none, so beam steps compile only when beams are used.
+    num_beam_candidates: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,10 +142,13 @@ class ModelRunner:
             self.logits_state = jax.device_put(self.logits_state, self._input_sharding)
         self._jitted_step = jax.jit(
             self._step,
-            static_argnames=("layout", "decode_only"),
+            static_argnames=("layout", "decode_only", "num_beam_candidates"),
             donate_argnames=("kv_caches", "logits_state"),
             **placement,
         )
+        # Beam search output of the last execute_model: seq_id -> (token_ids, logprobs), each
+        # [k] best first, for the sampled rows; empty when the step asked for none.
+        self.beam_candidates: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     # ----------------------------------------------------------------- buckets and compilation
     def all_bucket_keys(self) -> list[BucketKey]:
@@ -183,6 +195,7 @@ class ModelRunner:
             packed,
             layout=layout,
             decode_only=key.decode_only,
+            num_beam_candidates=key.num_beam_candidates,
         ).compile()
         self._executables[key] = compiled
         self.num_compilations += 1
@@ -196,13 +209,24 @@ class ModelRunner:
         # Every token asks for prompt logprobs so that their logits chunk counts in the peak.
         packed = self._prepare_inputs([], layout, [], profile=True)
         out, self.kv_caches, self.logits_state = self._compile(key)(
-            self._state, self.kv_caches, self.logits_state, jax.device_put(packed, self._input_sharding)
+            self._state,
+            self.kv_caches,
+            self.logits_state,
+            jax.device_put(packed, self._input_sharding),
         )
         out["token_ids"].block_until_ready()
 
     # ---------------------------------------------------------------------------- the step
     def _step(
-        self, state, kv_caches, logits_state, packed, *, layout: _PackedLayout, decode_only: bool
+        self,
+        state,
+        kv_caches,
+        logits_state,
+        packed,
+        *,
+        layout: _PackedLayout,
+        decode_only: bool,
+        num_beam_candidates: int = 0,
     ):
         arrays = layout.unpack(packed)
         b = layout.num_seqs
@@ -229,24 +253,52 @@ class ModelRunner:
             self.max_logprobs,
             decode_only=decode_only,
         )
-        out = {"token_ids": token_ids, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+        out = {
+            "token_ids": token_ids,
+            "sampled_logprobs": sampled_logprobs(logits, token_ids, sampling, logprobs),
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+        }
+        if num_beam_candidates:
+            out["beams"] = top_logprobs(logits, sampling.temperature, num_beam_candidates)
         return out, kv_caches, logits_state
 
+    def execute_block_ops(self, scheduler_output: SchedulerOutput, block_mover) -> None:
+        """Run the step's swap-out, swap-in and copy-on-write block moves, in that order, on the
+        KV cache (``jaxpaged.worker.swap.BlockMover``); call before ``execute_model``."""
+        self.kv_caches = block_mover.execute(self.kv_caches, scheduler_output)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: the token sampled for each sequence that computed its last token, and
-        the logprobs its request asked for."""
+        """Run one step: the token sampled for each sequence that computed its last token, its
+        logprob, the logprobs its request asked for and, for beam-search steps, each sampled
+        row's best candidates (``self.beam_candidates``)."""
         scheduled = scheduler_output.scheduled
+        self.beam_candidates = {}
         if not scheduled:
             return ModelRunnerOutput({})
         decode_only = all(s.num_new_tokens == 1 for s in scheduled)
         key = self.bucket_for(scheduler_output.num_batched_tokens, len(scheduled), decode_only)
+        num_candidates = getattr(scheduler_output, "num_beam_candidates", 0)
+        if num_candidates:
+            padded = min(1 << (num_candidates - 1).bit_length(), self.vocab_size)
+            key = dataclasses.replace(key, num_beam_candidates=padded)
         layout = _PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
         slots = self._assign_logits_state_slots(scheduled)
         packed = self._prepare_inputs(scheduled, layout, slots)
         executable = self._executables.get(key) or self._compile(key)
         out, self.kv_caches, self.logits_state = executable(
-            self._state, self.kv_caches, self.logits_state, jax.device_put(packed, self._input_sharding)
+            self._state,
+            self.kv_caches,
+            self.logits_state,
+            jax.device_put(packed, self._input_sharding),
         )
+        if "beams" in out:
+            beam_ids, beam_logprobs = (np.asarray(x) for x in out["beams"])
+            self.beam_candidates = {
+                s.seq.seq_id: (beam_ids[i], beam_logprobs[i])
+                for i, s in enumerate(scheduled)
+                if s.do_sample
+            }
         return self._runner_output(scheduled, out)
 
     def _assign_logits_state_slots(self, scheduled) -> list[int | None]:
@@ -266,8 +318,11 @@ class ModelRunner:
 
     def _runner_output(self, scheduled, out) -> ModelRunnerOutput:
         token_ids = np.asarray(out["token_ids"])
+        chosen = np.asarray(out["sampled_logprobs"])
+        sampled = [(i, s.seq.seq_id) for i, s in enumerate(scheduled) if s.do_sample]
         result = ModelRunnerOutput(
-            {s.seq.seq_id: int(token_ids[i]) for i, s in enumerate(scheduled) if s.do_sample}
+            {seq_id: int(token_ids[i]) for i, seq_id in sampled},
+            sampled_logprobs={seq_id: float(chosen[i]) for i, seq_id in sampled},
         )
         # Logprob arrays leave the device only when some request of the step wants them.
         if any(s.do_sample and s.seq.sampling_params.logprobs is not None for s in scheduled):

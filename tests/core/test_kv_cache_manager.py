@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager
+from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sequence import Sequence
 
 
@@ -135,3 +136,187 @@ def test_check_invariants_catches_table_that_lost_computed_tokens():
 def test_negative_new_tokens_is_a_bug():
     with pytest.raises(ValueError, match="non-negative"):
         KVCacheManager(num_blocks=2, block_size=2).allocate_slots(_seq(), -1)
+
+
+# ------------------------------------------------------------------ prefix caching, CoW, swap
+def _computed(kv, seq, num_tokens):
+    """Allocate and 'compute' the first num_tokens of seq, registering its full blocks."""
+    assert kv.allocate_slots(seq, num_tokens - seq.num_computed_tokens)
+    seq.num_computed_tokens = num_tokens
+    kv.cache_full_blocks(seq)
+
+
+def test_cached_prefix_is_found_block_by_block_and_stops_at_the_first_miss():
+    kv = KVCacheManager(num_blocks=8, block_size=2, enable_caching=True)
+    a = _seq("a", 7)  # tokens 1..7: 3 full blocks
+    _computed(kv, a, 7)
+    b = Sequence("b", [1, 2, 3, 4, 9, 9, 9], a.sampling_params)  # shares 2 blocks
+    blocks, num_tokens = kv.get_computed_blocks(b)
+    assert blocks == kv.get_block_table("a")[:2] and num_tokens == 4
+
+
+def test_a_hit_never_covers_the_last_token():
+    kv = KVCacheManager(num_blocks=8, block_size=2, enable_caching=True)
+    a = _seq("a", 6)
+    _computed(kv, a, 6)
+    b = _seq("b", 6)  # all 3 blocks cached, but the last token must be computed
+    blocks, num_tokens = kv.get_computed_blocks(b)
+    assert len(blocks) == 2 and num_tokens == 4
+
+
+def test_extra_keys_separate_otherwise_equal_prefixes():
+    kv = KVCacheManager(num_blocks=8, block_size=2, enable_caching=True)
+    a = _seq("a", 5)
+    _computed(kv, a, 5)
+    b = Sequence("b", list(range(1, 6)), a.sampling_params, block_hash_extra_keys=("lora", 1))
+    assert kv.get_computed_blocks(b) == ([], 0)
+
+
+def test_prompt_logprobs_requests_skip_cache_reads_but_still_fill_the_cache():
+    kv = KVCacheManager(num_blocks=8, block_size=2, enable_caching=True)
+    a = _seq("a", 5)
+    _computed(kv, a, 5)
+    b = Sequence("b", list(range(1, 6)), SamplingParams(prompt_logprobs=0))
+    assert b.skip_prefix_cache and kv.get_computed_blocks(b) == ([], 0)
+
+    kv = KVCacheManager(num_blocks=8, block_size=2, enable_caching=True)
+    b = Sequence("b", list(range(1, 6)), SamplingParams(prompt_logprobs=0))
+    _computed(kv, b, 5)
+    blocks, num_tokens = kv.get_computed_blocks(_seq("c", 5))
+    assert blocks == kv.get_block_table("b")[:2] and num_tokens == 4
+
+
+def test_allocating_with_hits_touches_them_and_counts_evictable_ones_as_taken():
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_caching=True)
+    a = _seq("a", 4)
+    _computed(kv, a, 4)
+    kv.free(a)  # both blocks evictable, cached
+    b = _seq("b", 7)
+    blocks, num_tokens = kv.get_computed_blocks(b)
+    assert num_tokens == 4
+    # 7 tokens need 4 blocks: 2 hits + 2 new; the hits leave the free queue, so 2 remain.
+    assert kv.allocate_slots(b, 3, blocks)
+    b.num_computed_tokens = 4
+    assert kv.get_block_table("b")[:2] == blocks and kv.num_free_blocks == 0
+    kv.check_invariants([b])
+    c = _seq("c", 3)
+    assert kv.get_computed_blocks(c)[1] == 2
+    assert not kv.allocate_slots(c, 1, kv.get_computed_blocks(c)[0])  # 1 new block: none left
+
+
+def test_hits_for_a_sequence_that_holds_blocks_are_a_bug():
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_caching=True)
+    seq = _seq("a", 4)
+    kv.allocate_slots(seq, 2)
+    with pytest.raises(ValueError, match="already holds blocks"):
+        kv.allocate_slots(seq, 1, [3])
+
+
+def test_blocks_are_cached_only_once_computed():
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_caching=True)
+    seq = _seq("a", 5)
+    kv.allocate_slots(seq, 5)  # scheduled, not yet run
+    assert kv.block_pool.num_cached_blocks == 0
+    seq.num_computed_tokens = 3
+    kv.cache_full_blocks(seq)
+    assert kv.block_pool.num_cached_blocks == 1
+
+
+def test_fork_shares_every_block_and_writing_a_shared_block_copies_it():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    parent = _seq("p", 6)  # blocks: [full, 2 of 4]
+    _computed(kv, parent, 6)
+    child = parent.fork("c")
+    kv.fork(parent, child)
+    table = kv.get_block_table("p")
+    assert kv.get_block_table("c") == table
+    assert [kv.block_pool.ref_counts[b] for b in table] == [2, 2]
+    kv.check_invariants([parent, child])
+    child.append_token(9)
+    assert kv.num_new_blocks_needed(child, 1) == 1  # the copy
+    old_child_table = kv.get_block_table("c")
+    assert kv.allocate_slots(child, 1)
+    new_table = kv.get_block_table("c")
+    assert new_table[0] == table[0] and new_table[1] != table[1]
+    assert old_child_table == table  # replaced, not mutated: a running step may hold it
+    assert kv.take_block_ops() == ([], [], [(table[1], new_table[1])])
+    parent.append_token(8)
+    assert kv.allocate_slots(parent, 1)  # the last holder writes in place
+    assert kv.get_block_table("p") == table
+    assert kv.take_block_ops() == ([], [], [])
+    kv.check_invariants([parent, child])
+
+
+def test_a_copy_whose_destination_is_freed_before_the_step_is_dropped():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    parent = _seq("p", 6)
+    _computed(kv, parent, 6)
+    child = parent.fork("c")
+    kv.fork(parent, child)
+    child.append_token(9)
+    kv.allocate_slots(child, 1)
+    kv.free(child)
+    assert kv.take_block_ops() == ([], [], [])
+
+
+def test_swap_out_and_in_keep_shared_blocks_shared_and_record_the_moves():
+    kv = KVCacheManager(num_blocks=8, block_size=4, num_cpu_blocks=4)
+    parent = _seq("p", 6)
+    _computed(kv, parent, 6)
+    child = parent.fork("c")
+    kv.fork(parent, child)
+    device_table = kv.get_block_table("p")
+    assert kv.can_swap_out([parent, child])
+    kv.swap_out([parent, child])
+    assert kv.block_tables == {} and kv.num_free_blocks == 8
+    host = kv.cpu_block_tables
+    assert host["p"] == host["c"] and len(host["p"]) == 2
+    assert kv.cpu_block_pool.ref_counts[host["p"][0]] == 2
+    swap_in, swap_out, copies = kv.take_block_ops()
+    assert sorted(swap_out) == sorted(zip(device_table, host["p"], strict=True))
+    kv.check_invariants([], [parent, child])
+    assert kv.can_swap_in([parent, child], num_extra_blocks=6)
+    assert not kv.can_swap_in([parent, child], num_extra_blocks=7)
+    host_table = list(host["p"])
+    kv.swap_in([parent, child])
+    assert kv.cpu_block_tables == {} and kv.num_free_cpu_blocks == 4
+    new_table = kv.get_block_table("p")
+    assert kv.get_block_table("c") == new_table
+    swap_in, swap_out, copies = kv.take_block_ops()
+    assert sorted(swap_in) == sorted(zip(host_table, new_table, strict=True))
+    kv.check_invariants([parent, child], [])
+
+
+def test_swap_out_saves_only_computed_blocks_and_needs_host_room():
+    kv = KVCacheManager(num_blocks=8, block_size=2, num_cpu_blocks=1)
+    seq = _seq("a", 4)
+    kv.allocate_slots(seq, 4)  # 2 blocks allocated, 1 computed
+    seq.num_computed_tokens = 2
+    assert kv.can_swap_out([seq])
+    kv.swap_out([seq])
+    assert len(kv.cpu_block_tables["a"]) == 1
+    other = _seq("b", 2)
+    _computed(kv, other, 2)
+    assert not kv.can_swap_out([other])  # the only host block is taken
+    assert not KVCacheManager(num_blocks=2, block_size=2).can_swap_out([other])
+
+
+def test_free_releases_host_blocks_of_a_swapped_sequence():
+    kv = KVCacheManager(num_blocks=4, block_size=2, num_cpu_blocks=4)
+    seq = _seq("a", 4)
+    _computed(kv, seq, 4)
+    kv.swap_out([seq])
+    kv.free(seq)
+    assert kv.num_free_cpu_blocks == 4 and kv.cpu_block_tables == {}
+    assert kv.take_block_ops() == ([], [], [])  # its pending swap-out is dropped too
+
+
+def test_reset_prefix_cache_forgets_cached_prefixes():
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_caching=True)
+    a = _seq("a", 5)
+    _computed(kv, a, 5)
+    kv.reset_prefix_cache()
+    assert kv.get_computed_blocks(_seq("b", 5)) == ([], 0)
+    a.num_computed_tokens = 5
+    kv.cache_full_blocks(a)  # blocks still held are registered again as they are reported
+    assert kv.block_pool.num_cached_blocks == 2

@@ -1,4 +1,7 @@
-"""Scheduler: token budget, chunked prefill, admission, recompute preemption, stop conditions."""
+"""Scheduler: token budget, chunked prefill, admission, recompute preemption, stop conditions.
+
+Swap preemption, prefix caching, forks and beams: tests/core/test_scheduler_memory.py.
+"""
 
 import subprocess
 import sys
@@ -42,7 +45,7 @@ def step(sched, token=7):
     out = sched.schedule()
     sampled = {s.seq.seq_id: token for s in out.scheduled if s.do_sample}
     sched.update_from_output(out, sampled)
-    sched.kv_cache_manager.check_invariants(sched.running)
+    sched.kv_cache_manager.check_invariants(sched.running_seqs(), sched.swapped_seqs())
     return out
 
 
@@ -138,7 +141,7 @@ def test_waiting_head_that_lacks_blocks_is_not_overtaken():
     sched.add_request(make_seq("b", 8))
     sched.add_request(make_seq("c", 2))
     assert counts(sched.schedule()) == {"a": 12}
-    assert [s.seq_id for s in sched.waiting] == ["b", "c"]
+    assert [g.request_id for g in sched.waiting] == ["b", "c"]
 
 
 def test_preempts_newest_request_when_blocks_run_out():
@@ -159,7 +162,7 @@ def test_preempts_newest_request_when_blocks_run_out():
     c = seqs[2]
     assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0
     assert c.num_preemptions == 1 and sched.num_preemptions == 1
-    assert list(sched.waiting) == [c]
+    assert [g.seqs for g in sched.waiting] == [[c]]
     assert "c" not in sched.kv_cache_manager.block_tables
 
 
@@ -222,7 +225,7 @@ def test_no_admission_in_a_step_that_preempted():
     out = step(sched)
     assert out.preempted_seq_ids == ["b"]
     assert "late" not in counts(out)
-    assert [s.seq_id for s in sched.waiting] == ["b", "late"]
+    assert [g.request_id for g in sched.waiting] == ["b", "late"]
 
 
 def test_preempted_sequence_recomputes_prompt_and_outputs_before_sampling_again():
@@ -250,7 +253,7 @@ def test_chunked_recompute_samples_only_after_last_chunk():
     sched.add_request(seq)
     step(sched)
     step(sched)  # 5 tokens, 4 computed
-    sched._preempt(seq)  # force a recompute
+    assert sched.preempt("a") == "recompute"
     items = [step(sched).scheduled[0] for _ in range(2)]
     assert [(i.num_new_tokens, i.do_sample) for i in items] == [(3, False), (2, True)]
 
@@ -328,7 +331,7 @@ def test_abort_running_and_waiting_frees_everything():
     sched.add_request(a)
     sched.add_request(b)
     step(sched)
-    assert sched.abort("a") is a and sched.abort("b") is b
+    assert sched.abort("a").seqs == [a] and sched.abort("b").seqs == [b]
     assert a.finish_reason == b.finish_reason == "abort"
     assert not sched.has_unfinished
     assert sched.kv_cache_manager.num_free_blocks == 64
@@ -339,7 +342,7 @@ def test_update_skips_sequence_aborted_after_schedule():
     sched = make_scheduler()
     sched.add_request(make_seq("a", 4))
     out = sched.schedule()
-    aborted = sched.abort("a")
+    (aborted,) = sched.abort("a").seqs
     assert sched.update_from_output(out, {"a": 7}) == []
     assert aborted.output_token_ids == [] and aborted.num_computed_tokens == 0
 

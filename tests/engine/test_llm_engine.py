@@ -62,6 +62,7 @@ def _poison_kv_cache_with_nan(llm):
     runner.kv_caches = [
         (jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan)) for k, v in runner.kv_caches
     ]
+    llm.reset_prefix_cache()  # the cached prefixes' K/V are gone
 
 
 def test_paged_engine_equals_cache_free_reference_across_block_boundaries(

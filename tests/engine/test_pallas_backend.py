@@ -12,6 +12,7 @@ def test_pallas_backend_reproduces_golden_greedy_outputs(golden):
     assert llm.llm_engine.attention_backend == "pallas"
     cases = golden["cases"]
     params = SamplingParams(temperature=0.0, max_tokens=golden["max_new_tokens"])
-    outputs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases], params,
-                           use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": c["prompt_ids"]} for c in cases], params, use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in outputs] == [c["greedy_new_ids"] for c in cases]

@@ -9,9 +9,21 @@ from jaxpaged.entrypoints import cli
 
 def test_generate_prints_the_greedy_story_for_each_prompt(capsys, golden):
     case = next(c for c in golden["cases"] if c["prompt"] == "Once upon a time")
-    status = cli.main(["generate", "Once upon a time", "The dog", "--max-tokens", "32",
-                       "--max-model-len", "128", "--max-num-seqs", "4",
-                       "--max-num-batched-tokens", "64"])
+    status = cli.main(
+        [
+            "generate",
+            "Once upon a time",
+            "The dog",
+            "--max-tokens",
+            "32",
+            "--max-model-len",
+            "128",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "64",
+        ]
+    )
     out, err = capsys.readouterr()
     assert status == 0
     assert case["full_text"] in out

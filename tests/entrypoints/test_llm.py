@@ -96,7 +96,11 @@ def test_bad_prompt_raises_value_error_and_queues_nothing(stories_llm, prompt, m
         (dict(top_k=-3), "top_k"),
         (dict(min_p=1.5), "min_p"),
         (dict(max_tokens=0), "max_tokens must be at least 1, got 0"),
-        (dict(n=2, temperature=0.0), "n must be 1 when using greedy sampling, got 2"),
+        (
+            dict(n=2, temperature=0.0),
+            r"n must be 1 when using greedy sampling \(temperature 0\), got 2",
+        ),
+        (dict(n=3, best_of=2), r"best_of must be greater than or equal to n \(3\), got 2"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, message):

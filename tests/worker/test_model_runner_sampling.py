@@ -275,7 +275,8 @@ def test_step_never_copies_the_logits_state(stories_llm, num_seqs, decode_only):
             "logprobs must be at most the engine's max_logprobs \\(20\\)",
         ),
         (SamplingParams(prompt_logprobs=25), "max_logprobs"),
-        (SamplingParams(n=2), "n and best_of must be 1"),
+        # n > 1 is served (parallel sampling), but not more samples than max_num_seqs seats.
+        (SamplingParams(n=2, best_of=9), "needs 9 sequences at once .* max_num_seqs is 8"),
         (
             SamplingParams(allowed_token_ids=[3, 512]),
             "allowed_token_ids .* below the vocabulary size",

@@ -1,0 +1,51 @@
+"""A snapshot of scheduler and KV-cache state for metrics (host only; no JAX).
+
+Field names follow vLLM's Prometheus metrics (`vllm:<name>`; counters gain `_total` on export),
+see `../shared/reference/vllm_surface.md` section 3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    """Gauges describe the moment of the snapshot; counters are cumulative since start-up."""
+
+    num_requests_running: int
+    """Requests (sequence groups) in the running batch (`vllm:num_requests_running`)."""
+    num_requests_waiting: int
+    """Requests waiting to be admitted, including recompute-preempted ones."""
+    num_requests_swapped: int
+    """Requests preempted to host memory (`vllm:num_requests_swapped`)."""
+    kv_cache_usage_perc: float
+    """Device KV blocks in use / total, in [0, 1]; evictable cached blocks count as free."""
+    cpu_cache_usage_perc: float
+    """Host (swap) blocks in use / total, in [0, 1]; 0 without swap space."""
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    prefix_cache_queries: int
+    """Counter: tokens looked up in the prefix cache (`vllm:prefix_cache_queries`)."""
+    prefix_cache_hits: int
+    """Counter: of those, tokens found cached (`vllm:prefix_cache_hits`)."""
+    num_preemptions: int
+    """Counter: preemptions of either kind (`vllm:num_preemptions`)."""
+    num_preemptions_swap: int
+    num_preemptions_recompute: int
+    kv_cache_tokens_stored: int
+    """Token slots holding K/V in the running sequences' tables."""
+    kv_cache_slots_held: int
+    """Slots of the blocks those tables hold (blocks * block_size)."""
+
+    @property
+    def gpu_cache_usage_perc(self) -> float:
+        """vLLM v0's name for `kv_cache_usage_perc`."""
+        return self.kv_cache_usage_perc
+
+    @property
+    def kv_cache_fragmentation(self) -> float:
+        """Internal fragmentation, `1 - stored / held` in [0, 1); 0 when nothing is held."""
+        if not self.kv_cache_slots_held:
+            return 0.0
+        return 1.0 - self.kv_cache_tokens_stored / self.kv_cache_slots_held
