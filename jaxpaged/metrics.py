@@ -160,8 +160,8 @@ class ServerMetrics:
         Every tracked request in the running batch after the step, or with an output from it,
         counts as scheduled at ``step_start`` if it was not before.
         """
-        for seq in engine.scheduler.running:
-            times = self._requests.get(seq.seq_id)
+        for group in engine.scheduler.running:
+            times = self._requests.get(group.request_id)
             if times is not None and times.scheduled is None:
                 times.scheduled = step_start
         prefix_stats = _prefix_cache_stats(engine)

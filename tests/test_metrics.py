@@ -15,7 +15,7 @@ from jaxpaged.outputs import CompletionOutput, RequestOutput
 def _engine(running=(), waiting=0, preemptions=0, usage=0.0, stats=None, swapped=0):
     engine = SimpleNamespace(
         scheduler=SimpleNamespace(
-            running=[SimpleNamespace(seq_id=r) for r in running],
+            running=[SimpleNamespace(request_id=r) for r in running],  # SequenceGroups
             num_running=len(running),
             num_waiting=waiting,
             num_preemptions=preemptions,
