@@ -283,19 +283,11 @@ class KVCacheManager:
         """
         seqs = list(seqs)
         tables = self._tables_to_save(seqs)
-        cpu_pool = self.cpu_block_pool
         mapping: dict[int, int] = {}
         for seq in seqs:
-            cpu_table = []
-            for block_id in tables[seq.seq_id]:
-                if block_id in mapping:
-                    cpu_pool.incref([mapping[block_id]])
-                else:
-                    allocated = cpu_pool.allocate(1)
-                    if allocated is None:
-                        raise RuntimeError("swap_out without room on the host: ask can_swap_out")
-                    mapping[block_id] = allocated[0]
-                cpu_table.append(mapping[block_id])
+            cpu_table = _remap_blocks(
+                tables[seq.seq_id], self.cpu_block_pool, mapping, "swap_out", "can_swap_out"
+            )
             if cpu_table:
                 self.cpu_block_tables[seq.seq_id] = cpu_table
             self._free_device(seq.seq_id)
@@ -316,20 +308,10 @@ class KVCacheManager:
 
     def swap_in(self, seqs: Iterable[Sequence]) -> None:
         """Bring the sequences' host blocks back into fresh device blocks (sharing preserved)."""
-        pool = self.block_pool
         mapping: dict[int, int] = {}
         for seq in seqs:
             cpu_table = self.cpu_block_tables.pop(seq.seq_id, [])
-            table = []
-            for host_id in cpu_table:
-                if host_id in mapping:
-                    pool.incref([mapping[host_id]])
-                else:
-                    allocated = pool.allocate(1)
-                    if allocated is None:
-                        raise RuntimeError("swap_in without room on the device: ask can_swap_in")
-                    mapping[host_id] = allocated[0]
-                table.append(mapping[host_id])
+            table = _remap_blocks(cpu_table, self.block_pool, mapping, "swap_in", "can_swap_in")
             if cpu_table:
                 self.block_tables[seq.seq_id] = table
                 self.cpu_block_pool.free(reversed(cpu_table))
@@ -429,3 +411,26 @@ def _check(condition: bool, message: str) -> None:
     # An explicit raise rather than `assert`: invariant checks must also run under `python -O`.
     if not condition:
         raise AssertionError(message)
+
+
+def _remap_blocks(
+    table: list[int], target_pool, mapping: dict[int, int], action: str, question: str
+) -> list[int]:
+    """``table`` moved into blocks of ``target_pool``: a block seen before in this move (in
+    ``mapping``, shared by several sequences) is reused with its ref count raised, so sharing
+    survives the move; a new one gets a fresh block.
+
+    Raises:
+        RuntimeError: the target pool ran out, i.e. the caller skipped ``question`` first.
+    """
+    moved = []
+    for block_id in table:
+        if block_id in mapping:
+            target_pool.incref([mapping[block_id]])
+        else:
+            allocated = target_pool.allocate(1)
+            if allocated is None:
+                raise RuntimeError(f"{action} without room in the target pool: ask {question}")
+            mapping[block_id] = allocated[0]
+        moved.append(mapping[block_id])
+    return moved
