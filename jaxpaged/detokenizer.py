@@ -32,6 +32,9 @@ _CONTEXT_TOKENS = 5
 # DecodeStream is primed with a prompt suffix of at least this many ids that starts on a character
 # boundary (no U+FFFD), searched up to _MAX_PRIME ids back, as vLLM does.
 _MIN_PRIME, _MAX_PRIME = 4, 24
+# Start of the error tokenizers' DecodeStream raises when a step's text no longer extends the
+# text it decoded before.
+_INVALID_PREFIX = "Invalid prefix encountered"
 
 
 class IncrementalDetokenizer:
@@ -187,7 +190,16 @@ class _StreamDecoder:
         self.last_special = False
 
     def decode_next(self, token_id: int) -> str:
-        text = self.stream.step(self.backend, token_id)
+        try:
+            text = self.stream.step(self.backend, token_id)
+        except Exception as error:  # tokenizers raises a bare Exception
+            if not str(error).startswith(_INVALID_PREFIX):
+                raise
+            # Byte-fallback pieces that are not valid UTF-8 (random or out-of-domain ids) can
+            # break DecodeStream's prefix invariant; vLLM's FastIncrementalDetokenizer resets
+            # the stream and carries on, which loses no text already released.
+            self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            text = self.stream.step(self.backend, token_id)
         if self.special:
             content = self.special.get(token_id)
             if content is not None and self.last_special:

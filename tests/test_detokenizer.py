@@ -185,3 +185,13 @@ def test_bytes_of_an_unfinished_character_are_flushed_when_the_request_ends(toke
         assert detok.output_text == _expected_text(tokenizer, prompt, output)
         assert detok.output_text.endswith("\ufffd")
         assert "".join(pieces) == detok.output_text
+
+
+def test_ids_that_break_the_decode_stream_prefix_do_not_raise(tokenizer):
+    # Random byte-fallback ids (what dummy-weight models sample) made tokenizers' DecodeStream
+    # raise "Invalid prefix encountered" on the fifth token; the stream must recover.
+    output_ids = [344, 292, 130, 164, 368, 300, 301]
+    pieces, detok, _ = _stream(tokenizer, [1], output_ids, SamplingParams(), use_fast=True)
+    assert len(pieces) == len(output_ids)
+    assert "".join(pieces) == detok.output_text
+    assert detok.output_text.endswith(tokenizer.decode([300, 301]).strip()[-3:])
