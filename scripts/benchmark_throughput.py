@@ -197,9 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size=engine.vocab_size,
         seed=args.seed,
     )
-    result = run_throughput(
-        llm, requests, warmup=not args.no_warmup
-    )
+    result = run_throughput(llm, requests, warmup=not args.no_warmup)
     for line in result_lines(result):
         print(line, flush=True)
     if args.output_json:

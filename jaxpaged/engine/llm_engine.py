@@ -35,6 +35,7 @@ from jaxpaged.worker.kv_cache import (
     MemoryBudget,
     allocate_kv_caches,
     bytes_in_use,
+    kv_cache_shapes,
     measure_kv_budget,
     num_blocks_for_budget,
 )
@@ -129,8 +130,21 @@ class LLMEngine:
         # Every process must hold the same number of blocks, or their schedules diverge.
         num_blocks = agree_on_min(num_blocks)
         self.num_blocks = num_blocks
-        kv_caches = allocate_kv_caches(spec, num_blocks, sharding=kv_sharding)
-        self.model_runner = ModelRunner(model, kv_caches, **runner_kwargs)
+        enforce_eager = config.enforce_eager
+        if enforce_eager is None:
+            # XLA:CPU takes seconds per bucket and CPU runs are short: compile what is used.
+            enforce_eager = not on_gpu
+        # Buckets compile against the cache's shapes before it is allocated, so that XLA's
+        # autotuning scratch and rematerialization limit see the memory the cache will take.
+        self.model_runner = ModelRunner(
+            model, kv_cache_shapes(spec, num_blocks, sharding=kv_sharding), **runner_kwargs
+        )
+        compile_start = time.perf_counter()
+        if not enforce_eager:
+            self.model_runner.compile_all(show_progress=show_progress)
+        # Seconds spent compiling step buckets at start-up (0 with lazy compilation).
+        self.compile_seconds = time.perf_counter() - compile_start
+        self.model_runner.kv_caches = allocate_kv_caches(spec, num_blocks, sharding=kv_sharding)
         num_cpu_blocks = cc.swap_space_bytes // spec.bytes_per_block
         self.block_mover = BlockMover(spec, num_cpu_blocks, cache_sharding=kv_sharding)
         self.kv_cache_manager = KVCacheManager(
@@ -140,15 +154,6 @@ class LLMEngine:
             num_cpu_blocks=num_cpu_blocks,
         )
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
-        enforce_eager = config.enforce_eager
-        if enforce_eager is None:
-            # XLA:CPU takes seconds per bucket and CPU runs are short: compile what is used.
-            enforce_eager = not on_gpu
-        compile_start = time.perf_counter()
-        if not enforce_eager:
-            self.model_runner.compile_all(show_progress=show_progress)
-        # Seconds spent compiling step buckets at start-up (0 with lazy compilation).
-        self.compile_seconds = time.perf_counter() - compile_start
 
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._seed_counter = itertools.count()

@@ -161,9 +161,9 @@ def allocate_kv_caches(
     return [(make(), make()) for _ in range(spec.num_layers)]
 
 
-def kv_cache_shapes(spec: KVCacheSpec, num_blocks: int) -> list:
+def kv_cache_shapes(spec: KVCacheSpec, num_blocks: int, *, sharding=None) -> list:
     """The caches ``allocate_kv_caches`` makes, as ``jax.ShapeDtypeStruct`` pairs (compiling
-    needs only these)."""
+    needs only these; nothing is allocated)."""
     shape = kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    leaf = jax.ShapeDtypeStruct(shape, spec.dtype)
+    leaf = jax.ShapeDtypeStruct(shape, spec.dtype, sharding=sharding)
     return [(leaf, leaf) for _ in range(spec.num_layers)]

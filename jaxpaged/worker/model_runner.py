@@ -9,7 +9,10 @@ silent re-trace; ``num_compilations`` counts them for the tests.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +132,7 @@ class ModelRunner:
         self.slot_table = ls.SlotTable(max_num_seqs)
         self._executables: dict[BucketKey, jax.stages.Compiled] = {}
         self.num_compilations = 0
+        self._compile_lock = threading.Lock()
         placement = {}
         self._input_sharding = None
         if mesh is not None:
@@ -174,11 +178,24 @@ class ModelRunner:
         t = round_up_to_bucket(num_tokens, self.token_buckets)
         return BucketKey(t, self._mixed_num_seqs(t), False)
 
-    def compile_all(self, *, show_progress: bool = True) -> None:
-        """Compile every bucket now (start-up), with a progress bar."""
+    def compile_all(self, *, show_progress: bool = True, num_threads: int | None = None) -> None:
+        """Compile every bucket now (start-up), with a progress bar.
+
+        ``kv_caches`` may still be ``jax.ShapeDtypeStruct`` s (with their shardings): compiling
+        before the cache is allocated leaves XLA's autotuner the memory the cache will take.
+        XLA compiles outside the GIL, so buckets compile on ``num_threads`` threads (default:
+        the CPU count, at most 16).
+        """
         keys = [k for k in self.all_bucket_keys() if k not in self._executables]
-        for key in tqdm(keys, desc="Compiling step buckets", disable=not show_progress):
-            self._compile(key)
+        num_threads = num_threads or min(16, os.cpu_count() or 1)
+        with (
+            concurrent.futures.ThreadPoolExecutor(num_threads) as pool,
+            tqdm(total=len(keys), desc="Compiling step buckets", disable=not show_progress) as bar,
+        ):
+            futures = [pool.submit(self._compile, key) for key in keys]
+            for future in concurrent.futures.as_completed(futures):
+                future.result()
+                bar.update()
         # The LogitsState row writer runs when a request first needs its row: compile it now
         # too, by writing nothing (every index past the last row is dropped).
         padding = np.full(ls.WRITE_ROWS, self.logits_state.neutral_slot + 1, np.int32)
@@ -197,8 +214,9 @@ class ModelRunner:
             decode_only=key.decode_only,
             num_beam_candidates=key.num_beam_candidates,
         ).compile()
-        self._executables[key] = compiled
-        self.num_compilations += 1
+        with self._compile_lock:
+            self._executables[key] = compiled
+            self.num_compilations += 1
         return compiled
 
     def profile_run(self) -> None:
