@@ -38,7 +38,7 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
+        return self._is_finished
 
 
 # vLLM's `CompletionOutput.finish_reason` strings.
@@ -48,6 +48,11 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_ABORTED: "abort",
     SequenceStatus.FINISHED_IGNORED: "length",
 }
+# Stored on each member because testing membership hashes the enum in Python (enum.__hash__),
+# and the engine asks every sequence of the batch several times per step.
+for _status in SequenceStatus:
+    _status._is_finished = _status in _FINISH_REASONS
+del _status
 
 
 class Sequence:
@@ -148,7 +153,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status._is_finished
 
     @property
     def finish_reason(self) -> str | None:
@@ -250,11 +255,14 @@ class SequenceGroup:
 
     @property
     def unfinished_seqs(self) -> list[Sequence]:
-        return [seq for seq in self.seqs if not seq.is_finished]
+        return [seq for seq in self.seqs if not seq.status._is_finished]
 
     @property
     def is_finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, without all()'s generator
+            return seqs[0].status._is_finished
+        return all(seq.status._is_finished for seq in seqs)
 
     @property
     def num_seats(self) -> int:

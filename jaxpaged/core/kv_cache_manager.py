@@ -134,10 +134,12 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         seq_id = seq.seq_id
+        start = self._num_cached_blocks.get(seq_id, 0)
+        if seq.num_computed_tokens // self.block_size <= start:
+            return  # no block filled up since the last call (most decode steps)
         table = self.block_tables.get(seq_id)
         if not table:
             return
-        start = self._num_cached_blocks.get(seq_id, 0)
         end = min(seq.num_computed_tokens // self.block_size, len(table))
         if end <= start:
             return
@@ -187,8 +189,21 @@ class KVCacheManager:
         the sequence gets a private copy first (copy-on-write). Returns False and changes nothing
         when the pool lacks blocks.
         """
-        new_computed_blocks = list(new_computed_blocks)
         seq_id = seq.seq_id
+        if num_new_tokens > 0 and not new_computed_blocks:
+            # Fast path of almost every decode: the table already covers the new tokens and the
+            # block written first is not shared, so nothing is allocated or copied.
+            table = self.block_tables.get(seq_id)
+            num_computed = seq.num_computed_tokens
+            end = num_computed + num_new_tokens
+            if (
+                table
+                and len(table) * self.block_size >= end
+                and self.block_pool.ref_counts[table[num_computed // self.block_size]] == 1
+            ):
+                self._num_slots_used[seq_id] = end
+                return True
+        new_computed_blocks = list(new_computed_blocks)
         if new_computed_blocks and (self.block_tables.get(seq_id) or seq.num_computed_tokens):
             raise ValueError(f"cache hits given for {seq_id!r}, which already holds blocks")
         pool = self.block_pool

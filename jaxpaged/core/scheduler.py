@@ -168,7 +168,7 @@ class Scheduler:
         num_seats = sum(group.num_seats for group in self.running)
 
         # 1. Running groups: decodes first so that they are never starved by prefill chunks.
-        is_decoding = [all(not s.is_prefill for s in g.unfinished_seqs) for g in self.running]
+        is_decoding = [_is_decoding(g) for g in self.running]
         order = [g for g, d in zip(self.running, is_decoding, strict=True) if d]
         order += [g for g, d in zip(self.running, is_decoding, strict=True) if not d]
         gone: set[str] = set()  # request ids taken off the device during this loop
@@ -177,7 +177,8 @@ class Scheduler:
                 break
             if group.request_id in gone:
                 continue
-            self._fork_if_ready(group)
+            if not group.forked:  # only parallel sampling forks; skip the call otherwise
+                self._fork_if_ready(group)
             plan = self._plan(group, budget)
             for seq, num_new in plan:
                 while not kv.allocate_slots(seq, num_new):
@@ -209,7 +210,7 @@ class Scheduler:
                 # older prefill chunks may still be unvisited, so go on.
                 continue
             scheduled[group.request_id] = [self._scheduled(s, n) for s, n in plan]
-            budget -= sum(n for _, n in plan)
+            budget -= _num_planned_tokens(plan)
 
         # 2. Swapped groups, oldest first; not after a preemption, since the blocks just freed
         #    belong to the running groups that needed them.
@@ -260,10 +261,11 @@ class Scheduler:
         # Stable partition: 1-token decodes first, then prefill chunks (the runner's layout).
         items.sort(key=lambda item: item.seq.is_prefill)
         swap_in, swap_out, copies = kv.take_block_ops()
+        # Only beam groups count, so the others skip the any() over their items.
         beam_widths = [
             self.requests[rid].beam_width
             for rid, group_items in scheduled.items()
-            if any(item.do_sample for item in group_items)
+            if self.requests[rid].beam_width and any(item.do_sample for item in group_items)
         ]
         return SchedulerOutput(
             scheduled=items,
@@ -425,7 +427,10 @@ class Scheduler:
                     max_model_len=self.max_model_len,
                 )
             )
-        finished = {seq.group.request_id for seq in outputs if seq.group.is_finished}
+        # A group can only have finished through a sequence that finished.
+        finished = {
+            seq.group.request_id for seq in outputs if seq.is_finished and seq.group.is_finished
+        }
         if finished:
             self.running = [g for g in self.running if g.request_id not in finished]
             for request_id in finished:
@@ -559,15 +564,16 @@ class Scheduler:
     def _check_stop(self, seq: Sequence) -> SequenceStatus | None:
         params = seq.sampling_params
         last = seq.last_token_id
+        num_output_tokens = seq.num_output_tokens
         # EOS and stop tokens only count after min_tokens (the sampler masks them before that).
-        if seq.num_output_tokens >= (getattr(params, "min_tokens", 0) or 0):
+        if num_output_tokens >= (getattr(params, "min_tokens", 0) or 0):
             if not params.ignore_eos and last == seq.eos_token_id:
                 return SequenceStatus.FINISHED_STOPPED
             if params.stop_token_ids and last in params.stop_token_ids:
                 seq.stop_reason = last
                 return SequenceStatus.FINISHED_STOPPED
         max_tokens = params.max_tokens
-        if max_tokens is not None and seq.num_output_tokens >= max_tokens:
+        if max_tokens is not None and num_output_tokens >= max_tokens:
             return SequenceStatus.FINISHED_LENGTH
         if seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
@@ -593,3 +599,18 @@ class Scheduler:
             kv_cache_tokens_stored=stored,
             kv_cache_slots_held=held,
         )
+
+
+def _is_decoding(group: SequenceGroup) -> bool:
+    """Every unfinished sequence of the group is decoding (true of a group with none)."""
+    seqs = group.seqs
+    if len(seqs) == 1:  # the common case, without the generator
+        seq = seqs[0]
+        return seq.is_finished or not seq.is_prefill
+    return all(not seq.is_prefill for seq in group.unfinished_seqs)
+
+
+def _num_planned_tokens(plan: list[tuple[Sequence, int]]) -> int:
+    if len(plan) == 1:  # the common case, without the generator
+        return plan[0][1]
+    return sum(n for _, n in plan)

@@ -30,10 +30,11 @@ from jaxpaged.sample.logprobs import (
     sampled_logprobs,
     step_prompt_logprobs,
 )
-from jaxpaged.sample.metadata import SamplingArrays, SamplingMetadata, packed_sections
+from jaxpaged.sample.metadata import SamplingMetadata, packed_sections
 from jaxpaged.sample.sampler import sample
 from jaxpaged.worker.beam_candidates import top_logprobs
 from jaxpaged.worker.buckets import make_buckets, round_up_to_bucket
+from jaxpaged.worker.input_prep import PackedInputBuilder
 from models.attention_metadata import AttentionMetadata
 
 # Smallest token bucket of a step that carries a prefill chunk; decode-only steps use the
@@ -130,6 +131,12 @@ class ModelRunner:
         # Per-request penalty counts, prompt/stop sets and bias rows (sample/logits_state.py).
         self.logits_state = ls.allocate_logits_state(max_num_seqs, vocab_size)
         self.slot_table = ls.SlotTable(max_num_seqs)
+        self._input_builder = PackedInputBuilder(
+            block_size=block_size,
+            max_blocks=self.max_blocks,
+            neutral_slot=self.logits_state.neutral_slot,
+            max_cached_seqs=2 * max_num_seqs,
+        )
         self._executables: dict[BucketKey, jax.stages.Compiled] = {}
         self.num_compilations = 0
         self._compile_lock = threading.Lock()
@@ -368,45 +375,4 @@ class ModelRunner:
     def _prepare_inputs(
         self, scheduled, layout: _PackedLayout, slots: list, *, profile: bool = False
     ) -> np.ndarray:
-        t_pad, b_pad, bs = layout.num_tokens, layout.num_seqs, self.block_size
-        input_ids = np.zeros(t_pad, np.int32)
-        positions = np.zeros(t_pad, np.int32)
-        slot_mapping = np.full(t_pad, -1, np.int32)
-        block_tables = np.zeros((b_pad, self.max_blocks), np.int32)
-        seq_lens = np.zeros(b_pad, np.int32)
-        cu_q_lens = np.zeros(b_pad + 1, np.int32)
-        logits_indices = np.zeros(b_pad, np.int32)
-        sampling = SamplingArrays(t_pad, b_pad, self.logits_state.neutral_slot)
-        if profile:
-            sampling.prompt_target[:] = 0
-
-        t = 0
-        for i, s in enumerate(scheduled):
-            start, n = s.num_computed_tokens, s.num_new_tokens
-            input_ids[t : t + n] = s.seq.token_ids[start : start + n]
-            pos = np.arange(start, start + n, dtype=np.int32)
-            positions[t : t + n] = pos
-            table = np.asarray(s.block_table, np.int32)
-            slot_mapping[t : t + n] = table[pos // bs] * bs + pos % bs
-            block_tables[i, : len(table)] = table
-            seq_lens[i] = start + n
-            t += n
-            cu_q_lens[i + 1] = t
-            logits_indices[i] = t - 1
-            sampling.set_row(
-                i, s.seq, seed=s.seq.sampling_seed, do_sample=s.do_sample, state_slot=slots[i]
-            )
-            sampling.set_prompt_targets(t - n, s.seq, start, n)
-        cu_q_lens[len(scheduled) + 1 :] = t
-
-        parts = {
-            "input_ids": input_ids,
-            "positions": positions,
-            "slot_mapping": slot_mapping,
-            "block_tables": block_tables.reshape(-1),
-            "seq_lens": seq_lens,
-            "cu_q_lens": cu_q_lens,
-            "logits_indices": logits_indices,
-            **sampling.packed(),
-        }
-        return np.concatenate([parts[name] for name, _ in layout.sections()])
+        return self._input_builder.build(scheduled, layout, slots, profile=profile)
