@@ -97,6 +97,12 @@ class EngineArgs:
         None,
         "Compile step buckets on first use instead of all at start-up; None: eager on CPU only.",
     )
+    async_scheduling: bool = _arg(
+        False,
+        "Schedule and launch step N+1 before step N's tokens reach the host, so the device never "
+        "waits on Python between steps (vLLM's --async-scheduling). Beam-search steps run "
+        "synchronously.",
+    )
     disable_log_stats: bool = _arg(True, "Silence the periodic stats log line.")
     tensor_parallel_size: int = _arg(
         1,
@@ -179,6 +185,7 @@ class EngineConfig:
     attention_backend: str
     enforce_eager: bool | None
     parallel_config: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    async_scheduling: bool = False
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -266,6 +273,7 @@ class EngineConfig:
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
             parallel_config=parallel_config,
+            async_scheduling=args.async_scheduling,
         )
 
 

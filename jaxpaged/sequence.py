@@ -165,6 +165,12 @@ class Sequence:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
 
+    def replace_last_token(self, token_id: int) -> None:
+        """Write the real id over the ``PLACEHOLDER_TOKEN_ID`` that async scheduling appended
+        while the token was still on the device."""
+        self.token_ids[-1] = token_id
+        self.output_token_ids[-1] = token_id
+
     def fork(self, seq_id: str) -> Sequence:
         """A copy with its own token lists, counters and id, in the same group.
 
@@ -178,6 +184,11 @@ class Sequence:
         child.block_hashes = list(self.block_hashes)
         child.beam_logprobs = list(self.beam_logprobs)
         return child
+
+
+# Async scheduling commits a dispatched step before its tokens reach the host: each sampled
+# token is appended as this id and replaced once read back (``engine/async_scheduling.py``).
+PLACEHOLDER_TOKEN_ID = -1
 
 
 def derive_seed(seed: int, index: int) -> int:

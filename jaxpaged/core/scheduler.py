@@ -412,7 +412,7 @@ class Scheduler:
             if sampled_logprobs is not None:
                 seq.cumulative_logprob += sampled_logprobs[seq.seq_id]
             seq.append_token(sampled_token_ids[seq.seq_id])
-            status = self._check_stop(seq)
+            status = self.check_stop(seq)
             if status is not None:
                 self._finish_seq(seq, status)
             outputs.append(seq)
@@ -561,7 +561,9 @@ class Scheduler:
             do_sample=seq.num_computed_tokens + num_new == seq.num_tokens,
         )
 
-    def _check_stop(self, seq: Sequence) -> SequenceStatus | None:
+    def check_stop(self, seq: Sequence) -> SequenceStatus | None:
+        """The status ``seq`` finishes with after its last token (vLLM's stop checks, in order),
+        or None; sets ``stop_reason`` for a stop token. Does not finish it."""
         params = seq.sampling_params
         last = seq.last_token_id
         num_output_tokens = seq.num_output_tokens

@@ -23,6 +23,7 @@ from jaxpaged.config import EngineArgs, EngineConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.stats import SchedulerStats
+from jaxpaged.engine.async_scheduling import InFlightStep, commit_with_placeholders, resolve
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sample.logprobs import ModelRunnerOutput
@@ -39,7 +40,7 @@ from jaxpaged.worker.kv_cache import (
     measure_kv_budget,
     num_blocks_for_budget,
 )
-from jaxpaged.worker.model_runner import ModelRunner
+from jaxpaged.worker.model_runner import ModelRunner, PendingStep
 from jaxpaged.worker.swap import BlockMover
 from models.sharded_weights import load_sharded_model
 from models.sharding import kv_cache_sharding, make_mesh
@@ -156,6 +157,8 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
 
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
+        # Async scheduling: the dispatched step whose tokens are not yet on the host.
+        self._in_flight: InFlightStep | None = None
         self._seed_counter = itertools.count()
 
     def _profile_memory(
@@ -370,12 +373,47 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one engine step and return the outputs of requests that advanced or finished."""
+        """Run one engine step and return the outputs of requests that advanced or finished.
+
+        With ``async_scheduling`` the outputs are those of the previous step, read back while
+        this step runs on the device (``engine/async_scheduling.py``).
+        """
+        if self.config.async_scheduling:
+            return self._step_async()
+        return self._step_sync()
+
+    def _step_async(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
-        runner_output = ModelRunnerOutput({})
+        in_flight, self._in_flight = self._in_flight, None
+        if scheduler_output.num_beam_candidates and in_flight is not None:
+            # Beam steps need the previous tokens on the host: finish the pipeline first.
+            outputs = self._resolve(in_flight)
+            return outputs + self._commit(scheduler_output, self._run_sync(scheduler_output))
+        pending = PendingStep([], None)
         if not scheduler_output.is_empty:
             self.model_runner.execute_block_ops(scheduler_output, self.block_mover)
-            runner_output = self.model_runner.execute_model(scheduler_output)
+            pending = self.model_runner.dispatch(scheduler_output)
+        outputs = [] if in_flight is None else self._resolve(in_flight)
+        if scheduler_output.num_beam_candidates:
+            runner_output = self.model_runner.collect(pending)
+            return outputs + self._commit(scheduler_output, runner_output)
+        self._in_flight = commit_with_placeholders(self.scheduler, scheduler_output, pending)
+        if not pending.scheduled and not self._in_flight.updated:
+            self._in_flight = None
+        return outputs
+
+    def _resolve(self, in_flight: InFlightStep) -> list[RequestOutput]:
+        runner_output = self.model_runner.collect(in_flight.pending)
+        updated = resolve(self.scheduler, in_flight, runner_output)
+        return self.output_processor.process(runner_output, updated, time.monotonic())
+
+    def _run_sync(self, scheduler_output) -> ModelRunnerOutput:
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput({})
+        self.model_runner.execute_block_ops(scheduler_output, self.block_mover)
+        return self.model_runner.execute_model(scheduler_output)
+
+    def _commit(self, scheduler_output, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         # Also commits what finished while scheduling (ignored groups) when nothing ran.
         updated = self.scheduler.update_from_output(
             scheduler_output,
@@ -384,6 +422,10 @@ class LLMEngine:
             beam_candidates=self.model_runner.beam_candidates,
         )
         return self.output_processor.process(runner_output, updated, time.monotonic())
+
+    def _step_sync(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        return self._commit(scheduler_output, self._run_sync(scheduler_output))
 
 
 _DTYPE_NAMES = {

@@ -122,8 +122,10 @@ def step_prompt_logprobs(
     k: int,
     *,
     decode_only: bool,
+    enabled: bool,
 ) -> TopLogprobs:
-    """``prompt_top_logprobs`` for a step, computed only when some token wants it (``lax.cond``).
+    """``prompt_top_logprobs`` for a step; zeros unless ``enabled`` (static: the host knows
+    whether some token wants its prompt logprob).
 
     Args:
         hidden: [T, hidden_size]; logits: f32[B, vocab_size], the sampled rows' logits.
@@ -131,15 +133,12 @@ def step_prompt_logprobs(
             serve as they are instead of a second pass through the LM head.
     """
 
-    def compute(h):
-        if decode_only:
-            logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-            return top_logprobs(logprobs, jnp.maximum(targets, 0), k)
-        return prompt_top_logprobs(h, compute_logits, targets, k)
-
-    return jax.lax.cond(
-        jnp.any(targets >= 0), compute, lambda h: TopLogprobs.zeros(h.shape[0], k), hidden
-    )
+    if not enabled:
+        return TopLogprobs.zeros(hidden.shape[0], k)
+    if decode_only:
+        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return top_logprobs(logprobs, jnp.maximum(targets, 0), k)
+    return prompt_top_logprobs(hidden, compute_logits, targets, k)
 
 
 class TokenLogprobs(NamedTuple):

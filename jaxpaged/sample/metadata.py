@@ -71,6 +71,40 @@ class SamplingMetadata:
         return cls(**values, prompt_target=arrays["prompt_target"])
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplerVariant:
+    """The optional sampler stages one compiled step contains (static).
+
+    The host, which knows every row's parameters, picks the variant per step. Deciding on the
+    device instead (``lax.cond``) makes XLA:GPU copy each predicate to the host and wait for it
+    mid-step, which serialises the host with the device and defeats async scheduling.
+    """
+
+    uses_state: bool = False  # some row has penalties, bias, allowed ids or min_tokens
+    filters: bool = False  # some sampled row has top-k, top-p or min-p
+    logprobs: bool = False  # some sampled row wants logprobs
+    prompt_logprobs: bool = False  # some token wants its prompt logprob
+
+    @classmethod
+    def for_step(cls, scheduled, slots: list) -> SamplerVariant:
+        """The variant for ``scheduled`` (``ScheduledSequence``s); ``slots[i]`` is row i's
+        LogitsState slot or None."""
+        filters = logprobs = prompt_logprobs = False
+        for s in scheduled:
+            params = s.seq.sampling_params
+            if params.prompt_logprobs is not None:
+                prompt_logprobs = True
+            if s.do_sample:
+                filters = filters or params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
+                logprobs = logprobs or params.logprobs is not None
+        return cls(
+            uses_state=any(slot is not None for slot in slots),
+            filters=filters,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+
 def packed_sections(num_tokens: int, num_seqs: int) -> list[tuple[str, int]]:
     """(name, int32 length) of every sampling section of the packed buffer, in order."""
     return [(name, num_seqs) for name, _, _ in _ROW_FIELDS] + [("prompt_target", num_tokens)]

@@ -4,7 +4,8 @@ One row per sequence, in vLLM v1's order (``vllm/v1/sample/sampler.py``): reques
 ``LogitsState`` (allowed ids, logit bias, min_tokens, penalties; see ``penalties.py``), greedy
 argmax of the result, then temperature, min-p, top-k and top-p (renormalised over what min-p and
 top-k kept), then a draw. Work that no row of the step needs (the state gather, the sort behind
-the filters, log-softmax and top-k for logprobs) sits behind ``lax.cond`` and costs nothing.
+the filters, log-softmax and top-k for logprobs) is left out of the compiled step by the
+host-chosen ``SamplerVariant``.
 
 Each row draws from a key derived from ``(seed, step)`` alone, so a seeded request produces the
 same tokens whatever else shares its batch (batch invariance), and recompute preemption replays
@@ -20,12 +21,17 @@ import jax.numpy as jnp
 
 from jaxpaged.sample.logits_state import LogitsState
 from jaxpaged.sample.logprobs import TopLogprobs, top_logprobs
-from jaxpaged.sample.metadata import SamplingMetadata
+from jaxpaged.sample.metadata import SamplerVariant, SamplingMetadata
 from jaxpaged.sample.penalties import apply_logits_state, count_sampled
 
 
 def sample(
-    logits: jax.Array, metadata: SamplingMetadata, state: LogitsState, *, num_logprobs: int
+    logits: jax.Array,
+    metadata: SamplingMetadata,
+    state: LogitsState,
+    *,
+    num_logprobs: int,
+    variant: SamplerVariant,
 ) -> tuple[jax.Array, TopLogprobs, LogitsState]:
     """Sample one token per row.
 
@@ -35,52 +41,40 @@ def sample(
         state: per-request rows; rows that sampled for real (``count_sampled``) get their token
             counted.
         num_logprobs: top logprobs computed per row (static; the engine's ``max_logprobs``).
+        variant: the optional stages this step runs (static); a stage left out behaves as if
+            no row asked for it.
 
     Returns:
         ``(token_ids i32[B], logprobs, state)``. ``logprobs`` describe the raw model
         distribution (vLLM's default) or, for rows with ``processed_logprobs``, the distribution
         sampled from (after penalties, temperature and filters; greedy rows: after penalties);
-        they are zeros unless some row asked (``num_logprobs >= 0``).
+        they are zeros unless ``variant.logprobs``.
     """
     logits = logits.astype(jnp.float32)
-    uses_state = metadata.state_slot != state.neutral_slot
-    processed = jax.lax.cond(
-        jnp.any(uses_state),
-        lambda x: apply_logits_state(x, state, metadata),
-        lambda x: x,
-        logits,
-    )
+    processed = apply_logits_state(logits, state, metadata) if variant.uses_state else logits
     greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
 
     is_greedy = metadata.temperature == 0.0
     temperature = jnp.where(is_greedy, 1.0, metadata.temperature)
     scaled = processed / temperature[:, None]
-    needs_filter = jnp.any((metadata.top_k > 0) | (metadata.top_p < 1.0) | (metadata.min_p > 0.0))
-    scaled = jax.lax.cond(
-        needs_filter,
-        lambda x: apply_min_p_top_k_top_p(x, metadata.min_p, metadata.top_k, metadata.top_p),
-        lambda x: x,
-        scaled,
-    )
+    if variant.filters:
+        scaled = apply_min_p_top_k_top_p(scaled, metadata.min_p, metadata.top_k, metadata.top_p)
     keys = jax.vmap(_row_key)(metadata.seed_lo, metadata.seed_hi, metadata.step)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
     sampled_ids = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
     token_ids = jnp.where(is_greedy, greedy_ids, sampled_ids)
 
-    def logprobs_of(_):
+    if variant.logprobs:
         raw = jax.nn.log_softmax(logits, axis=-1)
         sampled_from = jax.nn.log_softmax(scaled, axis=-1)
         chosen = jnp.where((metadata.processed_logprobs != 0)[:, None], sampled_from, raw)
-        return top_logprobs(chosen, token_ids, num_logprobs)
-
-    logprobs = jax.lax.cond(
-        jnp.any(metadata.num_logprobs >= 0),
-        logprobs_of,
-        lambda _: TopLogprobs.zeros(logits.shape[0], num_logprobs),
-        None,
-    )
-    count = jnp.where(uses_state, metadata.count_sampled, 0)
-    state = count_sampled(state, metadata.state_slot, token_ids, count)
+        logprobs = top_logprobs(chosen, token_ids, num_logprobs)
+    else:
+        logprobs = TopLogprobs.zeros(logits.shape[0], num_logprobs)
+    if variant.uses_state:
+        uses_state = metadata.state_slot != state.neutral_slot
+        count = jnp.where(uses_state, metadata.count_sampled, 0)
+        state = count_sampled(state, metadata.state_slot, token_ids, count)
     return token_ids, logprobs, state
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxpaged.sample.metadata import SamplingArrays
+from jaxpaged.sequence import PLACEHOLDER_TOKEN_ID
 
 # Per-sequence constants, in column order of the builder's constant rows: the first nine are
 # packed fields copied as they are; the rest feed the per-step fields.
@@ -109,10 +110,20 @@ class PackedInputBuilder:
         self._free_rows = list(range(capacity - 1, -1, -1))
         self._templates: dict[object, tuple[np.ndarray, dict[str, slice]]] = {}
 
-    def build(self, scheduled, layout, slots: list, *, profile: bool = False) -> np.ndarray:
+    def build(
+        self,
+        scheduled,
+        layout,
+        slots: list,
+        *,
+        profile: bool = False,
+        prev_rows: dict[str, int] | None = None,
+    ) -> np.ndarray:
         """The packed buffer, i32[layout.size], for ``scheduled`` (``ScheduledSequence``s)
         padded to ``layout``; ``slots[i]`` is row i's LogitsState slot or None. ``profile``:
-        every token asks for a prompt logprob (the memory-profiling step)."""
+        every token asks for a prompt logprob (the memory-profiling step). ``prev_rows``: the
+        previous step's sampled row per sequence id, where a ``PLACEHOLDER_TOKEN_ID`` input
+        reads its real id on the device (``prev_index``)."""
         template, spans = self._template(layout)
         packed = template.copy()
         view = {name: packed[span] for name, span in spans.items()}
@@ -150,6 +161,12 @@ class PackedInputBuilder:
             offsets = np.arange(num_tokens, dtype=np.int32) - np.repeat(cu - counts, counts)
             positions = np.repeat(starts, counts) + offsets
             view["seq_lens"][:n] = starts + counts
+        placeholders = np.flatnonzero(view["input_ids"][:num_tokens] == PLACEHOLDER_TOKEN_ID)
+        if placeholders.size:
+            view["input_ids"][placeholders] = 0
+            view["prev_index"][placeholders] = [
+                prev_rows[scheduled[token_rows[t]].seq.seq_id] for t in placeholders
+            ]
         bs = self.block_size
         view["positions"][:num_tokens] = positions
         view["slot_mapping"][:num_tokens] = (
@@ -248,6 +265,7 @@ class PackedInputBuilder:
             "seq_lens": np.zeros(b, np.int32),
             "cu_q_lens": np.zeros(b + 1, np.int32),
             "logits_indices": np.zeros(b, np.int32),
+            "prev_index": np.full(t, -1, np.int32),
             **SamplingArrays(t, b, self.neutral_slot).packed(),
         }
         spans, offset = {}, 0

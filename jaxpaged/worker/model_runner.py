@@ -30,16 +30,18 @@ from jaxpaged.sample.logprobs import (
     sampled_logprobs,
     step_prompt_logprobs,
 )
-from jaxpaged.sample.metadata import SamplingMetadata, packed_sections
+from jaxpaged.sample.metadata import SamplerVariant, SamplingMetadata, packed_sections
 from jaxpaged.sample.sampler import sample
 from jaxpaged.worker.beam_candidates import top_logprobs
 from jaxpaged.worker.buckets import make_buckets, round_up_to_bucket
 from jaxpaged.worker.input_prep import PackedInputBuilder
+from jaxpaged.worker.step_timeline import StepTimeline
 from models.attention_metadata import AttentionMetadata
 
 # Smallest token bucket of a step that carries a prefill chunk; decode-only steps use the
 # sequence buckets, which start at 1.
 _MIN_TOKEN_BUCKET = 16
+_DEFAULT_VARIANT = SamplerVariant()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,16 @@ class BucketKey:
     # Beam search: top-k (token, logprob) pairs returned per row, a power of two; 0 (every
     # bucket compiled at start-up) returns none, so beam steps compile only when beams are used.
     num_beam_candidates: int = 0
+    # Optional sampler stages; start-up compiles the default (none), others compile on first use.
+    variant: SamplerVariant = SamplerVariant()
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A dispatched step: its scheduled sequences and its on-device outputs (None: empty)."""
+
+    scheduled: list
+    out: dict | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +84,9 @@ class _PackedLayout:
             ("seq_lens", b),
             ("cu_q_lens", b + 1),
             ("logits_indices", b),
+            # Per token: the row of the previous step's sampled tokens that holds this token's
+            # id (async scheduling's placeholders), or -1 to use ``input_ids``.
+            ("prev_index", t),
             *packed_sections(t, b),
         ]
 
@@ -153,13 +168,21 @@ class ModelRunner:
             self.logits_state = jax.device_put(self.logits_state, self._input_sharding)
         self._jitted_step = jax.jit(
             self._step,
-            static_argnames=("layout", "decode_only", "num_beam_candidates"),
+            static_argnames=("layout", "decode_only", "num_beam_candidates", "variant"),
             donate_argnames=("kv_caches", "logits_state"),
             **placement,
         )
         # Beam search output of the last execute_model: seq_id -> (token_ids, logprobs), each
         # [k] best first, for the sampled rows; empty when the step asked for none.
         self.beam_candidates: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # The last dispatched step's sampled ids, padded to the largest sequence bucket, and the
+        # row of each sequence it sampled for: the next step reads placeholder tokens from it.
+        self._prev_tokens = jax.device_put(
+            np.zeros(self.seq_buckets[-1], np.int32), self._input_sharding
+        )
+        self._prev_rows: dict[str, int] = {}
+        # Set by the benchmarks to time each step on the device (``StepTimeline``).
+        self.timeline: StepTimeline | None = None
 
     # ----------------------------------------------------------------- buckets and compilation
     def all_bucket_keys(self) -> list[BucketKey]:
@@ -216,10 +239,12 @@ class ModelRunner:
             self._state,
             self.kv_caches,
             self.logits_state,
+            self._prev_tokens,
             packed,
             layout=layout,
             decode_only=key.decode_only,
             num_beam_candidates=key.num_beam_candidates,
+            variant=key.variant,
         ).compile()
         with self._compile_lock:
             self._executables[key] = compiled
@@ -230,13 +255,17 @@ class ModelRunner:
         """Run the largest mixed bucket once on padding so the device's peak memory includes the
         step's activations (memory sizing reads it next)."""
         key = self.bucket_for(self.token_buckets[-1], 1, False)
+        # Every sampler stage, and every token asks for prompt logprobs, so that the largest
+        # variant's buffers and the logits chunks count in the peak.
+        everything = SamplerVariant(True, True, True, True)
+        key = dataclasses.replace(key, variant=everything)
         layout = _PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
-        # Every token asks for prompt logprobs so that their logits chunk counts in the peak.
         packed = self._prepare_inputs([], layout, [], profile=True)
         out, self.kv_caches, self.logits_state = self._compile(key)(
             self._state,
             self.kv_caches,
             self.logits_state,
+            self._prev_tokens,
             jax.device_put(packed, self._input_sharding),
         )
         out["token_ids"].block_until_ready()
@@ -247,13 +276,19 @@ class ModelRunner:
         state,
         kv_caches,
         logits_state,
+        prev_tokens,
         packed,
         *,
         layout: _PackedLayout,
         decode_only: bool,
         num_beam_candidates: int = 0,
+        variant: SamplerVariant = _DEFAULT_VARIANT,
     ):
         arrays = layout.unpack(packed)
+        prev_index = arrays["prev_index"]
+        input_ids = jnp.where(
+            prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], arrays["input_ids"]
+        )
         b = layout.num_seqs
         metadata = AttentionMetadata(
             slot_mapping=arrays["slot_mapping"],
@@ -264,11 +299,11 @@ class ModelRunner:
         )
         sampling = SamplingMetadata.from_packed(arrays)
         model = nnx.merge(self._graphdef, state)
-        hidden, kv_caches = model(arrays["input_ids"], arrays["positions"], kv_caches, metadata)
+        hidden, kv_caches = model(input_ids, arrays["positions"], kv_caches, metadata)
         # Only the rows that sample reach the LM head.
         logits = model.compute_logits(hidden[arrays["logits_indices"]])
         token_ids, logprobs, logits_state = sample(
-            logits, sampling, logits_state, num_logprobs=self.max_logprobs
+            logits, sampling, logits_state, num_logprobs=self.max_logprobs, variant=variant
         )
         prompt_logprobs = step_prompt_logprobs(
             hidden,
@@ -277,9 +312,11 @@ class ModelRunner:
             sampling.prompt_target,
             self.max_logprobs,
             decode_only=decode_only,
+            enabled=variant.prompt_logprobs,
         )
         out = {
             "token_ids": token_ids,
+            "next_prev_tokens": jnp.zeros_like(prev_tokens).at[: token_ids.shape[0]].set(token_ids),
             "sampled_logprobs": sampled_logprobs(logits, token_ids, sampling, logprobs),
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
@@ -297,26 +334,47 @@ class ModelRunner:
         """Run one step: the token sampled for each sequence that computed its last token, its
         logprob, the logprobs its request asked for and, for beam-search steps, each sampled
         row's best candidates (``self.beam_candidates``)."""
+        return self.collect(self.dispatch(scheduler_output))
+
+    def dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Launch one step on the device and return at once (nothing waits for the device).
+
+        A scheduled token equal to ``PLACEHOLDER_TOKEN_ID`` is read on the device from the
+        previous dispatched step's sampled ids (async scheduling).
+        """
         scheduled = scheduler_output.scheduled
         self.beam_candidates = {}
         if not scheduled:
-            return ModelRunnerOutput({})
+            return PendingStep([], None)
         decode_only = all(s.num_new_tokens == 1 for s in scheduled)
         key = self.bucket_for(scheduler_output.num_batched_tokens, len(scheduled), decode_only)
         num_candidates = getattr(scheduler_output, "num_beam_candidates", 0)
         if num_candidates:
             padded = min(1 << (num_candidates - 1).bit_length(), self.vocab_size)
             key = dataclasses.replace(key, num_beam_candidates=padded)
-        layout = _PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
         slots = self._assign_logits_state_slots(scheduled)
+        key = dataclasses.replace(key, variant=SamplerVariant.for_step(scheduled, slots))
+        layout = _PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
         packed = self._prepare_inputs(scheduled, layout, slots)
         executable = self._executables.get(key) or self._compile(key)
         out, self.kv_caches, self.logits_state = executable(
             self._state,
             self.kv_caches,
             self.logits_state,
+            self._prev_tokens,
             jax.device_put(packed, self._input_sharding),
         )
+        self._prev_tokens = out.pop("next_prev_tokens")
+        self._prev_rows = {s.seq.seq_id: i for i, s in enumerate(scheduled) if s.do_sample}
+        if self.timeline is not None:
+            self.timeline.dispatched(out["token_ids"])
+        return PendingStep(scheduled, out)
+
+    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
+        """Wait for a dispatched step and read its tokens (and what else it computed) back."""
+        if pending.out is None:
+            return ModelRunnerOutput({})
+        scheduled, out = pending.scheduled, pending.out
         if "beams" in out:
             beam_ids, beam_logprobs = (np.asarray(x) for x in out["beams"])
             self.beam_candidates = {
@@ -375,4 +433,6 @@ class ModelRunner:
     def _prepare_inputs(
         self, scheduled, layout: _PackedLayout, slots: list, *, profile: bool = False
     ) -> np.ndarray:
-        return self._input_builder.build(scheduled, layout, slots, profile=profile)
+        return self._input_builder.build(
+            scheduled, layout, slots, profile=profile, prev_rows=self._prev_rows
+        )

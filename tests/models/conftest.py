@@ -138,9 +138,21 @@ class PagedRunner:
         cache_dtype: dtype of the KV caches, which start filled with NaN.
     """
 
-    def __init__(self, model, *, num_layers, num_kv_heads, head_dim, block_size=4,
-                 num_blocks=64, max_blocks=16, token_bucket=32, seq_bucket=2, seed=0,
-                 cache_dtype=jnp.float32):
+    def __init__(
+        self,
+        model,
+        *,
+        num_layers,
+        num_kv_heads,
+        head_dim,
+        block_size=4,
+        num_blocks=64,
+        max_blocks=16,
+        token_bucket=32,
+        seq_bucket=2,
+        seed=0,
+        cache_dtype=jnp.float32,
+    ):
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.token_bucket = token_bucket
@@ -189,8 +201,11 @@ class PagedRunner:
             cu[b + 1] = t
         cu[len(chunks) + 1 :] = t
         metadata = AttentionMetadata(
-            slot_mapping=jnp.asarray(slots), block_tables=jnp.asarray(tables),
-            seq_lens=jnp.asarray(seq_lens), cu_q_lens=jnp.asarray(cu), decode_only=decode_only,
+            slot_mapping=jnp.asarray(slots),
+            block_tables=jnp.asarray(tables),
+            seq_lens=jnp.asarray(seq_lens),
+            cu_q_lens=jnp.asarray(cu),
+            decode_only=decode_only,
         )
         logits, self.kv_caches = self._step(
             self.state, jnp.asarray(input_ids), jnp.asarray(positions), self.kv_caches, metadata

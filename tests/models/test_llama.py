@@ -71,8 +71,9 @@ def test_pallas_backend_in_interpret_mode_matches_hf(tiny_checkpoints):
 
 def test_stories260k_batched_greedy_matches_golden():
     """All five golden prompts in one batch: ragged prefill of 5 sequences, 31 decode steps."""
-    with open(os.path.join(os.path.dirname(__file__), "..", "data", "stories260k",
-                           "golden.json")) as f:
+    with open(
+        os.path.join(os.path.dirname(__file__), "..", "data", "stories260k", "golden.json")
+    ) as f:
         golden = json.load(f)
     model, config = load_model(STORIES_DIR)
     cases = golden["cases"]
@@ -115,17 +116,26 @@ def test_bfloat16_model_runs_with_bfloat16_cache_and_float32_logits():
 
 def test_rope_parameters_reads_legacy_and_v5_configs():
     legacy = types.SimpleNamespace(
-        rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0},
+        rope_theta=500000.0,
+        rope_scaling={"type": "linear", "factor": 2.0},
         max_position_embeddings=64,
     )
     assert rope_parameters(legacy) == {
-        "type": "linear", "factor": 2.0, "rope_theta": 500000.0, "rope_type": "linear"
+        "type": "linear",
+        "factor": 2.0,
+        "rope_theta": 500000.0,
+        "rope_type": "linear",
     }
     none = types.SimpleNamespace(rope_theta=10000.0, rope_scaling=None, max_position_embeddings=8)
     assert rope_parameters(none)["rope_type"] == "default"
     v5 = types.SimpleNamespace(
-        rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 1e4,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
         max_position_embeddings=32,
     )
     assert rope_parameters(v5)["original_max_position_embeddings"] == 32
@@ -146,11 +156,21 @@ def test_rope_inv_freq_matches_hf(rope_type):
     scaling = {
         "default": None,
         "linear": {"rope_type": "linear", "factor": 4.0},
-        "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        "llama3": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
     }[rope_type]
-    config = transformers.LlamaConfig(hidden_size=128, num_attention_heads=2, head_dim=64,
-                                      rope_scaling=scaling, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=2,
+        head_dim=64,
+        rope_scaling=scaling,
+        max_position_embeddings=64,
+    )
     if rope_type == "default":
         ref = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config).inv_freq
     else:
@@ -160,9 +180,11 @@ def test_rope_inv_freq_matches_hf(rope_type):
 
 
 def test_sliding_windows_follow_layer_types():
-    qwen = types.SimpleNamespace(sliding_window=6, num_hidden_layers=3,
-                                 layer_types=["full_attention", "sliding_attention",
-                                              "sliding_attention"])
+    qwen = types.SimpleNamespace(
+        sliding_window=6,
+        num_hidden_layers=3,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+    )
     assert layer_sliding_windows(qwen) == [None, 6, 6]
     mistral = types.SimpleNamespace(sliding_window=None, num_hidden_layers=2)
     assert layer_sliding_windows(mistral) == [None, None]
@@ -170,13 +192,20 @@ def test_sliding_windows_follow_layer_types():
 
 def test_unknown_attention_backend_raises():
     metadata = AttentionMetadata(
-        slot_mapping=jnp.zeros(1, jnp.int32), block_tables=jnp.zeros((1, 1), jnp.int32),
-        seq_lens=jnp.ones(1, jnp.int32), cu_q_lens=jnp.array([0, 1], jnp.int32),
+        slot_mapping=jnp.zeros(1, jnp.int32),
+        block_tables=jnp.zeros((1, 1), jnp.int32),
+        seq_lens=jnp.ones(1, jnp.int32),
+        cu_q_lens=jnp.array([0, 1], jnp.int32),
         decode_only=True,
     )
     cache = jnp.zeros((1, 4, 1, 8))
     with pytest.raises(ValueError, match="flash"):
         attention(jnp.zeros((1, 2, 8)), cache, cache, metadata, backend="flash", scale=1.0)
     with pytest.raises(ValueError, match="flash"):
-        LlamaForCausalLM(types.SimpleNamespace(), dtype=jnp.float32, param_dtype=jnp.float32,
-                         attention_backend="flash", rngs=None)
+        LlamaForCausalLM(
+            types.SimpleNamespace(),
+            dtype=jnp.float32,
+            param_dtype=jnp.float32,
+            attention_backend="flash",
+            rngs=None,
+        )

@@ -48,13 +48,16 @@ def test_sharded_index_loads_same_weights_as_single_file(tiny_checkpoints, tmp_p
     src = tiny_checkpoints["llama3"]
     tensors = safetensors.numpy.load_file(os.path.join(src, "model.safetensors"))
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     dst = _copy_config_only(src, str(tmp_path / "sharded"))
     weight_map = {}
     for file, shard_names in shards.items():
-        safetensors.numpy.save_file({n: tensors[n] for n in shard_names}, os.path.join(dst, file),
-                                    metadata={"format": "pt"})
+        safetensors.numpy.save_file(
+            {n: tensors[n] for n in shard_names}, os.path.join(dst, file), metadata={"format": "pt"}
+        )
         weight_map.update({n: file for n in shard_names})
     with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
@@ -167,8 +170,13 @@ def test_bad_options_raise(bad):
 
 @pytest.mark.parametrize(
     ("dtype", "expected"),
-    [("auto", jnp.float32), ("float", jnp.float32), ("half", jnp.float16),
-     ("bfloat16", jnp.bfloat16), (jnp.bfloat16, jnp.bfloat16)],
+    [
+        ("auto", jnp.float32),
+        ("float", jnp.float32),
+        ("half", jnp.float16),
+        ("bfloat16", jnp.bfloat16),
+        (jnp.bfloat16, jnp.bfloat16),
+    ],
 )
 def test_resolve_dtype(dtype, expected):
     class Config:

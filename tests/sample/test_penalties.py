@@ -9,9 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.sample.logits_state import LogitsState
+from jaxpaged.sample.metadata import SamplerVariant
 from jaxpaged.sample.penalties import apply_logits_state, apply_penalties
 from jaxpaged.sample.sampler import sample
 from tests.sample.conftest import make_metadata
+
+# The whole sampler: every optional stage compiled in (rows that do not use one are neutral).
+ALL_STAGES = SamplerVariant(uses_state=True, filters=True, logprobs=True)
 
 B, V = 6, 512
 NEUTRAL = B  # the state has B request slots plus the neutral row
@@ -107,7 +111,7 @@ def test_sampler_applies_rows_before_greedy_and_counts_sampled_tokens():
     logits, state, metadata, want = _state_case(seed=2)
     count = np.array([1, 1, 1, 1, 0, 1], np.int32)  # row 4: a chunk that does not sample
     md = make_metadata(B, **metadata, count_sampled=count, num_logprobs=3, processed_logprobs=1)
-    run = jax.jit(functools.partial(sample, num_logprobs=3))
+    run = jax.jit(functools.partial(sample, num_logprobs=3, variant=ALL_STAGES))
     tokens, logprobs, new_state = run(logits, md, state)
     tokens = np.asarray(tokens)
     np.testing.assert_array_equal(tokens, want.argmax(-1))

@@ -15,11 +15,15 @@ import pytest
 from scipy import stats
 
 from jaxpaged.sample.logits_state import allocate_logits_state
+from jaxpaged.sample.metadata import SamplerVariant
 from jaxpaged.sample.sampler import sample
 from tests.sample.conftest import make_metadata
 
+# The whole sampler: every optional stage compiled in (rows that do not use one are neutral).
+ALL_STAGES = SamplerVariant(uses_state=True, filters=True, logprobs=True)
+
 NUM_DRAWS = 16384
-_sample = jax.jit(functools.partial(sample, num_logprobs=4))
+_sample = jax.jit(functools.partial(sample, num_logprobs=4, variant=ALL_STAGES))
 
 
 def reference_probs(logits, temperature, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:

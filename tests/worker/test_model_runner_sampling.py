@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import SamplingParams
+from jaxpaged.sample.metadata import SamplerVariant
 from tests.conftest import SMALL_ENGINE
 
 torch = pytest.importorskip("torch")
@@ -214,40 +215,48 @@ def test_same_seed_same_tokens_whatever_the_batch_and_different_seeds_differ(sto
     assert other != alone
 
 
-def test_changing_sampling_parameters_never_traces_again(stories_llm):
-    """A run with plain parameters compiles the buckets it needs (and the LogitsState row writer,
-    for the one request with a neutral logit_bias); the same schedule with every sampling feature
-    switched on then runs without tracing anything."""
-    runner = stories_llm.llm_engine.model_runner
-    prompts = [{"prompt_token_ids": _random_prompt(n, seed=n)} for n in (3, 70, 17, 40)]
-    common = dict(max_tokens=6, ignore_eos=True)  # same steps, so the same buckets, both times
-    plain = [SamplingParams(temperature=0.0, **common)] * 3
-    plain.append(SamplingParams(temperature=0.0, logit_bias={5: 0.0}, **common))
-    stories_llm.generate(prompts, plain, use_tqdm=False)
-    compiled = runner.num_compilations
-    varied = [
+def _varied_params(scale: float, common: dict) -> list[SamplingParams]:
+    """Every sampling feature on, with values that move with ``scale``."""
+    return [
         SamplingParams(temperature=0.0, logprobs=5, prompt_logprobs=3, **common),
         SamplingParams(
-            temperature=0.5,
-            top_k=3,
-            top_p=0.9,
-            min_p=0.05,
-            seed=1,
+            temperature=0.5 * scale,
+            top_k=int(3 * scale),
+            top_p=0.9 / scale,
+            min_p=0.05 * scale,
+            seed=int(scale),
             logprobs=1,
             logprobs_mode="processed",
             **common,
         ),
         SamplingParams(
-            presence_penalty=1.0,
-            frequency_penalty=-0.5,
-            repetition_penalty=0.8,
-            min_tokens=3,
+            presence_penalty=1.0 * scale,
+            frequency_penalty=-0.5 * scale,
+            repetition_penalty=0.8 * scale,
+            min_tokens=int(3 * scale),
             **common,
         ),
-        SamplingParams(logit_bias={5: 3.0}, allowed_token_ids=list(range(3, 400)), **common),
+        SamplingParams(
+            logit_bias={5: 3.0 * scale}, allowed_token_ids=list(range(3, 400)), **common
+        ),
     ]
+
+
+def test_changing_sampling_parameter_values_never_traces_again(stories_llm):
+    """Which sampler stages a step compiles is static (``SamplerVariant``): a run with every
+    feature on compiles the variants it needs; the same schedule with other parameter values
+    then runs without tracing anything. Plain parameters need only the default variant."""
+    runner = stories_llm.llm_engine.model_runner
+    prompts = [{"prompt_token_ids": _random_prompt(n, seed=n)} for n in (3, 70, 17, 40)]
+    common = dict(max_tokens=6, ignore_eos=True)  # same steps, so the same buckets, every time
+    plain = [SamplingParams(temperature=0.0, **common)] * 4
+    before = set(runner._executables)  # the engine is shared with other tests
+    stories_llm.generate(prompts, plain, use_tqdm=False)
+    assert {key.variant for key in set(runner._executables) - before} <= {SamplerVariant()}
+    stories_llm.generate(prompts, _varied_params(1.0, common), use_tqdm=False)
+    compiled = runner.num_compilations
     with jax.no_tracing(True):
-        outs = stories_llm.generate(prompts, varied, use_tqdm=False)
+        outs = stories_llm.generate(prompts, _varied_params(1.5, common), use_tqdm=False)
     assert runner.num_compilations == compiled
     assert outs[0].prompt_logprobs is not None and outs[1].outputs[0].logprobs is not None
 

@@ -30,6 +30,7 @@ def test_step_never_copies_the_kv_cache(runner, num_seqs, decode_only):
         re.escape(",".join(map(str, dims)))
         for dims in (k_cache.shape, (num_slots, *k_cache.shape[2:]))
     )
-    copies = [line for line in hlo.splitlines()
-              if re.search(rf"\[({cache_dims})\]\S* copy\(", line)]
+    copies = [
+        line for line in hlo.splitlines() if re.search(rf"\[({cache_dims})\]\S* copy\(", line)
+    ]
     assert not copies, copies[:3]

@@ -1,0 +1,85 @@
+"""Async scheduling: commit step N only once step N+1 is running on the device.
+
+vLLM's ``--async-scheduling``, on the unchanged scheduler. One ``LLMEngine.step()``:
+
+    schedule N+1 -> dispatch N+1 -> read back N -> resolve N -> commit N+1 with placeholders
+
+``commit_with_placeholders`` commits a dispatched step at once with ``PLACEHOLDER_TOKEN_ID`` for
+every token it samples: the scheduler advances ``num_computed_tokens``, appends the placeholder
+and finishes the sequences that reach ``max_tokens`` / ``max_model_len`` (which needs no token
+value), so the next ``schedule`` sees each sequence as it will be. A step that decodes a
+placeholder reads the real id from the previous step's on-device output (``ModelRunner``).
+
+``resolve`` runs once the tokens are on the host (the device is already busy with the next
+step): it writes the real ids over the placeholders, adds their logprobs and applies the stop
+rules that need the value (EOS, ``stop_token_ids``). A sequence that stops there was already
+scheduled in the step now running; that row is wasted, and its K/V write lands in blocks freed
+now, which is harmless: the device runs steps in dispatch order, so it lands before any later
+step that reuses those blocks writes them.
+
+Resolving N before committing N+1 keeps each placeholder the last token of its sequence when it
+is replaced, and keeps placeholders out of prefix-cache hashes (only computed blocks are hashed,
+and a placeholder is never computed before it is resolved). Outputs equal the synchronous
+engine's: the same ids, per-row seeds and ``step`` counters, and stop decisions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.sample.logprobs import ModelRunnerOutput
+from jaxpaged.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceStatus
+from jaxpaged.worker.model_runner import PendingStep
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched step committed with placeholders, waiting for its tokens."""
+
+    pending: PendingStep
+    # What the placeholder commit returned: sequences that got a placeholder (finished by
+    # length or not) and groups that finished while the step was scheduled.
+    updated: list[Sequence]
+
+
+def commit_with_placeholders(
+    scheduler: Scheduler, scheduler_output: SchedulerOutput, pending: PendingStep
+) -> InFlightStep:
+    """Commit a just-dispatched step with a placeholder for each token it samples."""
+    placeholders = {
+        item.seq.seq_id: PLACEHOLDER_TOKEN_ID
+        for item in scheduler_output.scheduled
+        if item.do_sample
+    }
+    updated = scheduler.update_from_output(scheduler_output, placeholders)
+    return InFlightStep(pending, updated)
+
+
+def resolve(
+    scheduler: Scheduler, in_flight: InFlightStep, runner_output: ModelRunnerOutput
+) -> list[Sequence]:
+    """Replace the step's placeholders by the sampled ids and apply the token stop rules.
+
+    Returns what the synchronous ``update_from_output`` would have: the sequences that got a
+    token in the step (finished or not) and the groups that finished while it was scheduled.
+    Sequences aborted since are left out.
+    """
+    updated = []
+    sampled = runner_output.sampled_token_ids
+    for seq in in_flight.updated:
+        if seq.status is SequenceStatus.FINISHED_ABORTED:
+            continue
+        if seq.seq_id in sampled and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            seq.replace_last_token(sampled[seq.seq_id])
+            seq.cumulative_logprob += runner_output.sampled_logprobs.get(seq.seq_id, 0.0)
+            status = scheduler.check_stop(seq)
+            if seq.is_finished:
+                # Finished by length on the placeholder; EOS or a stop token on that same
+                # token comes first in the order of the stop checks.
+                if status is SequenceStatus.FINISHED_STOPPED:
+                    seq.status = status
+            elif status is not None:
+                scheduler.finish_sequence(seq.seq_id, status)
+        updated.append(seq)
+    return updated
