@@ -353,7 +353,10 @@ class LLMEngine:
         (``finish_reason="abort"``); None if the id is unknown or already finished."""
         if request_id not in self.output_processor.requests:
             return None
-        self.scheduler.abort(request_id)
+        group = self.scheduler.abort(request_id)
+        for seq in group.seqs if group is not None else ():
+            # A token still on the device (async scheduling) is not part of the output.
+            seq.drop_placeholder()
         return self.output_processor.abort(request_id)
 
     def get_stats(self) -> SchedulerStats:
