@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="what to run, in order",
     )
     parser.add_argument("--output-dir", default=".", help="where suite.json goes")
+    parser.add_argument(
+        "--compare-sync",
+        action="store_true",
+        help="with --async-scheduling, also run each throughput workload synchronously first",
+    )
     benchmark_throughput.add_tensor_parallel_arg(parser)
     add_engine_args(parser)
     return parser
@@ -119,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
                 vocab_size=engine.vocab_size,
                 seed=args.seed,
             )
+            if args.compare_sync and engine.async_scheduling:
+                engine.async_scheduling = False
+                sync = benchmark_throughput.run_throughput(llm, requests)
+                engine.async_scheduling = True
+                suite[f"{workload}-sync"] = sync
+                for line in benchmark_throughput.result_lines(sync):
+                    print(f"[sync] {line}", flush=True)
             result = benchmark_throughput.run_throughput(llm, requests)
             lines = benchmark_throughput.result_lines(result)
         for line in lines:

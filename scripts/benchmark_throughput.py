@@ -32,6 +32,7 @@ from jaxpaged.entrypoints.cli import (  # noqa: E402
     engine_args_from,
     set_jax_memory_fraction,
 )
+from jaxpaged.worker.step_timeline import StepTimeline  # noqa: E402
 from scripts.benchmark_dataset import DATASET_NAMES, BenchmarkRequest, make_requests  # noqa: E402
 
 # Fragmentation is sampled every this many engine steps.
@@ -135,7 +136,14 @@ def run_throughput(llm, requests: list[BenchmarkRequest], *, warmup: bool = True
         warm = [BenchmarkRequest(r.prompt_token_ids[:16], 4) for r in requests[:8]]
         run_requests(engine, warm, tag="warmup")
     result: dict = {}
-    run = run_requests(engine, requests, tag="timed")
+    # Each step's dispatch and finish times give the device's idle fraction (an upper bound).
+    timeline = engine.model_runner.timeline = StepTimeline()
+    try:
+        run = run_requests(engine, requests, tag="timed")
+    finally:
+        engine.model_runner.timeline = None
+        timeline.close()
+    idle, span, num_device_steps = timeline.idle_fraction()
     num_prompt_tokens = sum(r.prompt_len for r in requests)
     expected_output = sum(r.output_len for r in requests)
     if run["num_output_tokens"] != expected_output:
@@ -157,6 +165,9 @@ def run_throughput(llm, requests: list[BenchmarkRequest], *, warmup: bool = True
             "num_steps": run["num_steps"],
             "fragmentation": run["fragmentation"],
             "fragmentation_worst": run["fragmentation_worst"],
+            "device_idle_fraction": idle,
+            "device_span": span,
+            "num_device_steps": num_device_steps,
         }
     )
     return result
@@ -175,6 +186,8 @@ def result_lines(result: dict) -> list[str]:
         f"({1000 * elapsed / max(result['num_steps'], 1):.2f} ms/step)",
         f"KV internal fragmentation: {100 * result['fragmentation']:.2f}% of held slots "
         f"(worst sample {100 * result['fragmentation_worst']:.2f}%)",
+        f"Device idle (upper bound): {100 * result['device_idle_fraction']:.1f}% of "
+        f"{result['device_span']:.2f} s over {result['num_device_steps']} dispatched steps",
     ]
     return lines
 

@@ -157,8 +157,10 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
 
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
-        # Async scheduling: the dispatched step whose tokens are not yet on the host.
+        # Async scheduling: the dispatched step whose tokens are not yet on the host. The flag
+        # may be switched between runs (benchmarks compare both); a step in flight drains first.
         self._in_flight: InFlightStep | None = None
+        self.async_scheduling = config.async_scheduling
         self._seed_counter = itertools.count()
 
     def _profile_memory(
@@ -381,7 +383,7 @@ class LLMEngine:
         With ``async_scheduling`` the outputs are those of the previous step, read back while
         this step runs on the device (``engine/async_scheduling.py``).
         """
-        if self.config.async_scheduling:
+        if self.async_scheduling or self._in_flight is not None:
             return self._step_async()
         return self._step_sync()
 
