@@ -46,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", default=".", help="where suite.json goes")
     parser.add_argument(
         "--compare-sync",
-        action="store_true",
-        help="with --async-scheduling, also run each throughput workload synchronously first",
+        nargs="*",
+        default=[],
+        metavar="WORKLOAD",
+        help="with --async-scheduling, also run these throughput workloads synchronously first",
     )
     benchmark_throughput.add_tensor_parallel_arg(parser)
     add_engine_args(parser)
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 vocab_size=engine.vocab_size,
                 seed=args.seed,
             )
-            if args.compare_sync and engine.async_scheduling:
+            if workload in args.compare_sync and engine.async_scheduling:
                 engine.async_scheduling = False
                 sync = benchmark_throughput.run_throughput(llm, requests)
                 engine.async_scheduling = True

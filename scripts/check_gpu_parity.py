@@ -67,24 +67,28 @@ def check_stories() -> bool:
     expected = [case["greedy_new_ids"] for case in golden["cases"]]
     params = SamplingParams(temperature=0.0, max_tokens=golden["max_new_tokens"])
     results = {}
-    for backend in ("reference", "pallas"):
+    for backend, async_scheduling in (("reference", False), ("pallas", False), ("pallas", True)):
         llm = LLM(
             dtype="float32",
             attention_backend=backend,
+            async_scheduling=async_scheduling,
             max_model_len=128,
             max_num_seqs=8,
             max_num_batched_tokens=64,
             num_gpu_blocks_override=64,
         )
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        results[backend] = [list(o.outputs[0].token_ids) for o in outputs]
+        results[backend + "-async" * async_scheduling] = [
+            list(o.outputs[0].token_ids) for o in outputs
+        ]
         del llm
-    same = results["pallas"] == results["reference"]
+    same = results["pallas"] == results["reference"] == results["pallas-async"]
     golden_ok = results["pallas"] == expected
     matched = sum(a == b for a, b in zip(results["pallas"], results["reference"], strict=True))
     print(
         f"{'PASS' if same and golden_ok else 'FAIL'} (a) stories260k float32 greedy: pallas == "
-        f"reference for {matched}/{len(expected)} prompts x {golden['max_new_tokens']} tokens; "
+        f"reference for {matched}/{len(expected)} prompts x {golden['max_new_tokens']} tokens, "
+        f"pallas with async scheduling == pallas: {results['pallas-async'] == results['pallas']}; "
         f"pallas == golden.json: {golden_ok}",
         flush=True,
     )
@@ -253,12 +257,14 @@ def main():
     )
     parser.add_argument("--skip-stories", action="store_true", help="skip check (a)")
     parser.add_argument("--float32", action="store_true", help="also run check (c)")
+    parser.add_argument("--skip-llama", action="store_true", help="skip checks (b) and (c)")
     args = parser.parse_args()
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     ok = True
     if not args.skip_stories:
         ok &= check_stories()
-    for dtype in ("bfloat16", "float32") if args.float32 else ("bfloat16",):
+    dtypes = ("bfloat16", "float32") if args.float32 else ("bfloat16",)
+    for dtype in () if args.skip_llama else dtypes:
         ok &= check_llama(args.config, dtype)
     print("ALL PASS" if ok else "SOME FAILED", flush=True)
     sys.exit(0 if ok else 1)

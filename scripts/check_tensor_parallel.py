@@ -81,6 +81,7 @@ def run_qwen72b(args) -> None:
         model=args.qwen_config, tokenizer=_stories_tokenizer(),
         load_format="dummy", dtype="bfloat16", tensor_parallel_size=2, max_model_len=32768,
         gpu_memory_utilization=0.90, max_num_seqs=args.max_num_seqs, enforce_eager=False,
+        async_scheduling=args.async_scheduling,
     )  # fmt: skip
     engine = llm.llm_engine
     spec = engine.kv_cache_spec
@@ -135,6 +136,7 @@ def run_llama8b(args, tp: int) -> None:
         model=args.llama_config, tokenizer=_stories_tokenizer(), load_format="dummy",
         dtype="bfloat16", tensor_parallel_size=tp, max_model_len=1024, max_num_seqs=1,
         max_num_batched_tokens=512, num_gpu_blocks_override=64, enforce_eager=True,
+        async_scheduling=args.async_scheduling,
     )  # fmt: skip
     _record(args.out, startup_s=round(time.perf_counter() - start, 1))
     prompt = {"prompt_token_ids": np.random.default_rng(2).integers(0, 128256, 512).tolist()}
@@ -169,6 +171,8 @@ def _run_phase(name: str, args) -> dict:
     ]
     if args.warmup_prompts is not None:
         command += ["--warmup-prompts", str(args.warmup_prompts)]
+    if args.async_scheduling:
+        command.append("--async-scheduling")
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -220,6 +224,9 @@ def main() -> int:
     parser.add_argument("--qwen-limit", type=int, default=None, help="time limit of the 72B phase")
     parser.add_argument(
         "--phases", default=",".join(PHASES), help="comma-separated phases to run, in order"
+    )
+    parser.add_argument(
+        "--async-scheduling", action="store_true", help="engines run with async scheduling"
     )
     # Other config directories (same layouts, e.g. tiny ones for a dry run of this script).
     parser.add_argument("--qwen-config", default=str(CONFIGS / "qwen2.5-72b-instruct"))
