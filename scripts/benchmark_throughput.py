@@ -136,7 +136,13 @@ def run_throughput(llm, requests: list[BenchmarkRequest], *, warmup: bool = True
         warm = [BenchmarkRequest(r.prompt_token_ids[:16], 4) for r in requests[:8]]
         run_requests(engine, warm, tag="warmup")
     result: dict = {}
+    # A timed run must not read prefixes that an earlier run (the warm-up, or the same
+    # workload run synchronously first) left in the prefix cache: vLLM's prompts are fresh.
+    engine.reset_prefix_cache()
+    hits_before = engine.scheduler.prefix_cache_hits
     # Each step's dispatch and finish times give the device's idle fraction (an upper bound).
+    runner = engine.model_runner
+    scheduled_before, bucket_before = runner.num_scheduled_tokens, runner.num_bucket_tokens
     timeline = engine.model_runner.timeline = StepTimeline()
     try:
         run = run_requests(engine, requests, tag="timed")
@@ -144,6 +150,8 @@ def run_throughput(llm, requests: list[BenchmarkRequest], *, warmup: bool = True
         engine.model_runner.timeline = None
         timeline.close()
     idle, span, num_device_steps = timeline.idle_fraction()
+    bucket_tokens = runner.num_bucket_tokens - bucket_before
+    padding = 1 - (runner.num_scheduled_tokens - scheduled_before) / max(bucket_tokens, 1)
     num_prompt_tokens = sum(r.prompt_len for r in requests)
     expected_output = sum(r.output_len for r in requests)
     if run["num_output_tokens"] != expected_output:
@@ -166,6 +174,8 @@ def run_throughput(llm, requests: list[BenchmarkRequest], *, warmup: bool = True
             "fragmentation": run["fragmentation"],
             "fragmentation_worst": run["fragmentation_worst"],
             "device_idle_fraction": idle,
+            "prefix_cache_hit_tokens": engine.scheduler.prefix_cache_hits - hits_before,
+            "bucket_padding_fraction": padding,
             "device_span": span,
             "num_device_steps": num_device_steps,
         }
@@ -186,6 +196,7 @@ def result_lines(result: dict) -> list[str]:
         f"({1000 * elapsed / max(result['num_steps'], 1):.2f} ms/step)",
         f"KV internal fragmentation: {100 * result['fragmentation']:.2f}% of held slots "
         f"(worst sample {100 * result['fragmentation_worst']:.2f}%)",
+        f"Bucket padding: {100 * result['bucket_padding_fraction']:.1f}% of step tokens",
         f"Device idle (upper bound): {100 * result['device_idle_fraction']:.1f}% of "
         f"{result['device_span']:.2f} s over {result['num_device_steps']} dispatched steps",
     ]

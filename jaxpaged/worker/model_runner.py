@@ -183,6 +183,9 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}
         # Set by the benchmarks to time each step on the device (``StepTimeline``).
         self.timeline: StepTimeline | None = None
+        # Scheduled tokens and the bucket tokens they were padded to, over every dispatch.
+        self.num_scheduled_tokens = 0
+        self.num_bucket_tokens = 0
 
     # ----------------------------------------------------------------- buckets and compilation
     def all_bucket_keys(self) -> list[BucketKey]:
@@ -356,6 +359,8 @@ class ModelRunner:
         key = dataclasses.replace(key, variant=SamplerVariant.for_step(scheduled, slots))
         layout = _PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
         packed = self._prepare_inputs(scheduled, layout, slots)
+        self.num_scheduled_tokens += scheduler_output.num_batched_tokens
+        self.num_bucket_tokens += key.num_tokens
         executable = self._executables.get(key) or self._compile(key)
         out, self.kv_caches, self.logits_state = executable(
             self._state,

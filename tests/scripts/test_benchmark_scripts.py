@@ -180,3 +180,24 @@ def test_report_reads_hf_log_lines_and_rates_each_target():
     ratios = [float(row.split("|")[4].split()[0]) for row in rows[2:]]
     # 128/128, ShareGPT, TPOT, vs HF batch 1, vs HF best 128/128, vs HF ShareGPT, KV, frag.
     assert ratios == pytest.approx([1.2, 0.5, 0.9, 20 / 15, 1.2, 9.2, 0.95 / 0.9, 0.8], abs=0.01)
+
+
+def test_timed_runs_read_no_prefix_an_earlier_run_cached(tiny_model):
+    """The suite runs a workload synchronously and then again with async scheduling on the same
+    engine: the second run must not be served prompt blocks the first one cached."""
+    from jaxpaged import LLM
+
+    llm = LLM(
+        model=tiny_model, load_format="dummy", skip_tokenizer_init=True, max_model_len=256,
+        max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=True,
+    )  # fmt: skip
+    requests = [BenchmarkRequest(list(range(3 + i, 43 + i)), 4) for i in range(4)]
+    first = benchmark_throughput.run_throughput(llm, requests, warmup=False)
+    llm.llm_engine.async_scheduling = False
+    second = benchmark_throughput.run_throughput(llm, requests, warmup=False)
+    assert first["prefix_cache_hit_tokens"] == second["prefix_cache_hit_tokens"] == 0
+    assert first["num_steps"] == second["num_steps"] + 1  # async: one more step to drain
+    for result in (first, second):
+        assert 0.0 <= result["device_idle_fraction"] <= 1.0
+        assert 0.0 <= result["bucket_padding_fraction"] < 1.0
+        assert result["num_device_steps"] == second["num_steps"]
