@@ -28,7 +28,7 @@ from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
-from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from jaxpaged.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup, SequenceStatus
 from jaxpaged.worker.distributed import agree_on_min, initialize_distributed, is_driver
 from jaxpaged.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -353,12 +353,17 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request in any state, free its blocks, and return its final output
         (``finish_reason="abort"``); None if the id is unknown or already finished."""
-        if request_id not in self.output_processor.requests:
+        state = self.output_processor.requests.get(request_id)
+        if state is None:
             return None
-        group = self.scheduler.abort(request_id)
-        for seq in group.seqs if group is not None else ():
-            # A token still on the device (async scheduling) is not part of the output.
-            seq.drop_placeholder()
+        self.scheduler.abort(request_id)
+        # With async scheduling the scheduler may already have finished (and forgotten) the
+        # group by length on a token still on the device. That token is not part of the
+        # output, and the sequence counts as aborted so that resolving the step leaves it be.
+        for seq in state.group.seqs:
+            if seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                seq.drop_placeholder()
+                seq.status = SequenceStatus.FINISHED_ABORTED
         return self.output_processor.abort(request_id)
 
     def get_stats(self) -> SchedulerStats:
@@ -409,6 +414,10 @@ class LLMEngine:
 
     def _resolve(self, in_flight: InFlightStep) -> list[RequestOutput]:
         runner_output = self.model_runner.collect(in_flight.pending)
+        for item in in_flight.pending.scheduled:
+            if item.seq.status is SequenceStatus.FINISHED_ABORTED:
+                # Keyed by sequence id: a request reusing the aborted one's id must not get them.
+                runner_output.prompt_logprobs.pop(item.seq.seq_id, None)
         updated = resolve(self.scheduler, in_flight, runner_output)
         return self.output_processor.process(runner_output, updated, time.monotonic())
 

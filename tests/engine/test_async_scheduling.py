@@ -143,3 +143,40 @@ def test_abort_while_a_step_is_in_flight_frees_everything(engines):
     manager = engine.kv_cache_manager
     assert manager.num_free_blocks == manager.num_blocks
     manager.check_invariants()
+
+
+def test_abort_of_a_request_finished_on_a_token_still_in_flight(engines):
+    """The scheduler finishes a request by length on its in-flight placeholder before the
+    output is emitted; aborting it then must not leak the placeholder (the server's disconnect
+    path), and resolving the step must leave the aborted sequence alone."""
+    _, llm = engines
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3, 4, 5]}, params)
+    for _ in range(3):
+        engine.step()
+    output = engine.abort_request("a")
+    assert output.finished and output.outputs[0].finish_reason == "abort"
+    assert -1 not in output.outputs[0].token_ids and len(output.outputs[0].token_ids) == 2
+    while engine._in_flight is not None:
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    manager = engine.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    manager.check_invariants()
+
+
+def test_a_reused_request_id_gets_none_of_the_aborted_requests_prompt_logprobs(engines):
+    sync, llm = engines
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1)
+    engine.add_request("z", {"prompt_token_ids": list(range(1, 60))}, params)
+    engine.step()  # the prefill is in flight
+    engine.abort_request("z")
+    short = {"prompt_token_ids": [1, 2, 3]}
+    engine.add_request("z", short, params)
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [out for out in engine.step() if out.finished]
+    (expected,) = sync.generate([short], params, use_tqdm=False)
+    assert _summary(finals) == _summary([expected])
