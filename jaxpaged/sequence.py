@@ -171,12 +171,14 @@ class Sequence:
         self.token_ids[-1] = token_id
         self.output_token_ids[-1] = token_id
 
-    def drop_placeholder(self) -> None:
+    def drop_placeholder(self) -> bool:
         """Remove a trailing ``PLACEHOLDER_TOKEN_ID`` (an aborted sequence's token that never
-        reached the host)."""
-        if self.output_token_ids and self.output_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-            self.token_ids.pop()
-            self.output_token_ids.pop()
+        reached the host); True if there was one."""
+        if not self.output_token_ids or self.output_token_ids[-1] != PLACEHOLDER_TOKEN_ID:
+            return False
+        self.token_ids.pop()
+        self.output_token_ids.pop()
+        return True
 
     def fork(self, seq_id: str) -> Sequence:
         """A copy with its own token lists, counters and id, in the same group.

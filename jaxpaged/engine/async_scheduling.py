@@ -63,8 +63,13 @@ def resolve(
 
     Returns what the synchronous ``update_from_output`` would have: the sequences that got a
     token in the step (finished or not) and the groups that finished while it was scheduled.
-    Sequences aborted since are left out.
+    Sequences aborted since are left out, and so are their prompt logprobs (removed from
+    ``runner_output``).
     """
+    for item in in_flight.pending.scheduled:
+        if item.seq.status is SequenceStatus.FINISHED_ABORTED:
+            # Keyed by sequence id: a request that reuses the aborted one's id must not get them.
+            runner_output.prompt_logprobs.pop(item.seq.seq_id, None)
     updated = []
     sampled = runner_output.sampled_token_ids
     for seq in in_flight.updated:

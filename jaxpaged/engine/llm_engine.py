@@ -28,7 +28,7 @@ from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
-from jaxpaged.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup, SequenceStatus
+from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from jaxpaged.worker.distributed import agree_on_min, initialize_distributed, is_driver
 from jaxpaged.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -361,8 +361,7 @@ class LLMEngine:
         # group by length on a token still on the device. That token is not part of the
         # output, and the sequence counts as aborted so that resolving the step leaves it be.
         for seq in state.group.seqs:
-            if seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-                seq.drop_placeholder()
+            if seq.drop_placeholder():
                 seq.status = SequenceStatus.FINISHED_ABORTED
         return self.output_processor.abort(request_id)
 
@@ -395,18 +394,15 @@ class LLMEngine:
     def _step_async(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         in_flight, self._in_flight = self._in_flight, None
-        if scheduler_output.num_beam_candidates and in_flight is not None:
+        if scheduler_output.num_beam_candidates:
             # Beam steps need the previous tokens on the host: finish the pipeline first.
-            outputs = self._resolve(in_flight)
+            outputs = [] if in_flight is None else self._resolve(in_flight)
             return outputs + self._commit(scheduler_output, self._run_sync(scheduler_output))
         pending = PendingStep([], None)
         if not scheduler_output.is_empty:
             self.model_runner.execute_block_ops(scheduler_output, self.block_mover)
             pending = self.model_runner.dispatch(scheduler_output)
         outputs = [] if in_flight is None else self._resolve(in_flight)
-        if scheduler_output.num_beam_candidates:
-            runner_output = self.model_runner.collect(pending)
-            return outputs + self._commit(scheduler_output, runner_output)
         self._in_flight = commit_with_placeholders(self.scheduler, scheduler_output, pending)
         if not pending.scheduled and not self._in_flight.updated:
             self._in_flight = None
@@ -414,10 +410,6 @@ class LLMEngine:
 
     def _resolve(self, in_flight: InFlightStep) -> list[RequestOutput]:
         runner_output = self.model_runner.collect(in_flight.pending)
-        for item in in_flight.pending.scheduled:
-            if item.seq.status is SequenceStatus.FINISHED_ABORTED:
-                # Keyed by sequence id: a request reusing the aborted one's id must not get them.
-                runner_output.prompt_logprobs.pop(item.seq.seq_id, None)
         updated = resolve(self.scheduler, in_flight, runner_output)
         return self.output_processor.process(runner_output, updated, time.monotonic())
 

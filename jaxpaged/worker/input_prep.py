@@ -117,13 +117,13 @@ class PackedInputBuilder:
         slots: list,
         *,
         profile: bool = False,
-        prev_rows: dict[str, int] | None = None,
+        prev_scheduled: list = (),
     ) -> np.ndarray:
         """The packed buffer, i32[layout.size], for ``scheduled`` (``ScheduledSequence``s)
         padded to ``layout``; ``slots[i]`` is row i's LogitsState slot or None. ``profile``:
-        every token asks for a prompt logprob (the memory-profiling step). ``prev_rows``: the
-        previous step's sampled row per sequence id, where a ``PLACEHOLDER_TOKEN_ID`` input
-        reads its real id on the device (``prev_index``)."""
+        every token asks for a prompt logprob (the memory-profiling step). ``prev_scheduled``: the
+        previous step's ``ScheduledSequence`` s in row order; a ``PLACEHOLDER_TOKEN_ID`` input
+        reads its real id on the device from its sequence's row there (``prev_index``)."""
         template, spans = self._template(layout)
         packed = template.copy()
         view = {name: packed[span] for name, span in spans.items()}
@@ -164,6 +164,8 @@ class PackedInputBuilder:
         placeholders = np.flatnonzero(view["input_ids"][:num_tokens] == PLACEHOLDER_TOKEN_ID)
         if placeholders.size:
             view["input_ids"][placeholders] = 0
+            # Only async scheduling has placeholders: map ids to rows for those steps alone.
+            prev_rows = {s.seq.seq_id: i for i, s in enumerate(prev_scheduled)}
             view["prev_index"][placeholders] = [
                 prev_rows[scheduled[token_rows[t]].seq.seq_id] for t in placeholders
             ]

@@ -55,7 +55,7 @@ class BucketKey:
     # bucket compiled at start-up) returns none, so beam steps compile only when beams are used.
     num_beam_candidates: int = 0
     # Optional sampler stages; start-up compiles the default (none), others compile on first use.
-    variant: SamplerVariant = SamplerVariant()
+    variant: SamplerVariant = _DEFAULT_VARIANT
 
 
 @dataclasses.dataclass
@@ -175,12 +175,12 @@ class ModelRunner:
         # Beam search output of the last execute_model: seq_id -> (token_ids, logprobs), each
         # [k] best first, for the sampled rows; empty when the step asked for none.
         self.beam_candidates: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        # The last dispatched step's sampled ids, padded to the largest sequence bucket, and the
-        # row of each sequence it sampled for: the next step reads placeholder tokens from it.
+        # The last dispatched step's sampled ids, padded to the largest sequence bucket, and its
+        # scheduled sequences (row order): the next step reads placeholder tokens from it.
         self._prev_tokens = jax.device_put(
             np.zeros(self.seq_buckets[-1], np.int32), self._input_sharding
         )
-        self._prev_rows: dict[str, int] = {}
+        self._prev_scheduled: list = []
         # Set by the benchmarks to time each step on the device (``StepTimeline``).
         self.timeline: StepTimeline | None = None
         # Scheduled tokens and the bucket tokens they were padded to, over every dispatch.
@@ -370,7 +370,7 @@ class ModelRunner:
             jax.device_put(packed, self._input_sharding),
         )
         self._prev_tokens = out.pop("next_prev_tokens")
-        self._prev_rows = {s.seq.seq_id: i for i, s in enumerate(scheduled) if s.do_sample}
+        self._prev_scheduled = scheduled
         if self.timeline is not None:
             self.timeline.dispatched(out["token_ids"])
         return PendingStep(scheduled, out)
@@ -439,5 +439,5 @@ class ModelRunner:
         self, scheduled, layout: _PackedLayout, slots: list, *, profile: bool = False
     ) -> np.ndarray:
         return self._input_builder.build(
-            scheduled, layout, slots, profile=profile, prev_rows=self._prev_rows
+            scheduled, layout, slots, profile=profile, prev_scheduled=self._prev_scheduled
         )
