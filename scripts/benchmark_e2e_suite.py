@@ -51,7 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="WORKLOAD",
         help="with --async-scheduling, also run these throughput workloads synchronously first",
     )
-    benchmark_throughput.add_tensor_parallel_arg(parser)
     add_engine_args(parser)
     return parser
 
@@ -74,7 +73,6 @@ def _environment() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    benchmark_throughput.check_tensor_parallel(parser, args)
     out_dir = pathlib.Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     suite: dict = {"args": vars(args)}

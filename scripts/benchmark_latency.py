@@ -26,9 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from jaxpaged.entrypoints.cli import add_engine_args  # noqa: E402
 from scripts.benchmark_dataset import random_requests  # noqa: E402
 from scripts.benchmark_throughput import (  # noqa: E402
-    add_tensor_parallel_arg,
     build_llm,
-    check_tensor_parallel,
 )
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -43,7 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-iters-warmup", type=int, default=10, help="untimed iterations")
     parser.add_argument("--num-iters", type=int, default=30, help="timed iterations")
     parser.add_argument("--output-json", type=str, default=None, help="write results as JSON")
-    add_tensor_parallel_arg(parser)
     add_engine_args(parser)
     return parser
 
@@ -116,7 +113,6 @@ def result_lines(result: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_tensor_parallel(parser, args)
     if args.n != 1:
         parser.error(f"--n {args.n}: this benchmark supports only n=1")
     llm = build_llm(args)

@@ -26,7 +26,6 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from jaxpaged.config import EngineArgs  # noqa: E402
 from jaxpaged.entrypoints.cli import (  # noqa: E402
     add_engine_args,
     engine_args_from,
@@ -37,29 +36,6 @@ from scripts.benchmark_dataset import DATASET_NAMES, BenchmarkRequest, make_requ
 
 # Fragmentation is sampled every this many engine steps.
 _FRAGMENTATION_EVERY = 8
-
-
-def add_tensor_parallel_arg(parser: argparse.ArgumentParser) -> None:
-    """``--tensor-parallel-size``: an engine argument once the engine supports it, else a flag
-    that only accepts 1 (checked by ``check_tensor_parallel``)."""
-    if "tensor_parallel_size" not in EngineArgs.__dataclass_fields__:
-        parser.add_argument(
-            "--tensor-parallel-size",
-            "-tp",
-            type=int,
-            default=1,
-            help="GPUs to split the model over; this build runs on one (default: 1)",
-        )
-
-
-def check_tensor_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if "tensor_parallel_size" in EngineArgs.__dataclass_fields__:
-        return
-    if args.tensor_parallel_size != 1:
-        parser.error(
-            f"--tensor-parallel-size {args.tensor_parallel_size}: this build has no tensor "
-            "parallelism (EngineArgs has no tensor_parallel_size); use 1"
-        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-warmup", action="store_true", help="skip the short warm-up run before timing"
     )
-    add_tensor_parallel_arg(parser)
     add_engine_args(parser)
     return parser
 
@@ -206,7 +181,6 @@ def result_lines(result: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_tensor_parallel(parser, args)
     if args.n != 1:
         parser.error(f"--n {args.n}: this benchmark supports only n=1")
     llm = build_llm(args)

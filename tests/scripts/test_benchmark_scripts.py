@@ -79,16 +79,6 @@ def test_throughput_script_prints_vllms_result_line_and_writes_json(tiny_model, 
     assert 0.0 <= result["fragmentation"] < 1.0
 
 
-def test_tensor_parallel_above_one_is_a_clear_error_without_tp_support(capsys):
-    from jaxpaged.config import EngineArgs
-
-    if "tensor_parallel_size" in EngineArgs.__dataclass_fields__:
-        pytest.skip("the engine has tensor parallelism: the flag is an engine argument")
-    with pytest.raises(SystemExit):
-        benchmark_throughput.main(["--tensor-parallel-size", "2"])
-    assert "no tensor parallelism" in capsys.readouterr().err
-
-
 def test_latency_lines_are_vllms():
     result = {
         "avg_latency": 1.5,
