@@ -13,10 +13,14 @@ One class serves every member; the Hugging Face config decides the differences:
   configs with ``layer_types`` (Qwen2) use it only on ``"sliding_attention"`` layers.
 - Tied (``tie_word_embeddings``) or separate ``lm_head``.
 
-Parameter paths mirror the HF names (``model.layers.0.self_attn.q_proj`` etc.) so that
-``models.weights`` maps checkpoints by name. Kernels are stored ``[in, out]`` (HF ``[out, in]``),
-embeddings ``[vocab, hidden]``. Shape letters (``T``, ``Hq``, ``Hkv``, ``D``) as in
-``pallas_kernels``.
+Each layer runs two projections of its normed input where HF runs five: ``self_attn.qkv_proj``
+fuses ``q_proj``/``k_proj``/``v_proj`` and ``mlp.gate_up_proj`` fuses ``gate_proj``/``up_proj``
+(vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear``; ``models.merged_linear`` gives
+the column order, shard by shard under tensor parallelism). Every other parameter path mirrors
+the HF name (``model.layers.0.self_attn.o_proj`` etc.), and ``models.weights.hf_names`` maps
+each fused parameter to its parts' HF tensors. Kernels are stored ``[in, out]`` (HF
+``[out, in]``), embeddings ``[vocab, hidden]``. Shape letters (``T``, ``Hq``, ``Hkv``, ``D``) as
+in ``pallas_kernels``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from jax.sharding import Mesh
 import pallas_kernels
 from models.attention import attention
 from models.attention_metadata import AttentionMetadata
+from models.merged_linear import MergedColumnParallelLinear
+from models.sharding import tp_size
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -157,19 +163,25 @@ class RMSNorm(nnx.Module):
 
 
 class LlamaMLP(nnx.Module):
-    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``; ``[T, hidden] -> [T, hidden]``."""
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``; ``[T, hidden] -> [T, hidden]``.
 
-    def __init__(self, config: Any, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+    ``gate_up_proj``: kernel ``[hidden, 2 * intermediate]`` (gate then up, per shard of
+    ``num_shards``), one matmul; ``down_proj``: ``[intermediate, hidden]``.
+    """
+
+    def __init__(self, config: Any, *, num_shards: int, dtype: Any, param_dtype: Any,
+                 rngs: nnx.Rngs):
         hidden, inter = config.hidden_size, config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         kw = dict(use_bias=bias, dtype=dtype, param_dtype=param_dtype,
                   precision=_precision(dtype), rngs=rngs)
-        self.gate_proj = nnx.Linear(hidden, inter, **kw)
-        self.up_proj = nnx.Linear(hidden, inter, **kw)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, (inter, inter),
+                                                       num_shards=num_shards, **kw)
         self.down_proj = nnx.Linear(inter, hidden, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)  # each [T, intermediate]
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 def _attention_biases(config: Any) -> tuple[bool, bool]:
@@ -183,7 +195,8 @@ def _attention_biases(config: Any) -> tuple[bool, bool]:
 class LlamaAttention(nnx.Module):
     """Self-attention over the paged KV cache.
 
-    ``[T, hidden] -> [T, hidden]``: QKV projection, RoPE, ``pallas_kernels.kv_cache_update`` by
+    ``[T, hidden] -> [T, hidden]``: QKV projection (one matmul, ``qkv_proj`` kernel
+    ``[hidden, (Hq + 2 * Hkv) * D]``), RoPE, ``pallas_kernels.kv_cache_update`` by
     ``metadata.slot_mapping``, :func:`models.attention.attention`, o_proj. ``attention_backend``,
     ``interpret`` and ``sliding_window`` are static Python attributes.
     """
@@ -219,9 +232,10 @@ class LlamaAttention(nnx.Module):
         qkv_bias, o_bias = _attention_biases(config)
         kw = dict(dtype=dtype, param_dtype=param_dtype, precision=_precision(dtype), rngs=rngs)
         hidden = config.hidden_size
-        self.q_proj = nnx.Linear(hidden, self.num_heads * self.head_dim, use_bias=qkv_bias, **kw)
-        self.k_proj = nnx.Linear(hidden, self.num_kv_heads * self.head_dim, use_bias=qkv_bias, **kw)
-        self.v_proj = nnx.Linear(hidden, self.num_kv_heads * self.head_dim, use_bias=qkv_bias, **kw)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedColumnParallelLinear(
+            hidden, (q_size, kv_size, kv_size), num_shards=tp_size(mesh), use_bias=qkv_bias, **kw
+        )
         self.o_proj = nnx.Linear(self.num_heads * self.head_dim, hidden, use_bias=o_bias, **kw)
 
     def __call__(
@@ -233,9 +247,10 @@ class LlamaAttention(nnx.Module):
         metadata: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         inv_freq = np.asarray(self.inv_freq, dtype=np.float32)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
@@ -270,7 +285,8 @@ class LlamaDecoderLayer(nnx.Module):
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype,
                                                 param_dtype=param_dtype, rngs=rngs)
-        self.mlp = LlamaMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mlp = LlamaMLP(config, num_shards=tp_size(mesh), dtype=dtype,
+                            param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, positions, k_cache, v_cache, metadata):
         attn_out, k_cache, v_cache = self.self_attn(
@@ -330,8 +346,10 @@ class LlamaForCausalLM(nnx.Module):
         attention_backend: "reference" (gather + plain-JAX references) or "pallas" (kernels);
             a static attribute, fixed for the life of the module.
         interpret: run Pallas kernels in interpret mode (CPU tests).
-        mesh: tensor parallelism (``models.sharding``): attention runs per device on its heads;
-            None on one device. Build ``config`` with ``models.sharding.tp_model_config``.
+        mesh: tensor parallelism (``models.sharding``): attention runs per device on its heads
+            and the fused projections lay their columns out per shard of the ``tp`` axis
+            (``models.merged_linear``); None on one device. Build ``config`` with
+            ``models.sharding.tp_model_config``.
         rngs: parameter initialisation (``models.weights`` replaces the values when loading).
 
     Raises:

@@ -9,9 +9,13 @@ draw its own slice, and the values equal the single-device dummies of ``models.w
 (``normal * 0.02`` from ``fold_in(key(seed), i)`` for parameter ``i`` in flat-state order).
 
 The physical model can differ from the checkpoint along one axis of a few parameters
-(``models.sharding``): ``k_proj``/``v_proj`` columns repeat each KV head ``r`` times when
-``Hkv < tp``, and gate/up columns and down rows are zero-padded to a multiple of ``tp``. Each
-such axis carries an index map ``physical index -> checkpoint index`` (``-1``: zero).
+(``models.sharding``): the k/v columns repeat each KV head ``r`` times when ``Hkv < tp``, and
+gate/up columns and down rows are zero-padded to a multiple of ``tp``. Each such axis carries an
+index map ``physical index -> checkpoint index`` (``-1``: zero). A fused parameter
+(``qkv_proj``, ``gate_up_proj``) is filled from several HF tensors: its checkpoint is their
+concatenation along the output axis (``[q | k | v]``, the one-device layout), and its output
+axis map composes the per-shard column order of ``models.merged_linear`` with each part's own
+map (repeat, pad). A device then reads, from each part's tensor, only the columns it holds.
 """
 
 from __future__ import annotations
@@ -27,20 +31,24 @@ import transformers
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from models.merged_linear import merged_column_order
 from models.registry import get_model_class
 from models.sharding import TP_AXIS, param_partition_spec, tp_model_config
 from models.tp_layout import TPLayout
 from models.weights import (
     _DUMMY_STD,
     _LOAD_FORMATS,
+    FUSED_MODULES,
     _TensorReader,
     _weight_files,
-    hf_name,
+    hf_names,
     load_config,
+    merged_output_sizes,
     resolve_dtype,
 )
 
-# An axis map: ("repeat", heads, replicas, head_dim) or ("pad", checkpoint_size); None: identity.
+# An axis map: ("repeat", heads, replicas, head_dim), ("pad", checkpoint_size) or
+# ("fused", num_shards, ((part_size, part_map), ...)); None: identity.
 AxisMap = tuple | None
 
 
@@ -86,11 +94,12 @@ def load_sharded_model(
     )
     graphdef, abstract_state = nnx.split(abstract)
     flat_state = nnx.to_flat_state(abstract_state)
+    merged = merged_output_sizes(abstract)
     params = []
     for path, variable in flat_state:
         shape = tuple(variable.get_value().shape)
         sharding = NamedSharding(mesh, param_partition_spec(path, layout))
-        params.append((path, variable, shape, sharding, axis_maps(path, shape, layout)))
+        params.append((path, variable, shape, sharding, axis_maps(path, shape, layout, merged)))
     if load_format == "dummy":
         filled = _dummy_state(params, resolved, seed)
     else:
@@ -98,9 +107,32 @@ def load_sharded_model(
     return nnx.merge(graphdef, nnx.from_flat_state(filled)), hf_config
 
 
-def axis_maps(path: tuple, shape: tuple[int, ...], layout: TPLayout) -> tuple[AxisMap, ...]:
-    """Per axis of the physical parameter ``shape``, how it maps onto the checkpoint's."""
+def axis_maps(
+    path: tuple,
+    shape: tuple[int, ...],
+    layout: TPLayout,
+    merged: dict[tuple[str, ...], tuple[int, ...]] | None = None,
+) -> tuple[AxisMap, ...]:
+    """Per axis of the physical parameter ``shape``, how it maps onto the checkpoint's.
+
+    ``merged``: ``models.weights.merged_output_sizes`` of the model; a parameter of a fused
+    module there gets a ``"fused"`` map on its last (output) axis, built from its parts' maps.
+    """
     module, leaf = str(path[-2]), str(path[-1])
+    sizes = (merged or {}).get(tuple(str(p) for p in path[:-1]))
+    if sizes is not None:
+        parts = tuple(
+            (size, _module_axis_maps(part, leaf, (*shape[:-1], size), layout)[-1])
+            for part, size in zip(FUSED_MODULES[module], sizes, strict=True)
+        )
+        return (*[None] * (len(shape) - 1), ("fused", layout.tensor_parallel_size, parts))
+    return _module_axis_maps(module, leaf, shape, layout)
+
+
+def _module_axis_maps(
+    module: str, leaf: str, shape: tuple[int, ...], layout: TPLayout
+) -> tuple[AxisMap, ...]:
+    """:func:`axis_maps` of a parameter of the unfused (HF) module ``module``."""
     maps: list[AxisMap] = [None] * len(shape)
     out_axis = 1 if leaf == "kernel" else 0
     if module in ("k_proj", "v_proj") and layout.kv_head_replicas > 1:
@@ -120,16 +152,38 @@ def _checkpoint_size(axis_map: AxisMap, size: int) -> int:
     if axis_map[0] == "repeat":
         _, heads, _, head_dim = axis_map
         return heads * head_dim
+    if axis_map[0] == "fused":
+        return sum(_checkpoint_size(part_map, n) for n, part_map in axis_map[2])
     return axis_map[1]
 
 
 @functools.cache
 def _map_indices(axis_map: tuple, size: int) -> np.ndarray:
-    """``i64[size]``: the checkpoint index of each physical index, ``-1`` for zero padding."""
+    """``i64[size]``: the checkpoint index of each physical index, ``-1`` for zero padding.
+
+    ``"fused"``: physical column -> (part, its physical index in the part) by the per-shard
+    order of ``models.merged_linear``, then the part's own map, then the part's offset in the
+    concatenated checkpoint ``[part_0 | part_1 | ...]``.
+    """
     physical = np.arange(size)
     if axis_map[0] == "repeat":
         _, _, replicas, head_dim = axis_map
         return (physical // head_dim // replicas) * head_dim + physical % head_dim
+    if axis_map[0] == "fused":
+        _, num_shards, parts = axis_map
+        sizes = [n for n, _ in parts]
+        whole = merged_column_order(sizes, num_shards)  # index in [part_0 | part_1 | ...]
+        physical_offsets = np.cumsum([0, *sizes])
+        checkpoint_offsets = np.cumsum([0, *(_checkpoint_size(m, n) for n, m in parts)])
+        part_of = np.searchsorted(physical_offsets, whole, side="right") - 1
+        out = np.empty(size, np.int64)
+        for p, (n, part_map) in enumerate(parts):
+            selected = part_of == p
+            index = whole[selected] - physical_offsets[p]
+            if part_map is not None:
+                index = _map_indices(part_map, n)[index]
+            out[selected] = np.where(index >= 0, index + checkpoint_offsets[p], -1)
+        return out
     return np.where(physical < axis_map[1], physical, -1)
 
 
@@ -138,6 +192,22 @@ def _checkpoint_shape(shape: tuple[int, ...], maps: tuple[AxisMap, ...]) -> tupl
 
 
 # ------------------------------------------------------------------------------- safetensors
+
+
+def _checkpoint_parts(
+    names: tuple[str, ...], shape: tuple[int, ...], maps: tuple[AxisMap, ...]
+) -> list[tuple[str, tuple[int, ...], int]]:
+    """``(HF name, its checkpoint shape in [in, out] coordinates, its offset on the last axis of
+    the concatenated checkpoint)`` of each tensor a parameter is read from (one unless fused)."""
+    checkpoint = _checkpoint_shape(shape, maps)
+    if maps[-1] is None or maps[-1][0] != "fused":
+        return [(names[0], checkpoint, 0)]
+    sizes = [_checkpoint_size(part_map, n) for n, part_map in maps[-1][2]]
+    offsets = np.cumsum([0, *sizes])
+    return [
+        (name, (*checkpoint[:-1], size), int(offset))
+        for name, size, offset in zip(names, sizes, offsets[:-1], strict=True)
+    ]
 
 
 def _load_state(params: list, model_dir: str, dtype: jnp.dtype) -> list:
@@ -152,25 +222,31 @@ def _load_state(params: list, model_dir: str, dtype: jnp.dtype) -> list:
         reader = _TensorReader(files, stack)
         # Check everything before reading anything big.
         for path, _, shape, _, maps in params:
-            name, transposed = hf_name(path)
-            expected = _checkpoint_shape(shape, maps)
-            if transposed:
-                expected = expected[::-1]
-            if name not in reader:
-                raise ValueError(
-                    f"parameter {'.'.join(map(str, path))} (HF name {name!r}) is missing from "
-                    f"{model_dir}"
-                )
-            if reader.shape(name) != expected:
-                raise ValueError(
-                    f"parameter {'.'.join(map(str, path))} (HF name {name!r}) has shape "
-                    f"{reader.shape(name)} in {model_dir}; expected {expected}"
-                )
+            names, transposed = hf_names(path)
+            for name, expected, _ in _checkpoint_parts(names, shape, maps):
+                if transposed:
+                    expected = expected[::-1]
+                if name not in reader:
+                    raise ValueError(
+                        f"parameter {'.'.join(map(str, path))} (HF name {name!r}) is missing "
+                        f"from {model_dir}"
+                    )
+                if reader.shape(name) != expected:
+                    raise ValueError(
+                        f"parameter {'.'.join(map(str, path))} (HF name {name!r}) has shape "
+                        f"{reader.shape(name)} in {model_dir}; expected {expected}"
+                    )
         filled = []
         for path, variable, shape, sharding, maps in params:
-            name, transposed = hf_name(path)
+            names, transposed = hf_names(path)
             read = functools.partial(
-                _read_shard, reader, name, transposed, shape, maps, np.dtype(dtype)
+                _read_shard,
+                reader,
+                _checkpoint_parts(names, shape, maps),
+                transposed,
+                shape,
+                maps,
+                np.dtype(dtype),
             )
             value = jax.make_array_from_callback(shape, sharding, read)
             filled.append((path, variable.replace(value)))
@@ -179,7 +255,7 @@ def _load_state(params: list, model_dir: str, dtype: jnp.dtype) -> list:
 
 def _read_shard(
     reader,
-    name: str,
+    parts: list[tuple[str, tuple[int, ...], int]],
     transposed: bool,
     shape: tuple[int, ...],
     maps: tuple,
@@ -191,21 +267,33 @@ def _read_shard(
     for axis_map, size, sl in zip(maps, shape, index, strict=True):
         physical = np.arange(size)[sl]
         sources.append(physical if axis_map is None else _map_indices(axis_map, size)[physical])
-    # Read the smallest checkpoint box that covers the block (contiguous per axis).
-    bounds = []
-    for src in sources:
-        valid = src[src >= 0]
-        bounds.append((int(valid.min()), int(valid.max()) + 1) if valid.size else (0, 0))
-    box = tuple(slice(lo, hi) for lo, hi in bounds)
-    block = reader.read_slice(name, box[::-1] if transposed else box)
-    block = np.asarray(block.T if transposed else block).astype(dtype, copy=False)
-    if all(m is None for m in maps):
-        return block
+    if all(m is None for m in maps):  # one tensor, one contiguous box: read it as it is
+        (name, _, _), = parts
+        box = tuple(slice(int(src[0]), int(src[-1]) + 1) for src in sources)
+        block = reader.read_slice(name, box[::-1] if transposed else box)
+        return np.asarray(block.T if transposed else block).astype(dtype, copy=False)
     out = np.zeros(tuple(len(s) for s in sources), dtype)
-    kept = [np.nonzero(s >= 0)[0] for s in sources]
-    taken = [s[k] - lo for s, k, (lo, _) in zip(sources, kept, bounds, strict=True)]
-    out[np.ix_(*kept)] = block[np.ix_(*taken)]
+    for name, checkpoint_shape, offset in parts:
+        last = sources[-1] - offset  # this tensor's columns on the concatenated last axis
+        inside = (last >= 0) & (last < checkpoint_shape[-1])  # a zero (-1) is never inside
+        part_sources = [*sources[:-1], np.where(inside, last, -1)]
+        _read_into(out, reader, name, transposed, part_sources)
     return out
+
+
+def _read_into(out: np.ndarray, reader, name: str, transposed: bool, sources: list) -> None:
+    """``out[i, j, ...] = tensor[sources[0][i], sources[1][j], ...]`` (``[in, out]``
+    coordinates) where every source index is ``>= 0``; reads the smallest box of ``name`` that
+    covers them (contiguous per axis)."""
+    kept = [np.nonzero(src >= 0)[0] for src in sources]
+    if any(k.size == 0 for k in kept):
+        return
+    taken = [src[k] for src, k in zip(sources, kept, strict=True)]
+    lows = [int(t.min()) for t in taken]
+    box = tuple(slice(lo, int(t.max()) + 1) for lo, t in zip(lows, taken, strict=True))
+    block = reader.read_slice(name, box[::-1] if transposed else box)
+    block = np.asarray(block.T if transposed else block).astype(out.dtype, copy=False)
+    out[np.ix_(*kept)] = block[np.ix_(*(t - lo for t, lo in zip(taken, lows, strict=True)))]
 
 
 # ------------------------------------------------------------------------------------ dummy

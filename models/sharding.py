@@ -3,8 +3,10 @@
 One model runs on ``tensor_parallel_size`` devices through XLA's SPMD partitioner (``jax.jit``
 with ``NamedSharding``d inputs; Megatron-LM's layout, Shoeybi et al. 2019, arXiv:1909.08053):
 
-- column-parallel (output dim split): ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``,
-  ``up_proj``, and their biases (Qwen2's q/k/v biases split with their columns);
+- column-parallel (output dim split): the fused ``qkv_proj`` and ``gate_up_proj`` and their
+  biases (Qwen2's q/k/v biases split with their columns). Their columns are laid out shard by
+  shard (``models.merged_linear``: ``[q_0 | k_0 | v_0 | q_1 | ...]``, ``[gate_0 | up_0 | ...]``),
+  so the plain column split gives each device its own query heads, KV heads and MLP slice;
 - row-parallel (input dim split): ``o_proj``, ``down_proj``; XLA inserts the all-reduce after
   them, and their biases (if any) are replicated, added once after the reduction;
 - vocab-parallel: ``embed_tokens`` (rows) and ``lm_head`` (columns); replicated when the vocab
@@ -18,10 +20,10 @@ Fewer KV heads than devices (``Hkv < tp``, e.g. Llama-3-70B's 8 on 16 devices): 
 repeated ``tp // Hkv`` times (``repeat_interleave`` order: ``kv0, kv0, kv1, kv1, ...``), as
 tpu-inference and vLLM do, so that every device holds exactly one KV head, the one its query
 heads read. Query head ``h`` reads repeated head ``h // (Hq / (Hkv * r))``, which is original
-head ``h // (Hq / Hkv)``: the model is unchanged, only ``k_proj``/``v_proj`` get ``r`` copies of
-each head's columns and the KV cache holds ``Hkv * r`` heads (``r`` times the memory a single
-device would need, split ``tp`` ways). An intermediate size that does not divide is padded with
-zero columns of gate/up and zero rows of down, which add exactly nothing.
+head ``h // (Hq / Hkv)``: the model is unchanged, only the k and v columns of ``qkv_proj`` hold
+``r`` copies of each head and the KV cache holds ``Hkv * r`` heads (``r`` times the memory a
+single device would need, split ``tp`` ways). An intermediate size that does not divide is
+padded with zero gate and up columns and zero down rows, which add exactly nothing.
 
 The physical model is built from :func:`tp_model_config` (the HF config with the repeated KV
 head count and padded intermediate size); ``models.sharded_weights`` maps checkpoint tensors
@@ -44,7 +46,7 @@ from models.tp_layout import TPLayout
 
 TP_AXIS = "tp"
 
-_COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+_COLUMN_PARALLEL = frozenset({"qkv_proj", "gate_up_proj"})
 _ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 
 
@@ -74,6 +76,11 @@ def make_mesh(tensor_parallel_size: int) -> Mesh:
     )
 
 
+def tp_size(mesh: Mesh | None) -> int:
+    """The size of ``mesh``'s ``tp`` axis; 1 without a mesh (one device)."""
+    return 1 if mesh is None else mesh.shape[TP_AXIS]
+
+
 def tp_model_config(hf_config: Any, layout: TPLayout) -> Any:
     """A copy of ``hf_config`` describing the physical sharded model: ``num_key_value_heads``
     is ``Hkv * r`` and ``intermediate_size`` is padded (see the module docstring)."""
@@ -87,7 +94,7 @@ def param_partition_spec(path: tuple, layout: TPLayout) -> P:
     """Partition spec of an NNX parameter (kernels ``[in, out]``, embeddings ``[vocab, hidden]``).
 
     Args:
-        path: the NNX state path, e.g. ``('model', 'layers', 0, 'self_attn', 'q_proj', 'kernel')``.
+        path: the NNX state path, e.g. ``('model', 'layers', 0, 'self_attn', 'qkv_proj', 'kernel')``.
         layout: the model's layout.
 
     Raises:

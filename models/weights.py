@@ -4,6 +4,8 @@ The model is first built abstractly (``nnx.eval_shape``: shapes and dtypes only,
 then its state is filled either from safetensors files (one ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``) by HF name, or with deterministic random values
 (``load_format="dummy"``, for benchmarks: no weight file is read, a config-only directory works).
+A fused parameter (``qkv_proj``, ``gate_up_proj``; ``models.merged_linear``) is filled from the
+tensors of its parts (:data:`FUSED_MODULES`, :func:`hf_names`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import safetensors
 import transformers
 from flax import nnx
 
+from models.merged_linear import MergedColumnParallelLinear
 from models.registry import get_model_class
 
 _DTYPES = {
@@ -74,22 +77,47 @@ def resolve_dtype(dtype: str | Any, hf_config: Any) -> jnp.dtype:
     return resolved
 
 
-def hf_name(path: tuple) -> tuple[str, bool]:
-    """HF tensor name of an NNX parameter path, and whether the HF tensor is transposed.
+# Fused modules of the models (``models.merged_linear``) -> the checkpoint modules of their
+# parts, in column order: one parameter is filled from several HF tensors.
+FUSED_MODULES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
-    ``('model', 'layers', 0, 'self_attn', 'q_proj', 'kernel')`` ->
-    ``('model.layers.0.self_attn.q_proj.weight', True)``: HF ``nn.Linear`` stores
+
+def hf_names(path: tuple) -> tuple[tuple[str, ...], bool]:
+    """HF tensor names of an NNX parameter path, and whether the HF tensors are transposed.
+
+    ``('model', 'layers', 0, 'self_attn', 'o_proj', 'kernel')`` ->
+    ``(('model.layers.0.self_attn.o_proj.weight',), True)``: HF ``nn.Linear`` stores
     ``[out, in]``, ``nnx.Linear`` ``[in, out]``. Embeddings and norm weights map as they are.
+    A fused module (:data:`FUSED_MODULES`) names one tensor per part, in column order:
+    ``(..., 'self_attn', 'qkv_proj', 'bias')`` -> ``(('model.layers.0.self_attn.q_proj.bias',
+    '...k_proj.bias', '...v_proj.bias'), False)``; the parameter's last (output) axis holds
+    their columns as ``models.merged_linear`` lays them out.
     """
-    *module, leaf = (str(p) for p in path)
-    prefix = ".".join(module)
+    *parents, module, leaf = (str(p) for p in path)
     if leaf == "kernel":
-        return f"{prefix}.weight", True
-    if leaf in ("embedding", "weight"):
-        return f"{prefix}.weight", False
-    if leaf == "bias":
-        return f"{prefix}.bias", False
-    raise ValueError(f"no HF name for parameter path {'.'.join(str(p) for p in path)!r}")
+        suffix, transposed = "weight", True
+    elif leaf in ("embedding", "weight"):
+        suffix, transposed = "weight", False
+    elif leaf == "bias":
+        suffix, transposed = "bias", False
+    else:
+        raise ValueError(f"no HF name for parameter path {_path_str(path)!r}")
+    parts = FUSED_MODULES.get(module, (module,))
+    return tuple(".".join([*parents, part, suffix]) for part in parts), transposed
+
+
+def merged_output_sizes(model: nnx.Module) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Module path (``str`` parts, as ``nnx`` flat-state paths minus the leaf) -> the
+    ``output_sizes`` of each :class:`~models.merged_linear.MergedColumnParallelLinear` in
+    ``model`` (abstract or concrete); the loaders split fused parameters by them."""
+    return {
+        tuple(str(p) for p in path): node.output_sizes
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, MergedColumnParallelLinear)
+    }
 
 
 def _path_str(path: tuple) -> str:
@@ -154,8 +182,26 @@ class _TensorReader:
         return handle.get_tensor(name)
 
 
-def _load_state(flat_state: Any, model_dir: str, dtype: jnp.dtype) -> list:
-    """Fills every parameter of the abstract ``flat_state`` from the checkpoint.
+def _hf_parts(
+    path: tuple, shape: tuple[int, ...], merged: dict[tuple[str, ...], tuple[int, ...]]
+) -> list[tuple[str, tuple[int, ...]]]:
+    """The HF tensors that fill the parameter ``path`` of ``shape``, each with the shape of its
+    block in the parameter's coordinates (``[in, out]``, before any transpose).
+
+    One tensor covers the whole parameter, except in a fused module: its parts (``merged``,
+    from :func:`merged_output_sizes`) split the last axis, ``output_sizes[p]`` columns each.
+    """
+    names, _ = hf_names(path)
+    sizes = merged.get(tuple(str(p) for p in path[:-1]))
+    if sizes is None:
+        return [(names[0], shape)]
+    return [(name, (*shape[:-1], size)) for name, size in zip(names, sizes, strict=True)]
+
+
+def _load_state(flat_state: Any, merged: dict, model_dir: str, dtype: jnp.dtype) -> list:
+    """Fills every parameter of the abstract ``flat_state`` from the checkpoint; a fused
+    parameter is its parts' tensors concatenated along the last axis (one device: one shard,
+    so the per-shard column order of ``models.merged_linear`` is the plain concatenation).
 
     Raises:
         ValueError: a parameter missing from the checkpoint or with a different shape; the message
@@ -164,29 +210,33 @@ def _load_state(flat_state: Any, model_dir: str, dtype: jnp.dtype) -> list:
     files = _weight_files(model_dir)
     with ExitStack() as stack:
         reader = _TensorReader(files, stack)
+        plans = []
+        for path, variable in flat_state:
+            _, transposed = hf_names(path)
+            parts = _hf_parts(path, tuple(variable.get_value().shape), merged)
+            plans.append((path, variable, parts, transposed))
         # Check everything before reading anything big.
-        for path, variable in flat_state:
-            name, transposed = hf_name(path)
-            expected = tuple(variable.get_value().shape)
-            if name not in reader:
-                raise ValueError(
-                    f"parameter {_path_str(path)} (HF name {name!r}) is missing from {model_dir}"
-                )
-            shape = reader.shape(name)
-            if transposed:
-                shape = shape[::-1]
-            if shape != expected:
-                raise ValueError(
-                    f"parameter {_path_str(path)} (HF name {name!r}) has shape {reader.shape(name)}"
-                    f" in {model_dir}; expected {expected[::-1] if transposed else expected}"
-                )
+        for path, _, parts, transposed in plans:
+            for name, expected in parts:
+                if name not in reader:
+                    raise ValueError(
+                        f"parameter {_path_str(path)} (HF name {name!r}) is missing from "
+                        f"{model_dir}"
+                    )
+                shape = reader.shape(name)
+                if (shape[::-1] if transposed else shape) != expected:
+                    raise ValueError(
+                        f"parameter {_path_str(path)} (HF name {name!r}) has shape {shape} in "
+                        f"{model_dir}; expected {expected[::-1] if transposed else expected}"
+                    )
         filled = []
-        for path, variable in flat_state:
-            name, transposed = hf_name(path)
-            tensor = reader.read(name)
-            if transposed:
-                tensor = tensor.T
-            filled.append((path, variable.replace(jnp.asarray(tensor, dtype=dtype))))
+        for path, variable, parts, transposed in plans:
+            tensors = []
+            for name, _ in parts:
+                tensor = reader.read(name)
+                tensors.append(jnp.asarray(tensor.T if transposed else tensor, dtype=dtype))
+            value = tensors[0] if len(tensors) == 1 else jnp.concatenate(tensors, axis=-1)
+            filled.append((path, variable.replace(value)))
     return filled
 
 
@@ -279,6 +329,6 @@ def load_model(
     if load_format == "dummy":
         filled = _dummy_state(flat_state, resolved, seed)
     else:
-        filled = _load_state(flat_state, model_dir, resolved)
+        filled = _load_state(flat_state, merged_output_sizes(abstract), model_dir, resolved)
     model = nnx.merge(graphdef, nnx.from_flat_state(filled))
     return model, hf_config

@@ -17,6 +17,7 @@ import re
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -131,16 +132,13 @@ def _check_stories_param_shardings(params: dict, mesh, tp: int):
     Hkv 4 x D 8, intermediate 172, vocab 512, tied embeddings)."""
     expected = {  # suffix -> (spec, per-device shape); written out, not derived from the rules
         "embed_tokens.embedding": (P("tp", None), (512 // tp, 64)),
-        "q_proj.kernel": (P(None, "tp"), (64, 64 // tp)),
-        "k_proj.kernel": (P(None, "tp"), (64, 32 // tp)),
-        "v_proj.kernel": (P(None, "tp"), (64, 32 // tp)),
+        "qkv_proj.kernel": (P(None, "tp"), (64, (64 + 32 + 32) // tp)),
         "o_proj.kernel": (P("tp", None), (64 // tp, 64)),
-        "gate_proj.kernel": (P(None, "tp"), (64, 172 // tp)),
-        "up_proj.kernel": (P(None, "tp"), (64, 172 // tp)),
+        "gate_up_proj.kernel": (P(None, "tp"), (64, 2 * 172 // tp)),
         "down_proj.kernel": (P("tp", None), (172 // tp, 64)),
         "norm.weight": (P(), (64,)),
     }
-    assert len(params) == 47
+    assert len(params) == 32
     for name, value in params.items():
         spec, local = next(v for k, v in expected.items() if name.endswith(k))
         assert value.sharding.is_equivalent_to(NamedSharding(mesh, spec), value.ndim), name
@@ -205,22 +203,21 @@ def test_replicated_kv_heads_qwen2_matches_one_device(tmp_path, stories_dir):
         local
     ] * 4
     params = _flat(engine.model_runner._state)
-    for name, local_shape in [
-        ("q_proj.bias", (16,)),
-        ("k_proj.bias", (16,)),
-        ("k_proj.kernel", (64, 16)),
-    ]:
+    for name, local_shape in [("qkv_proj.bias", (3 * 16,)), ("qkv_proj.kernel", (64, 3 * 16))]:
         value = params[f"model.layers.0.self_attn.{name}"]
         assert [s.data.shape for s in value.addressable_shards] == [local_shape] * 4
-    # Device d holds KV head d // 2: the checkpoint's head 0 on devices 0-1, head 1 on 2-3.
-    k_bias = {
+    # Device d holds query head d, then KV head d // 2 (the checkpoint's head 0 on devices
+    # 0-1, head 1 on 2-3) for k and for v.
+    qkv_bias = {
         s.device.id: np.asarray(s.data)
-        for s in params["model.layers.0.self_attn.k_proj.bias"].addressable_shards
+        for s in params["model.layers.0.self_attn.qkv_proj.bias"].addressable_shards
     }
-    checkpoint = np.asarray(_flat(one)["model.layers.0.self_attn.k_proj.bias"]).reshape(2, 16)
-    for device in engine.mesh.devices.flat:
+    checkpoint = np.asarray(_flat(one)["model.layers.0.self_attn.qkv_proj.bias"])
+    q, k, v = checkpoint[:64].reshape(4, 16), checkpoint[64:96].reshape(2, 16), checkpoint[96:]
+    v = v.reshape(2, 16)
+    for rank, device in enumerate(engine.mesh.devices.flat):
         np.testing.assert_array_equal(
-            k_bias[device.id], checkpoint[list(engine.mesh.devices.flat).index(device) // 2]
+            qkv_bias[device.id], np.concatenate([q[rank], k[rank // 2], v[rank // 2]])
         )
 
 
@@ -228,13 +225,18 @@ def test_replicated_kv_heads_qwen2_matches_one_device(tmp_path, stories_dir):
 
 
 def _expected_physical(one: dict[str, np.ndarray], name: str) -> np.ndarray:
-    """stories260k parameter ``name`` as the tp=8 model holds it, built with numpy: k/v columns
-    repeat each of the 4 heads (D=8) twice in place; gate/up/down pad 172 -> 176 with zeros."""
+    """stories260k parameter ``name`` as the tp=8 model holds it, built with numpy from the
+    one-device ``[q | k | v]`` and ``[gate | up]``: k/v columns repeat each of the 4 heads
+    (D=8) twice in place; gate/up/down pad 172 -> 176 with zeros; the fused columns then go
+    shard by shard, ``[q_s | k_s | v_s]`` and ``[gate_s | up_s]`` for s = 0..7."""
     value = one[name]
-    if name.endswith(("k_proj.kernel", "v_proj.kernel")):
-        return np.repeat(value.reshape(64, 4, 8), 2, axis=1).reshape(64, 64)
-    if name.endswith(("gate_proj.kernel", "up_proj.kernel")):
-        return np.pad(value, ((0, 0), (0, 4)))
+    if name.endswith("qkv_proj.kernel"):
+        q, k, v = value[:, :64], value[:, 64:96], value[:, 96:]
+        k, v = (np.repeat(x.reshape(64, 4, 8), 2, axis=1).reshape(64, 64) for x in (k, v))
+        return np.concatenate([x.reshape(64, 8, 8) for x in (q, k, v)], axis=2).reshape(64, -1)
+    if name.endswith("gate_up_proj.kernel"):
+        gate, up = (np.pad(x, ((0, 0), (0, 4))) for x in (value[:, :172], value[:, 172:]))
+        return np.concatenate([x.reshape(64, 8, 22) for x in (gate, up)], axis=2).reshape(64, -1)
     if name.endswith("down_proj.kernel"):
         return np.pad(value, ((0, 4), (0, 0)))
     return value
@@ -253,6 +255,64 @@ def test_sharded_values_equal_single_device_values(load_format):
         np.testing.assert_array_equal(np.asarray(value), _expected_physical(one, name), name)
 
 
+# (checkpoint, tp, num_layers, Hq, Hkv, D, intermediate_size)
+_FUSED_CASES = {
+    # Hkv 4 < tp 8: each KV head held twice; intermediate 172 padded to 176; no biases.
+    "stories260k": (8, 5, 8, 4, 8, 172),
+    # Biases on q/k/v/o and gate/up/down; Hkv 2 < tp 4.
+    "llama_bias": (4, 2, 4, 2, 16, 96),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FUSED_CASES))
+def test_each_shard_of_a_fused_parameter_holds_its_own_checkpoint_columns(tmp_path, name):
+    """Device ``s``'s block of ``qkv_proj`` is its query heads' columns of ``q_proj``, then its
+    KV head's columns of ``k_proj`` and of ``v_proj``; its block of ``gate_up_proj`` is its
+    slice of ``gate_proj`` then of ``up_proj`` (zero past the checkpoint's intermediate size).
+    Kernels and biases, against the safetensors file read with numpy."""
+    tp, num_layers, hq, hkv, d, inter = _FUSED_CASES[name]
+    path = STORIES_DIR if name == "stories260k" else make_hf_checkpoint(str(tmp_path), name)
+    tensors = safetensors.numpy.load_file(f"{path}/model.safetensors")
+    mesh = make_mesh(tp)
+    params = _flat(load_sharded_model(path, mesh=mesh)[0])
+    replicas, inter_per_shard = max(1, tp // hkv), -(-inter // tp)
+    kv_per_shard = hkv * replicas // tp
+
+    def heads(value, indices):  # [..., H * D] -> the columns of heads ``indices``
+        return np.concatenate([value[..., h * d : (h + 1) * d] for h in indices], axis=-1)
+
+    def mlp_slice(value, rank):  # [..., I] -> shard ``rank``'s columns, zero padded
+        padded = np.pad(value, [(0, 0)] * (value.ndim - 1) + [(0, inter_per_shard * tp - inter)])
+        return padded[..., rank * inter_per_shard : (rank + 1) * inter_per_shard]
+
+    checked = 0
+    for layer in range(num_layers):
+        for leaf, hf_leaf in (("kernel", "weight"), ("bias", "bias")):
+            def hf(module, layer=layer, hf_leaf=hf_leaf):  # [in, out] or [out]
+                value = tensors[f"model.layers.{layer}.{module}.{hf_leaf}"]
+                return value.T if hf_leaf == "weight" else value
+
+            qkv = params.get(f"model.layers.{layer}.self_attn.qkv_proj.{leaf}")
+            gate_up = params.get(f"model.layers.{layer}.mlp.gate_up_proj.{leaf}")
+            if qkv is None:  # stories260k has no biases
+                assert gate_up is None and f"model.layers.{layer}.mlp.up_proj.bias" not in tensors
+                continue
+            qkv_shards = {s.device.id: np.asarray(s.data) for s in qkv.addressable_shards}
+            mlp_shards = {s.device.id: np.asarray(s.data) for s in gate_up.addressable_shards}
+            for rank, device in enumerate(mesh.devices.flat):
+                q_heads = range(rank * hq // tp, (rank + 1) * hq // tp)
+                kv_heads = [(rank * kv_per_shard + j) // replicas for j in range(kv_per_shard)]
+                expected = [heads(hf("self_attn.q_proj"), q_heads),
+                            heads(hf("self_attn.k_proj"), kv_heads),
+                            heads(hf("self_attn.v_proj"), kv_heads)]  # fmt: skip
+                np.testing.assert_array_equal(qkv_shards[device.id], np.concatenate(expected, -1))
+                expected = [mlp_slice(hf("mlp.gate_proj"), rank),
+                            mlp_slice(hf("mlp.up_proj"), rank)]  # fmt: skip
+                np.testing.assert_array_equal(mlp_shards[device.id], np.concatenate(expected, -1))
+                checked += 1
+    assert checked == num_layers * tp * (2 if name == "llama_bias" else 1)
+
+
 def test_safetensors_reads_only_each_devices_slice(monkeypatch):
     """No parameter passes whole through one read: a column- or row-parallel kernel is read
     as tp slices of 1/tp of its elements, one per device."""
@@ -266,7 +326,10 @@ def test_safetensors_reads_only_each_devices_slice(monkeypatch):
 
     monkeypatch.setattr(sharded_weights._TensorReader, "read_slice", recording)
     load_sharded_model(STORIES_DIR, mesh=make_mesh(4))
+    # A fused kernel is read part by part: each device reads its q, k and v slices.
     assert reads["model.layers.0.self_attn.q_proj.weight"] == [64 * 64 // 4] * 4
+    assert reads["model.layers.0.self_attn.v_proj.weight"] == [32 * 64 // 4] * 4
+    assert reads["model.layers.0.mlp.up_proj.weight"] == [172 * 64 // 4] * 4
     assert reads["model.layers.0.mlp.down_proj.weight"] == [172 * 64 // 4] * 4
     assert reads["model.embed_tokens.weight"] == [512 * 64 // 4] * 4
 

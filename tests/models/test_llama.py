@@ -54,7 +54,7 @@ def _check_parity(model_dir: str, backend: str, *, interpret: bool = False) -> f
     return worst
 
 
-@pytest.mark.parametrize("name", ["llama3", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", ["llama3", "llama_bias", "mistral", "qwen2"])
 def test_tiny_config_logits_match_hf(tiny_checkpoints, name):
     assert _check_parity(tiny_checkpoints[name], "reference") < RTOL
 

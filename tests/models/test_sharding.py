@@ -30,7 +30,7 @@ from tests.conftest import SMALL_ENGINE
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CONFIGS = REPO / "benchmarks" / "configs"
-NUM_MULTIDEVICE_CHECKS = 8
+NUM_MULTIDEVICE_CHECKS = 10
 
 
 def test_multidevice_checks_pass_on_8_cpu_devices():
@@ -119,8 +119,9 @@ def test_benchmark_configs_split_evenly(name, tp):
 def test_partition_specs_follow_megatron_layout():
     layout = TPLayout(2, 8, 4, 172, 512)
     spec = lambda *path: param_partition_spec(("model", "layers", 0, *path), layout)  # noqa: E731
-    assert spec("self_attn", "q_proj", "kernel") == P(None, "tp")
-    assert spec("self_attn", "k_proj", "bias") == P("tp")
+    assert spec("self_attn", "qkv_proj", "kernel") == P(None, "tp")
+    assert spec("self_attn", "qkv_proj", "bias") == P("tp")
+    assert spec("mlp", "gate_up_proj", "kernel") == P(None, "tp")
     assert spec("self_attn", "o_proj", "kernel") == P("tp", None)
     assert spec("self_attn", "o_proj", "bias") == P()  # added once, after the all-reduce
     assert spec("mlp", "down_proj", "kernel") == P("tp", None)
@@ -149,3 +150,28 @@ def test_index_maps_repeat_kv_heads_in_place_and_pad_with_minus_one():
     np.testing.assert_array_equal(_map_indices(down[0], 8), [0, 1, 2, 3, 4, 5, -1, -1])
     assert axis_maps(("mlp", "down_proj", "bias"), (5,), layout) == (None,)
     assert axis_maps(("self_attn", "q_proj", "kernel"), (5, 12), layout) == (None, None)
+
+
+def test_fused_columns_are_laid_out_shard_by_shard():
+    """tp=4, Hq=4, Hkv=2 (each repeated twice), D=2, intermediate 6 (padded to 8). Values are
+    indices into the one-device checkpoint [q | k | v] (q 0-7, k 8-11, v 12-15) and
+    [gate | up] (gate 0-5, up 6-11), -1 for padding; written out by hand."""
+    layout = TPLayout(4, num_heads=4, num_kv_heads=2, intermediate_size=6, vocab_size=8)
+    merged = {("self_attn", "qkv_proj"): (8, 8, 8), ("mlp", "gate_up_proj"): (8, 8)}
+    qkv = axis_maps(("self_attn", "qkv_proj", "kernel"), (5, 24), layout, merged)
+    assert qkv[0] is None
+    np.testing.assert_array_equal(
+        _map_indices(qkv[1], 24).reshape(4, 6),
+        [
+            [0, 1, 8, 9, 12, 13],  # shard 0: query head 0, KV head 0
+            [2, 3, 8, 9, 12, 13],  # shard 1: query head 1, KV head 0 again
+            [4, 5, 10, 11, 14, 15],  # shard 2: query head 2, KV head 1
+            [6, 7, 10, 11, 14, 15],
+        ],
+    )
+    assert axis_maps(("self_attn", "qkv_proj", "bias"), (24,), layout, merged) == (qkv[1],)
+    gate_up = axis_maps(("mlp", "gate_up_proj", "kernel"), (5, 16), layout, merged)
+    np.testing.assert_array_equal(
+        _map_indices(gate_up[1], 16).reshape(4, 4),
+        [[0, 1, 6, 7], [2, 3, 8, 9], [4, 5, 10, 11], [-1, -1, -1, -1]],
+    )

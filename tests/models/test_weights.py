@@ -14,7 +14,7 @@ import safetensors.numpy
 from flax import nnx
 
 from models.llama import LlamaForCausalLM
-from models.weights import hf_name, load_model, resolve_dtype
+from models.weights import hf_names, load_model, resolve_dtype
 from tests.models.conftest import STORIES_DIR, make_hf_checkpoint
 
 
@@ -36,12 +36,57 @@ def test_stories260k_loads_every_tensor_by_hf_name():
     assert sum(v.size for v in params.values()) == 260_032
     assert all(v.dtype == np.float32 for v in params.values())
     tensors = safetensors.numpy.load_file(os.path.join(STORIES_DIR, "model.safetensors"))
-    assert len(params) == len(tensors) == 47
+    # 5 layers x (qkv, o, gate_up, down, 2 norms) + embedding + norm; HF has 3 + 2 more a layer.
+    assert (len(params), len(tensors)) == (32, 47)
+    used = set()
     for path, value in params.items():
-        name, transposed = hf_name(tuple(path.split(".")))
-        np.testing.assert_array_equal(value, tensors[name].T if transposed else tensors[name])
+        names, transposed = hf_names(tuple(path.split(".")))
+        parts = [tensors[name].T if transposed else tensors[name] for name in names]
+        np.testing.assert_array_equal(value, np.concatenate(parts, axis=-1))
+        used.update(names)
+    assert used == set(tensors)
     assert model.lm_head is None  # tied: logits use embed_tokens
     assert config.num_key_value_heads == 4
+
+
+def test_hf_names_map_fused_parameters_to_their_parts_in_column_order():
+    assert hf_names(("model", "layers", 3, "self_attn", "qkv_proj", "kernel")) == (
+        tuple(f"model.layers.3.self_attn.{p}_proj.weight" for p in "qkv"),
+        True,
+    )
+    assert hf_names(("model", "layers", 0, "mlp", "gate_up_proj", "bias")) == (
+        ("model.layers.0.mlp.gate_proj.bias", "model.layers.0.mlp.up_proj.bias"),
+        False,
+    )
+    assert hf_names(("model", "embed_tokens", "embedding")) == (("model.embed_tokens.weight",), False)
+    assert hf_names(("lm_head", "kernel")) == (("lm_head.weight",), True)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama_bias"])
+def test_fused_column_blocks_equal_the_checkpoint_tensors(tiny_checkpoints, name):
+    """qkv_proj's columns are [q | k | v] and gate_up_proj's [gate | up] (one device), kernels
+    and biases (Qwen2: q/k/v biases; Llama attention_bias / mlp_bias), read from the random
+    checkpoint independently of the loader's name mapping."""
+    path = tiny_checkpoints[name]
+    params = _flat_params(load_model(path)[0])
+    tensors = safetensors.numpy.load_file(os.path.join(path, "model.safetensors"))
+    q, kv = 4 * 16, 2 * 16  # Hq x D, Hkv x D of the tiny configs
+    blocks = {"self_attn.qkv_proj": {"q_proj": (0, q), "k_proj": (q, q + kv),
+                                     "v_proj": (q + kv, q + 2 * kv)},
+              "mlp.gate_up_proj": {"gate_proj": (0, 96), "up_proj": (96, 192)}}  # fmt: skip
+    for layer in range(2):
+        for fused, parts in blocks.items():
+            prefix = f"model.layers.{layer}.{fused.split('.')[0]}"
+            kernel = params[f"model.layers.{layer}.{fused}.kernel"]
+            bias = params.get(f"model.layers.{layer}.{fused}.bias")  # Qwen2: no MLP bias
+            assert kernel.shape == (64, max(hi for _, hi in parts.values()))
+            for part, (lo, hi) in parts.items():
+                weight = tensors[f"{prefix}.{part}.weight"]
+                np.testing.assert_array_equal(kernel[:, lo:hi], weight.T)
+                assert (bias is None) == (f"{prefix}.{part}.bias" not in tensors)
+                if bias is not None:
+                    np.testing.assert_array_equal(bias[lo:hi], tensors[f"{prefix}.{part}.bias"])
+                    assert np.all(bias[lo:hi] != 0)
 
 
 def test_sharded_index_loads_same_weights_as_single_file(tiny_checkpoints, tmp_path):
@@ -76,7 +121,7 @@ def test_bfloat16_checkpoint_loads_as_bfloat16(tmp_path):
     params = _flat_params(model)
     assert {v.dtype for v in params.values()} == {jnp.dtype(jnp.bfloat16)}
     f32 = _flat_params(load_model(path, dtype="float32")[0])
-    bias = "model.layers.0.self_attn.q_proj.bias"
+    bias = "model.layers.0.self_attn.qkv_proj.bias"
     np.testing.assert_array_equal(f32[bias], params[bias].astype(np.float32))
     assert np.any(f32[bias] != 0)
 
@@ -88,8 +133,9 @@ def test_dummy_load_needs_only_config_and_is_deterministic(tmp_path):
     real = _flat_params(load_model(STORIES_DIR)[0])
     assert {k: v.shape for k, v in params.items()} == {k: v.shape for k, v in real.items()}
     assert {v.dtype for v in params.values()} == {jnp.dtype(jnp.bfloat16)}
-    q = params["model.layers.0.self_attn.q_proj.kernel"].astype(np.float32)
-    assert 0.01 < q.std() < 0.03
+    for fused in ("self_attn.qkv_proj", "mlp.gate_up_proj"):  # the same draw as any kernel
+        kernel = params[f"model.layers.0.{fused}.kernel"].astype(np.float32)
+        assert 0.01 < kernel.std() < 0.03 and abs(kernel.mean()) < 0.005
     np.testing.assert_array_equal(params["model.norm.weight"].astype(np.float32), 1.0)
     again = _flat_params(load_model(config_dir, load_format="dummy", dtype="bfloat16", seed=3)[0])
     other = _flat_params(load_model(config_dir, load_format="dummy", dtype="bfloat16", seed=4)[0])
@@ -152,13 +198,22 @@ def _with_tensors(tmp_path, edit) -> str:
 def test_shape_mismatch_names_the_parameter(tmp_path):
     name = "model.layers.3.mlp.up_proj.weight"
     path = _with_tensors(tmp_path, lambda t: t.update({name: t[name][:100]}))
-    with pytest.raises(ValueError, match=r"model\.layers\.3\.mlp\.up_proj\.kernel.*shape"):
+    match = (
+        r"model\.layers\.3\.mlp\.gate_up_proj\.kernel "
+        r"\(HF name 'model\.layers\.3\.mlp\.up_proj\.weight'\) has shape \(100, 64\)"
+        r".*expected \(172, 64\)"
+    )
+    with pytest.raises(ValueError, match=match):
         load_model(path)
 
 
 def test_missing_parameter_is_named(tmp_path):
     path = _with_tensors(tmp_path, lambda t: t.pop("model.layers.2.self_attn.v_proj.weight"))
-    with pytest.raises(ValueError, match=r"model\.layers\.2\.self_attn\.v_proj\.kernel.*missing"):
+    match = (
+        r"model\.layers\.2\.self_attn\.qkv_proj\.kernel "
+        r"\(HF name 'model\.layers\.2\.self_attn\.v_proj\.weight'\) is missing"
+    )
+    with pytest.raises(ValueError, match=match):
         load_model(path)
 
 
