@@ -196,6 +196,15 @@ class ModelRunner:
         self.num_scheduled_tokens = 0
         self.num_bucket_tokens = 0
 
+    @property
+    def model_state(self) -> nnx.State:
+        """The model's parameters as an NNX state (the arrays the steps run on, not copies)."""
+        return jax.tree.unflatten(self._weights_treedef, self._weights)
+
+    def model(self) -> nnx.Module:
+        """The model the steps run (merged from its graph and ``model_state``)."""
+        return nnx.merge(self._graphdef, self.model_state)
+
     # ----------------------------------------------------------------- buckets and compilation
     def all_bucket_keys(self) -> list[BucketKey]:
         """Every shape the step can take: decode-only per sequence bucket, mixed per token bucket."""

@@ -74,7 +74,7 @@ def _prefill_logits(model, prompts, *, num_kv_heads, head_dim, num_layers, mesh=
 
 def _engine_model(llm):
     runner = llm.llm_engine.model_runner
-    return nnx.merge(runner._graphdef, runner._state)
+    return runner.model()
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_tensor_parallel_engine_matches_golden_and_one_device_logits(tp, golden,
             assert cache.shape == pallas_kernels.kv_cache_shape(engine.num_blocks, 16, 4, 8)
             local = pallas_kernels.kv_cache_shape(engine.num_blocks, 16, 4 // tp, 8)
             assert [s.data.shape for s in cache.addressable_shards] == [local] * tp
-    _check_stories_param_shardings(_flat(engine.model_runner._state), engine.mesh, tp)
+    _check_stories_param_shardings(_flat(engine.model_runner.model_state), engine.mesh, tp)
     _check_step_updates_cache_shards_in_place(engine.model_runner, num_seqs=len(cases))
 
 
@@ -202,7 +202,7 @@ def test_replicated_kv_heads_qwen2_matches_one_device(tmp_path, stories_dir):
     assert [s.data.shape for s in engine.model_runner.kv_caches[0][0].addressable_shards] == [
         local
     ] * 4
-    params = _flat(engine.model_runner._state)
+    params = _flat(engine.model_runner.model_state)
     for name, local_shape in [("qkv_proj.bias", (3 * 16,)), ("qkv_proj.kernel", (64, 3 * 16))]:
         value = params[f"model.layers.0.self_attn.{name}"]
         assert [s.data.shape for s in value.addressable_shards] == [local_shape] * 4
