@@ -5,7 +5,6 @@ set -u
 export PYTHONPATH=.
 C=benchmarks/configs/llama-3-8b
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > $OUT/gpu.txt
-git log -1 --format=%H >> $OUT/gpu.txt 2>/dev/null
 CUDA_VISIBLE_DEVICES=1 python3 scripts/benchmark_hf_baseline.py --model $C \
     --batch-sizes 1 64 256 1024 --sharegpt-batch-sizes 64 --output-json $OUT/hf.json > $OUT/hf.log 2>&1 &
 CUDA_VISIBLE_DEVICES=0 python3 scripts/check_gpu_parity.py --skip-llama > $OUT/parity.log 2>&1
