@@ -4,7 +4,11 @@
 A Llama layer projects its input five times: ``q_proj``, ``k_proj``, ``v_proj`` (attention) and
 ``gate_proj``, ``up_proj`` (MLP). Fused into two kernels, ``qkv_proj`` and ``gate_up_proj``, a
 step launches two GEMMs (GEMVs at batch 1) per layer instead of five, and at large batches the
-narrow k/v GEMMs no longer underfill the GPU.
+narrow k/v GEMMs no longer underfill the GPU. At batch 1 the separate ``[1, 4096] x [4096, 1024]``
+k/v projections of Llama-3-8B were worse than narrow: XLA rewrote them into multiply + reduce
+fusions (k's inside the KV-cache scatter, on 16 thread blocks), 3.1 ms of a 7.6 ms step on the
+H200; fused, the step runs at the weight-read floor (docs/benchmarks.md, "Where the device time
+goes").
 
 Column order. Under tensor parallelism the fused output dim is split over the ``tp`` mesh axis
 (``models.sharding``), so the columns are laid out shard by shard: with ``P`` parts of output
