@@ -53,11 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
 def traced_pass(engine, prompts: list[list[int]], output_lens: list[int], *, trace_dir: str,
                 start: int, num_steps: int) -> pathlib.Path:
     """Run the requests to completion, tracing engine steps ``[start, start + num_steps)``;
-    returns the trace file."""
+    returns the trace file this pass wrote.
+
+    Raises:
+        ValueError: ``start`` below 0 or ``num_steps`` below 1.
+        RuntimeError: the run ended before step ``start`` (nothing was traced).
+    """
     import jax
 
     from jaxpaged.sampling_params import SamplingParams
 
+    if start < 0 or num_steps < 1:
+        raise ValueError(f"trace_start must be >= 0 and trace_steps >= 1, got {start}, {num_steps}")
+    before = set(pathlib.Path(trace_dir).rglob("*.trace.json.gz"))
     engine.reset_prefix_cache()
     for i, (prompt, output_len) in enumerate(zip(prompts, output_lens, strict=True)):
         params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
@@ -84,11 +92,22 @@ def traced_pass(engine, prompts: list[list[int]], output_lens: list[int], *, tra
     finally:
         if tracing:
             jax.profiler.stop_trace()
-    return trace_summary.find_trace(trace_dir)
+    if step <= start:
+        raise RuntimeError(
+            f"the run had {step} engine steps, so --trace-start {start} was never reached"
+        )
+    written = set(pathlib.Path(trace_dir).rglob("*.trace.json.gz")) - before
+    if not written:
+        raise RuntimeError(f"the profiler wrote no *.trace.json.gz under {trace_dir}")
+    return max(written, key=lambda p: p.stat().st_mtime)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.trace_start < 0 or args.trace_steps < 1:
+        parser.error(f"--trace-start must be >= 0 and --trace-steps >= 1, got "
+                     f"{args.trace_start} and {args.trace_steps}")
     from jaxpaged.worker import model_runner
 
     if args.seq_bucket_gap:

@@ -1,5 +1,6 @@
-"""Where a jitted step's device time goes, from a JAX profiler trace (``jax.profiler.trace(...,
-create_perfetto_trace=True)``).
+"""Where each engine step's GPU time goes, from a JAX profiler trace.
+
+The trace is what ``jax.profiler.trace(..., create_perfetto_trace=True)`` writes.
 
 Reads the trace-viewer JSON (``*.trace.json.gz``) that the profiler writes and, for the GPU
 processes (``/device:GPU:N``), splits the kernels on the compute streams into step executions:
@@ -45,6 +46,8 @@ def find_trace(path: str | pathlib.Path) -> pathlib.Path:
     path = pathlib.Path(path)
     if path.is_file():
         return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} does not exist")
     found = sorted(path.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
     if not found:
         raise FileNotFoundError(f"no *.trace.json.gz under {path}")
@@ -52,12 +55,22 @@ def find_trace(path: str | pathlib.Path) -> pathlib.Path:
 
 
 def load_events(path: str | pathlib.Path) -> list[dict]:
-    """The ``traceEvents`` of a trace file (gzipped or plain JSON)."""
+    """The ``traceEvents`` of a trace file (gzipped or plain JSON).
+
+    Raises:
+        ValueError: the file is not a trace-viewer JSON (naming it).
+    """
     path = pathlib.Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
+    try:
+        with opener(path, "rt") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a trace-viewer JSON file ({e})") from e
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise ValueError(f"{path} has no traceEvents list")
+    return events
 
 
 def kernel_category(event: dict) -> str:
@@ -178,7 +191,7 @@ def _split_into_steps(kernels: list[dict]) -> list[list[dict]]:
     return [kernels[a:b] for a, b in zip(cuts, cuts[1:] + [len(kernels)], strict=True)]
 
 
-def group_steps(steps: list[dict], min_count: int = 3) -> list[dict]:
+def group_steps(steps: list[dict], min_count: int = 1) -> list[dict]:
     """Steps grouped by kernel count (one group per bucket shape, roughly), medians per group,
     largest total time first; groups with fewer than ``min_count`` steps are dropped."""
     groups = collections.defaultdict(list)
@@ -214,6 +227,8 @@ def idle_between_steps(steps: list[dict]) -> float:
         return 0.0
     first = steps[0]["start_us"]
     last = max(s["start_us"] + s["span_us"] for s in steps)
+    if last <= first:
+        return 0.0
     covered = _union_length([(s["start_us"], s["start_us"] + s["span_us"]) for s in steps])
     return 1.0 - covered / (last - first)
 
@@ -262,9 +277,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace", help="a trace file or a directory holding one")
     parser.add_argument("--module", default="", help="keep modules whose name contains this")
     args = parser.parse_args(argv)
-    events = load_events(find_trace(args.trace))
+    try:
+        events = load_events(find_trace(args.trace))
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
     steps = gpu_steps(events, args.module)
-    print(format_report(steps) if steps else "\n".join(describe_lines(events)))
+    if steps:
+        print(format_report(steps))
+    elif events:
+        print("no GPU steps in this trace; its threads:")
+        print("\n".join(describe_lines(events)))
+    else:
+        print("the trace holds no events")
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 from collections import deque
 
 from jaxpaged.core.beam_search import advance_beams
@@ -23,6 +24,8 @@ from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus, derive_seed
+
+logger = logging.getLogger(__name__)
 
 _PREEMPTION_MODES = (None, "recompute", "swap")
 
@@ -188,7 +191,7 @@ class Scheduler:
                         # fit (only multi-sequence groups can outgrow the cache), so end it
                         # rather than preempt it forever.
                         num_seats -= group.num_seats
-                        self._finish_group(group, SequenceStatus.FINISHED_IGNORED)
+                        self._ignore_group(group)
                         self._finished_while_scheduling.extend(group.seqs)
                         gone.add(group.request_id)
                         break
@@ -248,7 +251,7 @@ class Scheduler:
                 # Nothing else holds device blocks, so it will never fit (a multi-sequence
                 # group re-prefilling after recompute); end it instead of waiting forever.
                 self.waiting.popleft()
-                self._finish_group(group, SequenceStatus.FINISHED_IGNORED, queue_removed=True)
+                self._ignore_group(group, queue_removed=True)
                 self._finished_while_scheduling.extend(group.seqs)
                 continue
             self.waiting.popleft()
@@ -488,6 +491,16 @@ class Scheduler:
         seq.status = status
         self.kv_cache_manager.free(seq)
         self._live_seqs.pop(seq.seq_id, None)
+
+    def _ignore_group(self, group: SequenceGroup, *, queue_removed: bool = False) -> None:
+        # vLLM warns when it ignores a request it can never schedule; the output's
+        # finish_reason ("length") alone does not say the KV cache was the limit.
+        logger.warning(
+            "Request %s has %d sequences that need more KV-cache blocks than the %d the cache "
+            "holds; it is finished early (finish_reason 'length').",
+            group.request_id, len(group.unfinished_seqs), self.kv_cache_manager.num_blocks,
+        )
+        self._finish_group(group, SequenceStatus.FINISHED_IGNORED, queue_removed=queue_removed)
 
     def _finish_group(
         self, group: SequenceGroup, status: SequenceStatus, *, queue_removed: bool = False

@@ -310,12 +310,15 @@ def test_group_seats_count_against_max_num_seqs():
         sched.add_request(request("c", [1], best_of=5))
 
 
-def test_group_that_outgrows_the_whole_cache_is_ignored_not_preempted_forever():
+def test_group_that_outgrows_the_whole_cache_is_ignored_not_preempted_forever(caplog):
     sched, worker = make(num_blocks=4, block_size=2, max_model_len=8, num_cpu_blocks=16)
     group = request("a", [1, 2], best_of=4, max_tokens=6)
     sched.add_request(group)
-    run(sched, worker)
+    with caplog.at_level("WARNING", logger="jaxpaged.core.scheduler"):
+        run(sched, worker)
     assert {seq.status for seq in group.seqs} == {SequenceStatus.FINISHED_IGNORED}
+    # The user is told why, as vLLM warns for requests it can never schedule.
+    assert "Request a has 4 sequences" in caplog.text and "4 the cache holds" in caplog.text
     assert {seq.finish_reason for seq in group.seqs} == {"length"}
     assert sched.kv_cache_manager.num_free_blocks == 4
 

@@ -191,3 +191,23 @@ def test_timed_runs_read_no_prefix_an_earlier_run_cached(tiny_model):
         assert 0.0 <= result["device_idle_fraction"] <= 1.0
         assert 0.0 <= result["bucket_padding_fraction"] < 1.0
         assert result["num_device_steps"] == second["num_steps"]
+
+
+def test_profile_step_traces_a_window_and_refuses_one_the_run_never_reaches(
+    tiny_model, tmp_path, capsys
+):
+    from scripts import profile_step
+
+    trace_dir = tmp_path / "trace"
+    flags = ["--model", tiny_model, *ENGINE_FLAGS, "--workload", "latency", "--input-len", "8",
+             "--output-len", "6", "--latency-iters", "1", "--trace-dir", str(trace_dir)]
+    out = tmp_path / "profile.json"
+    assert profile_step.main([*flags, "--trace-steps", "2", "--output-json", str(out)]) == 0
+    first = json.loads(out.read_text())["trace"]
+    assert first.endswith(".trace.json.gz") and str(trace_dir) in first
+    # A window past the run's last step traces nothing: an error, not the earlier trace.
+    with pytest.raises(RuntimeError, match="--trace-start 50 was never reached"):
+        profile_step.main([*flags, "--trace-start", "50"])
+    with pytest.raises(SystemExit):
+        profile_step.main([*flags, "--trace-steps", "0"])
+    assert "--trace-steps >= 1" in capsys.readouterr().err

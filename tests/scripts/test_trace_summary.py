@@ -66,7 +66,7 @@ def test_steps_split_kernels_by_module_with_busy_time_and_gaps(tmp_path):
 
 def test_group_steps_medians_and_report():
     steps = trace_summary.gpu_steps(_trace(), "_step") * 3
-    rows = trace_summary.group_steps(steps)
+    rows = trace_summary.group_steps(steps, min_count=3)
     assert [(r["kernels"], r["steps"]) for r in rows] == [(4, 3), (1, 3)]
     assert rows[0]["top_kernels"][0] == ("gemm_fusion_dot_1", 30)
     report = trace_summary.format_report(steps)
@@ -102,3 +102,34 @@ def test_steps_without_a_modules_line_by_run_id_or_anchor_kernel(args_key):
     assert steps[0]["by_category"]["matmul"] == 20
     # 30 us between one step's last kernel and the next one's first, three times in 370 us.
     assert trace_summary.idle_between_steps(steps) == pytest.approx(90 / 370)
+
+
+def test_a_single_step_group_is_reported():
+    steps = trace_summary.gpu_steps(_trace(), "_step")
+    rows = trace_summary.group_steps(steps)
+    assert [(r["kernels"], r["steps"]) for r in rows] == [(4, 1), (1, 1)]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"\x00\x01 not json", "not a trace-viewer JSON"), (b"{}", "no traceEvents")],
+)
+def test_bad_trace_files_are_named_in_a_clear_error(tmp_path, content, message):
+    path = tmp_path / "x.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        trace_summary.load_events(path)
+
+
+def test_command_line_errors_name_the_path(tmp_path, capsys):
+    with pytest.raises(SystemExit) as missing:
+        trace_summary.main([str(tmp_path / "nowhere")])
+    assert missing.value.code == 2 and "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty.trace.json.gz").write_bytes(gzip.compress(b'{"traceEvents": []}'))
+    assert trace_summary.main([str(tmp_path)]) == 0
+    assert "no events" in capsys.readouterr().out
+
+
+def test_idle_between_steps_of_zero_length_steps_is_zero():
+    steps = [{"start_us": 5.0, "span_us": 0.0}, {"start_us": 5.0, "span_us": 0.0}]
+    assert trace_summary.idle_between_steps(steps) == 0.0
