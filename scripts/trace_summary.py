@@ -4,8 +4,9 @@ The trace is what ``jax.profiler.trace(..., create_perfetto_trace=True)`` writes
 
 Reads the trace-viewer JSON (``*.trace.json.gz``) that the profiler writes and, for the GPU
 processes (``/device:GPU:N``), splits the kernels on the compute streams into step executions:
-by the XLA module executions of the ``XLA Modules`` line when the trace has one, else by a
-per-execution kernel argument or a kernel that runs once per step (``_split_into_steps``). Per group of
+by the XLA module executions of the ``XLA Modules`` line when the trace has one, else by the
+CUDA graph launch (``correlation_id``) each step's kernels share, or a kernel that runs once per
+step (``_split_into_steps``). Per group of
 steps with the same kernel count (decode and prefill buckets differ) it reports:
 
 - ``span_us``: the module's duration on the device timeline;
@@ -169,18 +170,28 @@ def gpu_steps(events: list[dict], module_substring: str = "") -> list[dict]:
 def _split_into_steps(kernels: list[dict]) -> list[list[dict]]:
     """Kernels (time order) cut into step executions when the trace has no ``XLA Modules`` line.
 
-    By a per-execution argument (``run_id``, then ``group_id``) when nearly every kernel has
-    one; otherwise at each occurrence of an anchor kernel: the earliest of the names that occur
-    the fewest times (at least twice), i.e. once per step of identical steps.
+    XLA runs a step as CUDA graphs (command buffers), and every kernel of one graph launch
+    carries that launch's ``correlation_id``: each large launch (at least half the size of the
+    largest) starts a step, and kernels launched on their own (copies, memsets) join the step
+    running when they start. Without graphs (one launch per kernel) the trace is cut at each
+    occurrence of an anchor kernel: the earliest of the names that occur the fewest times (at
+    least twice), i.e. once per step of identical steps.
     """
-    for key in ("run_id", "group_id"):
-        values = [k.get("args", {}).get(key) for k in kernels]
-        if sum(v is not None for v in values) >= 0.9 * len(kernels) and len(set(values)) > 1:
-            groups: dict = collections.defaultdict(list)
-            for k, v in zip(kernels, values, strict=True):
-                if v is not None:
-                    groups[v].append(k)
-            return sorted(groups.values(), key=lambda g: g[0]["ts"])
+    launches = collections.Counter(k.get("args", {}).get("correlation_id") for k in kernels)
+    largest = max(launches.values(), default=0)
+    steps_ids = [c for c, n in launches.items() if c is not None and 2 * n >= largest]
+    if largest > 1 and len(steps_ids) > 1:
+        starts = sorted(
+            (next(k["ts"] for k in kernels if k.get("args", {}).get("correlation_id") == c), c)
+            for c in steps_ids
+        )
+        first_ts = [ts for ts, _ in starts]
+        groups: list[list[dict]] = [[] for _ in starts]
+        for k in kernels:
+            index = bisect.bisect_right(first_ts, k["ts"]) - 1
+            if index >= 0:
+                groups[index].append(k)
+        return groups
     counts = collections.Counter(k["name"] for k in kernels)
     repeated = [n for n, c in counts.items() if c >= 2]
     if not repeated:

@@ -78,28 +78,38 @@ def test_find_trace_names_the_directory_when_empty(tmp_path):
         trace_summary.find_trace(tmp_path)
 
 
-def _stream_only(kernel_names_per_step: list[list[str]], args_key: str | None) -> list[dict]:
-    """A trace with no XLA Modules line: steps of 10 us kernels, 5 us apart, 100 us apart."""
+def _stream_only(kernel_names_per_step: list[list[str]], graphs: bool) -> list[dict]:
+    """A trace with no XLA Modules line: steps of 10 us kernels, 15 us apart, 100 us apart.
+
+    With ``graphs`` each step's kernels share one CUDA graph launch's ``correlation_id``, and a
+    memset launched on its own (its own id) runs 2 us after each step's first kernel.
+    """
     events = [
         {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/device:GPU:0"}},
         {"ph": "M", "pid": 3, "tid": 4, "name": "thread_name",
          "args": {"name": "Stream #14(Compute)"}},
     ]
+    launch = iter(range(1000, 2000))
     for step, names in enumerate(kernel_names_per_step):
+        graph = next(launch)
         for i, name in enumerate(names):
-            args = {args_key: 1000 + step} if args_key else {}
+            args = {"correlation_id": str(graph if graphs else next(launch))}
             events.append({"ph": "X", "pid": 3, "tid": 4, "name": name,
                            "ts": 100 * step + 15 * i, "dur": 10, "args": args})
+        if graphs:
+            events.append({"ph": "X", "pid": 3, "tid": 4, "name": "Memset", "ts": 100 * step + 2,
+                           "dur": 1, "args": {"correlation_id": str(next(launch))}})
     return events
 
 
-@pytest.mark.parametrize("args_key", ["run_id", None])
-def test_steps_without_a_modules_line_by_run_id_or_anchor_kernel(args_key):
+@pytest.mark.parametrize("graphs", [True, False])
+def test_steps_without_a_modules_line_by_graph_launch_or_anchor_kernel(graphs):
     per_step = [["embed", "gemm_a", "loop_fusion", "gemm_a", "sample"]] * 4
-    steps = trace_summary.gpu_steps(_stream_only(per_step, args_key))
-    assert [s["kernels"] for s in steps] == [5, 5, 5, 5]
+    steps = trace_summary.gpu_steps(_stream_only(per_step, graphs))
+    assert [s["kernels"] for s in steps] == [6 if graphs else 5] * 4
     assert all(s["span_us"] == 70 and s["busy_us"] == 50 for s in steps)
     assert steps[0]["by_category"]["matmul"] == 20
+    assert steps[0]["by_category"]["copy"] == (1 if graphs else 0)
     # 30 us between one step's last kernel and the next one's first, three times in 370 us.
     assert trace_summary.idle_between_steps(steps) == pytest.approx(90 / 370)
 
