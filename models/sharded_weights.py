@@ -41,6 +41,7 @@ from models.weights import (
     FUSED_MODULES,
     _TensorReader,
     _weight_files,
+    check_tensor,
     hf_names,
     load_config,
     merged_output_sizes,
@@ -224,18 +225,8 @@ def _load_state(params: list, model_dir: str, dtype: jnp.dtype) -> list:
         for path, _, shape, _, maps in params:
             names, transposed = hf_names(path)
             for name, expected, _ in _checkpoint_parts(names, shape, maps):
-                if transposed:
-                    expected = expected[::-1]
-                if name not in reader:
-                    raise ValueError(
-                        f"parameter {'.'.join(map(str, path))} (HF name {name!r}) is missing "
-                        f"from {model_dir}"
-                    )
-                if reader.shape(name) != expected:
-                    raise ValueError(
-                        f"parameter {'.'.join(map(str, path))} (HF name {name!r}) has shape "
-                        f"{reader.shape(name)} in {model_dir}; expected {expected}"
-                    )
+                check_tensor(reader, path, name, expected[::-1] if transposed else expected,
+                             model_dir)
         filled = []
         for path, variable, shape, sharding, maps in params:
             names, transposed = hf_names(path)

@@ -120,6 +120,27 @@ def merged_output_sizes(model: nnx.Module) -> dict[tuple[str, ...], tuple[int, .
     }
 
 
+def check_tensor(reader: _TensorReader, path: tuple, name: str, expected: tuple[int, ...],
+                 model_dir: str) -> None:
+    """Check that the checkpoint holds tensor ``name`` of shape ``expected`` (HF layout, e.g.
+    ``[out, in]`` for a linear weight) for the parameter ``path``.
+
+    Raises:
+        ValueError: the tensor is missing or has another shape; the message names the
+            parameter, the HF tensor, both shapes and ``model_dir``.
+    """
+    if name not in reader:
+        raise ValueError(
+            f"parameter {_path_str(path)} (HF name {name!r}) is missing from {model_dir}"
+        )
+    shape = reader.shape(name)
+    if shape != tuple(expected):
+        raise ValueError(
+            f"parameter {_path_str(path)} (HF name {name!r}) has shape {shape} in {model_dir}; "
+            f"expected {tuple(expected)}"
+        )
+
+
 def _path_str(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
@@ -218,17 +239,8 @@ def _load_state(flat_state: Any, merged: dict, model_dir: str, dtype: jnp.dtype)
         # Check everything before reading anything big.
         for path, _, parts, transposed in plans:
             for name, expected in parts:
-                if name not in reader:
-                    raise ValueError(
-                        f"parameter {_path_str(path)} (HF name {name!r}) is missing from "
-                        f"{model_dir}"
-                    )
-                shape = reader.shape(name)
-                if (shape[::-1] if transposed else shape) != expected:
-                    raise ValueError(
-                        f"parameter {_path_str(path)} (HF name {name!r}) has shape {shape} in "
-                        f"{model_dir}; expected {expected[::-1] if transposed else expected}"
-                    )
+                check_tensor(reader, path, name, expected[::-1] if transposed else expected,
+                             model_dir)
         filled = []
         for path, variable, parts, transposed in plans:
             tensors = []
