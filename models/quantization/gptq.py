@@ -1,0 +1,140 @@
+"""GPTQ checkpoints (AutoGPTQ / gptqmodel conventions): 4- or 8-bit, optional act-order.
+
+Stored per linear layer, for ``in`` inputs, ``out`` outputs, ``pack = 32 // bits`` and ``G``
+groups (``in // group_size``; 1 when ``group_size`` is -1):
+
+- ``qweight: i32[in / pack, out]``: ``pack`` weights per word along ``in``, slot ``j`` of word
+  ``r`` holding row ``r * pack + j`` (gptqmodel ``nn_modules/qlinear/__init__.py``,
+  ``BaseQuantLinear.pack_original``);
+- ``qzeros: i32[G, out / pack]``: zero points packed along ``out`` the same way. The default
+  ``checkpoint_format="gptq"`` (v1, what AutoGPTQ wrote and vLLM reads) stores ``zero - 1``
+  (gptqmodel ``utils/model.py``, ``convert_gptq_v2_to_v1_format``); ``gptq_v2`` stores ``zero``.
+  The stored field is read per slot and one added (vLLM's and exllama's ``zero + 1``), so a
+  stored ``2 ** bits - 1`` reads as ``2 ** bits``, as in vLLM;
+- ``scales: f16[G, out]``;
+- ``g_idx: i32[in]``: the group of each input row. Without ``desc_act`` it is ``i // group_size``
+  and the blocked layout is used; with ``desc_act`` (act-order) rows belong to groups in any
+  order and ``g_idx`` is required.
+
+The weight is ``W[i, o] = (q[i, o] - z[g_idx[i], o]) * s[g_idx[i], o]`` (gptqmodel
+``dequantize_weight``) and the layer computes ``x @ W``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.quantization.config import GPTQConfig
+from models.quantization.packing import dequantize_groups, matmul, pack_factor, unpack_int32
+from models.quantization.stored import TensorSpec, check_stored_tensors
+
+_SCALE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def gptq_num_groups(in_features: int, group_size: int) -> int:
+    """``G``: scale rows of a layer (1 for ``group_size == -1``).
+
+    Raises:
+        ValueError: ``in_features`` is not a multiple of ``group_size``.
+    """
+    if group_size == -1:
+        return 1
+    if in_features % group_size:
+        raise ValueError(
+            f"gptq needs in_features ({in_features}) divisible by group_size ({group_size})"
+        )
+    return in_features // group_size
+
+
+def gptq_tensor_specs(in_features: int, out_features: int, config: GPTQConfig
+                      ) -> dict[str, TensorSpec]:
+    """The stored tensors of one GPTQ linear layer of ``in_features -> out_features``.
+
+    Raises:
+        ValueError: ``in_features`` or ``out_features`` not a multiple of ``32 // bits``, or
+            ``in_features`` not a multiple of ``group_size``.
+    """
+    pack = pack_factor(config.weight_bits)
+    for name, size in (("in_features", in_features), ("out_features", out_features)):
+        if size % pack:
+            raise ValueError(
+                f"gptq {config.weight_bits}-bit needs {name} divisible by {pack}, got {size}"
+            )
+    groups = gptq_num_groups(in_features, config.group_size)
+    return {
+        "qweight": TensorSpec((in_features // pack, out_features), ("int32",)),
+        "qzeros": TensorSpec((groups, out_features // pack), ("int32",)),
+        "scales": TensorSpec((groups, out_features), _SCALE_DTYPES),
+        "g_idx": TensorSpec((in_features,), ("int32", "int64"), optional=not config.desc_act),
+    }
+
+
+def load_gptq_layer(prefix: str, tensors: Mapping[str, np.ndarray], in_features: int,
+                    out_features: int, config: GPTQConfig) -> dict[str, np.ndarray]:
+    """One layer's stored tensors from ``tensors`` (suffix -> array), checked.
+
+    ``g_idx`` is kept (as int32) only with ``desc_act``; otherwise it is implied by the group
+    size and dropped.
+
+    Raises:
+        ValueError: a missing tensor (``g_idx`` with ``desc_act``), a wrong shape or dtype, or a
+            ``g_idx`` entry outside ``[0, G)``, naming ``prefix.suffix``.
+    """
+    out = check_stored_tensors(prefix, tensors,
+                               gptq_tensor_specs(in_features, out_features, config))
+    if not config.desc_act:
+        out.pop("g_idx", None)
+        return out
+    g_idx = out["g_idx"]
+    groups = out["scales"].shape[0]
+    if g_idx.size and (g_idx.min() < 0 or g_idx.max() >= groups):
+        raise ValueError(
+            f"tensor {prefix}.g_idx must hold group ids in [0, {groups}), got values in "
+            f"[{g_idx.min()}, {g_idx.max()}]"
+        )
+    out["g_idx"] = g_idx.astype(np.int32)
+    return out
+
+
+def gptq_unpack(qweight: jax.Array, qzeros: jax.Array, bits: int,
+                checkpoint_format: str = "gptq") -> tuple[jax.Array, jax.Array]:
+    """``(q: i32[in, out], z: i32[G, out])``; ``z`` with v1's offset of one undone."""
+    values = unpack_int32(qweight, bits, axis=0)
+    zeros = unpack_int32(qzeros, bits, axis=1)
+    if checkpoint_format == "gptq":
+        zeros = zeros + 1
+    return values, zeros
+
+
+def gptq_dequantize(qweight: jax.Array, qzeros: jax.Array, scales: jax.Array,
+                    g_idx: jax.Array | None = None, *, bits: int,
+                    checkpoint_format: str = "gptq", dtype=None) -> jax.Array:
+    """``W: [in, out]`` in ``dtype`` (default ``scales.dtype``).
+
+    ``g_idx: i32[in]`` (act-order) picks each row's zero and scale; None is the blocked layout
+    (row ``i`` in group ``i // (in / G)``).
+    """
+    values, zeros = gptq_unpack(qweight, qzeros, bits, checkpoint_format)
+    if g_idx is None:
+        return dequantize_groups(values, zeros, scales, axis=0, dtype=dtype)
+    dtype = scales.dtype if dtype is None else dtype
+    rows_zeros = jnp.take(zeros, g_idx, axis=0)  # [in, out]
+    rows_scales = jnp.take(scales, g_idx, axis=0)
+    return (values - rows_zeros).astype(dtype) * rows_scales.astype(dtype)
+
+
+def gptq_linear(x: jax.Array, qweight: jax.Array, qzeros: jax.Array, scales: jax.Array,
+                g_idx: jax.Array | None = None, *, bits: int,
+                checkpoint_format: str = "gptq") -> jax.Array:
+    """``x @ W`` for ``x: [..., in]`` -> ``[..., out]`` in ``x.dtype`` (float32 accumulation).
+
+    The dequantization is elementwise on the weight (plus, with act-order, a row gather of the
+    ``[G, out]`` zeros and scales), for XLA to fuse into the dot's operand.
+    """
+    weight = gptq_dequantize(qweight, qzeros, scales, g_idx, bits=bits,
+                             checkpoint_format=checkpoint_format, dtype=x.dtype)
+    return matmul(x, weight, transposed=False)
