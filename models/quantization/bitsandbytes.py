@@ -24,6 +24,7 @@ from models.quantization.packing import matmul
 from models.quantization.stored import TensorSpec, check_stored_tensors
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+_INV_127 = np.float32(7.874015718698502e-3)  # bitsandbytes' 1 / 127
 
 
 def quantize_weight_int8_rowwise(weight: np.ndarray) -> dict[str, np.ndarray]:
@@ -59,9 +60,14 @@ def load_bitsandbytes_layer(prefix: str, tensors: Mapping[str, np.ndarray], in_f
 
 
 def bitsandbytes_dequantize(weight: jax.Array, scb: jax.Array, dtype=None) -> jax.Array:
-    """``W: [out, in] = weight * SCB / 127`` in ``dtype`` (default float32)."""
+    """``W: [out, in] = weight * SCB * (1 / 127)`` in ``dtype`` (default float32).
+
+    In float32 and in this order, as bitsandbytes' ``int8_vectorwise_dequant`` (``_ops.py``,
+    default kernel), so the result equals the tool's bit for bit.
+    """
     dtype = jax.numpy.float32 if dtype is None else dtype
-    return (weight.astype(jax.numpy.float32) * (scb[:, None] / 127.0)).astype(dtype)
+    w = weight.astype(jax.numpy.float32) * scb.astype(jax.numpy.float32)[:, None]
+    return (w * _INV_127).astype(dtype)
 
 
 def bitsandbytes_linear(x: jax.Array, weight: jax.Array, scb: jax.Array) -> jax.Array:
@@ -71,4 +77,4 @@ def bitsandbytes_linear(x: jax.Array, weight: jax.Array, scb: jax.Array) -> jax.
     is applied to the ``[..., out]`` result (one multiply per output instead of per weight).
     """
     y = matmul(x, weight, transposed=True, out_dtype=jax.numpy.float32)
-    return (y * (scb.astype(jax.numpy.float32) / 127.0)).astype(x.dtype)
+    return (y * scb.astype(jax.numpy.float32) * _INV_127).astype(x.dtype)
