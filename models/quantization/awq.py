@@ -30,8 +30,9 @@ _SLOT_OF_COLUMN = tuple(int(s) for s in np.argsort(AWQ_PACK_ORDER))  # (0, 4, 1,
 _SCALE_DTYPES = ("float16", "bfloat16", "float32")
 
 
-def awq_tensor_specs(in_features: int, out_features: int, config: AWQConfig
-                     ) -> dict[str, TensorSpec]:
+def awq_tensor_specs(
+    in_features: int, out_features: int, config: AWQConfig
+) -> dict[str, TensorSpec]:
     """The stored tensors of one AWQ linear layer of ``in_features -> out_features``.
 
     Raises:
@@ -53,32 +54,40 @@ def awq_tensor_specs(in_features: int, out_features: int, config: AWQConfig
     }
 
 
-def load_awq_layer(prefix: str, tensors: Mapping[str, np.ndarray], in_features: int,
-                   out_features: int, config: AWQConfig) -> dict[str, np.ndarray]:
+def load_awq_layer(
+    prefix: str,
+    tensors: Mapping[str, np.ndarray],
+    in_features: int,
+    out_features: int,
+    config: AWQConfig,
+) -> dict[str, np.ndarray]:
     """One layer's ``qweight``/``qzeros``/``scales`` from ``tensors`` (suffix -> array), checked.
 
     Raises:
         ValueError: a missing tensor or a wrong shape or dtype, naming ``prefix.suffix``.
     """
-    return check_stored_tensors(prefix, tensors,
-                                awq_tensor_specs(in_features, out_features, config))
+    return check_stored_tensors(
+        prefix, tensors, awq_tensor_specs(in_features, out_features, config)
+    )
 
 
 def awq_unpack(qweight: jax.Array, qzeros: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(q: i32[in, out], z: i32[G, out])``, both in ``[0, 16)``, columns in natural order."""
-    return (unpack_int32(qweight, 4, axis=1, slot_of_element=_SLOT_OF_COLUMN),
-            unpack_int32(qzeros, 4, axis=1, slot_of_element=_SLOT_OF_COLUMN))
+    return (
+        unpack_int32(qweight, 4, axis=1, slot_of_element=_SLOT_OF_COLUMN),
+        unpack_int32(qzeros, 4, axis=1, slot_of_element=_SLOT_OF_COLUMN),
+    )
 
 
-def awq_dequantize(qweight: jax.Array, qzeros: jax.Array, scales: jax.Array,
-                   dtype=None) -> jax.Array:
+def awq_dequantize(
+    qweight: jax.Array, qzeros: jax.Array, scales: jax.Array, dtype=None
+) -> jax.Array:
     """``W: [in, out]`` in ``dtype`` (default ``scales.dtype``), ``(q - z) * s`` per group."""
     values, zeros = awq_unpack(qweight, qzeros)
     return dequantize_groups(values, zeros, scales, axis=0, dtype=dtype)
 
 
-def awq_linear(x: jax.Array, qweight: jax.Array, qzeros: jax.Array,
-               scales: jax.Array) -> jax.Array:
+def awq_linear(x: jax.Array, qweight: jax.Array, qzeros: jax.Array, scales: jax.Array) -> jax.Array:
     """``x @ W`` for ``x: [..., in]`` -> ``[..., out]`` in ``x.dtype`` (float32 accumulation).
 
     The unpack (shift, mask), the zero subtraction and the scale are elementwise on the

@@ -40,9 +40,13 @@ def quantize_weight_int8_rowwise(weight: np.ndarray) -> dict[str, np.ndarray]:
     return {"weight": q.astype(np.int8), "SCB": scb}
 
 
-def load_bitsandbytes_layer(prefix: str, tensors: Mapping[str, np.ndarray], in_features: int,
-                            out_features: int, config: BitsAndBytesConfig
-                            ) -> dict[str, np.ndarray]:
+def load_bitsandbytes_layer(
+    prefix: str,
+    tensors: Mapping[str, np.ndarray],
+    in_features: int,
+    out_features: int,
+    config: BitsAndBytesConfig,
+) -> dict[str, np.ndarray]:
     """One layer's int8 tensors: as stored (pre-quantized) or quantized from ``weight``.
 
     Raises:

@@ -46,8 +46,9 @@ def _num_groups(scheme: QuantizationScheme, in_features: int) -> int:
     return in_features // group_size
 
 
-def compressed_tensors_specs(in_features: int, out_features: int, scheme: QuantizationScheme
-                             ) -> dict[str, TensorSpec]:
+def compressed_tensors_specs(
+    in_features: int, out_features: int, scheme: QuantizationScheme
+) -> dict[str, TensorSpec]:
     """The stored tensors of one layer of ``in_features -> out_features`` under ``scheme``.
 
     ``weight_scale`` and ``input_scale`` of per-tensor W8A8 are listed as ``[1]``; a stored
@@ -71,8 +72,7 @@ def compressed_tensors_specs(in_features: int, out_features: int, scheme: Quanti
             "weight_shape": TensorSpec((2,), _INDEX_DTYPES),
         }
         if not scheme.weights.symmetric:
-            specs["weight_zero_point"] = TensorSpec((-(-out_features // pack), groups),
-                                                    ("int32",))
+            specs["weight_zero_point"] = TensorSpec((-(-out_features // pack), groups), ("int32",))
         if scheme.weights.actorder == "group":
             specs["weight_g_idx"] = TensorSpec((in_features,), _INDEX_DTYPES)
         return specs
@@ -87,9 +87,13 @@ def compressed_tensors_specs(in_features: int, out_features: int, scheme: Quanti
     return specs
 
 
-def load_compressed_tensors_layer(prefix: str, tensors: Mapping[str, np.ndarray],
-                                  in_features: int, out_features: int,
-                                  scheme: QuantizationScheme) -> dict[str, np.ndarray]:
+def load_compressed_tensors_layer(
+    prefix: str,
+    tensors: Mapping[str, np.ndarray],
+    in_features: int,
+    out_features: int,
+    scheme: QuantizationScheme,
+) -> dict[str, np.ndarray]:
     """One layer's stored tensors, checked, in the form the linear takes.
 
     ``weight_shape`` is checked against ``(out_features, in_features)`` and dropped; W8A8 scales
@@ -99,10 +103,12 @@ def load_compressed_tensors_layer(prefix: str, tensors: Mapping[str, np.ndarray]
         ValueError: a missing tensor, a wrong shape, dtype or ``weight_shape``, naming
             ``prefix.suffix``.
     """
-    tensors = {k: (v.reshape(1) if k.endswith("_scale") and v.ndim == 0 else v)
-               for k, v in tensors.items()}
-    out = check_stored_tensors(prefix, tensors,
-                               compressed_tensors_specs(in_features, out_features, scheme))
+    tensors = {
+        k: (v.reshape(1) if k.endswith("_scale") and v.ndim == 0 else v) for k, v in tensors.items()
+    }
+    out = check_stored_tensors(
+        prefix, tensors, compressed_tensors_specs(in_features, out_features, scheme)
+    )
     if scheme.kind == "wna16":
         shape = tuple(int(v) for v in out.pop("weight_shape"))
         if shape != (out_features, in_features):
@@ -119,8 +125,9 @@ def load_compressed_tensors_layer(prefix: str, tensors: Mapping[str, np.ndarray]
     return out
 
 
-def unpack_wna16(weight_packed: jax.Array, weight_zero_point: jax.Array | None, *, bits: int,
-                 out_features: int) -> tuple[jax.Array, jax.Array | None]:
+def unpack_wna16(
+    weight_packed: jax.Array, weight_zero_point: jax.Array | None, *, bits: int, out_features: int
+) -> tuple[jax.Array, jax.Array | None]:
     """``(q: i32[out, in], zp: i32[out, G] or None)``, both signed (offset removed)."""
     offset = 1 << (bits - 1)
     values = unpack_int32(weight_packed, bits, axis=1) - offset
@@ -130,17 +137,23 @@ def unpack_wna16(weight_packed: jax.Array, weight_zero_point: jax.Array | None, 
     return values, zeros
 
 
-def dequantize_wna16(weight_packed: jax.Array, weight_scale: jax.Array,
-                     weight_zero_point: jax.Array | None = None,
-                     weight_g_idx: jax.Array | None = None, *, bits: int,
-                     dtype=None) -> jax.Array:
+def dequantize_wna16(
+    weight_packed: jax.Array,
+    weight_scale: jax.Array,
+    weight_zero_point: jax.Array | None = None,
+    weight_g_idx: jax.Array | None = None,
+    *,
+    bits: int,
+    dtype=None,
+) -> jax.Array:
     """``W: [out, in]`` in ``dtype`` (default ``weight_scale.dtype``).
 
     ``weight_g_idx: i32[in]`` (act-order) picks each input column's group; None is the blocked
     layout (column ``i`` in group ``i // (in / G)``).
     """
-    values, zeros = unpack_wna16(weight_packed, weight_zero_point, bits=bits,
-                                 out_features=weight_scale.shape[0])
+    values, zeros = unpack_wna16(
+        weight_packed, weight_zero_point, bits=bits, out_features=weight_scale.shape[0]
+    )
     if weight_g_idx is None:
         return dequantize_groups(values, zeros, weight_scale, axis=1, dtype=dtype)
     dtype = weight_scale.dtype if dtype is None else dtype
@@ -149,8 +162,9 @@ def dequantize_wna16(weight_packed: jax.Array, weight_scale: jax.Array,
     return values.astype(dtype) * jnp.take(weight_scale, weight_g_idx, axis=1).astype(dtype)
 
 
-def compressed_tensors_linear(x: jax.Array, params: Mapping[str, jax.Array],
-                              scheme: QuantizationScheme) -> jax.Array:
+def compressed_tensors_linear(
+    x: jax.Array, params: Mapping[str, jax.Array], scheme: QuantizationScheme
+) -> jax.Array:
     """``x @ W.T`` for ``x: [..., in]`` -> ``[..., out]`` in ``x.dtype``.
 
     ``params`` is :func:`load_compressed_tensors_layer`'s result (on device). ``wna16``
@@ -159,9 +173,19 @@ def compressed_tensors_linear(x: jax.Array, params: Mapping[str, jax.Array],
     """
     if scheme.kind == "wna16":
         weight = dequantize_wna16(
-            params["weight_packed"], params["weight_scale"], params.get("weight_zero_point"),
-            params.get("weight_g_idx"), bits=scheme.weights.num_bits, dtype=x.dtype)
+            params["weight_packed"],
+            params["weight_scale"],
+            params.get("weight_zero_point"),
+            params.get("weight_g_idx"),
+            bits=scheme.weights.num_bits,
+            dtype=x.dtype,
+        )
         return matmul(x, weight, transposed=True)
     acts = scheme.input_activations
-    return w8a8_linear(x, params["weight"], params["weight_scale"], params.get("input_scale"),
-                       per_token=acts.strategy == "token")
+    return w8a8_linear(
+        x,
+        params["weight"],
+        params["weight_scale"],
+        params.get("input_scale"),
+        per_token=acts.strategy == "token",
+    )

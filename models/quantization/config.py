@@ -12,7 +12,7 @@ at load ("online"). Field names are the tools' own:
 - AutoAWQ (``awq/models/base.py`` ``save_quantized``): ``bits``/``w_bit``,
   ``group_size``/``q_group_size``, ``zero_point``, ``version``, ``modules_to_not_convert``.
 - GPTQ (AutoGPTQ / gptqmodel ``QuantizeConfig``): ``bits``, ``group_size`` (-1: one group over
-  the whole input), ``desc_act``, ``sym``, ``lm_head``, ``checkpoint_format`` (``gptq`` = v1,
+  the whole input), ``desc_act``, ``sym``, ``lm_head`` (must be false), ``checkpoint_format`` (``gptq`` = v1,
   zero points stored minus one; ``gptq_v2`` stored as is).
 - compressed-tensors (``compressed_tensors/quantization/quant_config.py``, ``quant_args.py``):
   ``config_groups`` of ``targets`` + ``weights`` / ``input_activations`` args, ``ignore``,
@@ -105,7 +105,9 @@ class AWQConfig:
     def from_config(cls, config: Mapping[str, Any]) -> AWQConfig:
         bits = _int_field(config, ("bits", "w_bit"))
         if bits != 4:
-            raise ValueError(f"quantization_config.bits must be 4 for awq (AutoAWQ GEMM), got {bits}")
+            raise ValueError(
+                f"quantization_config.bits must be 4 for awq (AutoAWQ GEMM), got {bits}"
+            )
         version = str(config.get("version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(
@@ -134,7 +136,6 @@ class GPTQConfig:
     group_size: int  # -1: one group over the whole input
     desc_act: bool  # act-order: rows belong to groups through g_idx, not in blocks
     sym: bool
-    lm_head_quantized: bool = False
     checkpoint_format: str = "gptq"  # "gptq" (v1: qzeros stored minus one) or "gptq_v2"
     method = "gptq"
 
@@ -150,6 +151,11 @@ class GPTQConfig:
                 "quantization_config.checkpoint_format must be 'gptq' or 'gptq_v2' for gptq, got "
                 f"{checkpoint_format!r}"
             )
+        if config.get("lm_head"):
+            raise ValueError(
+                "quantization_config.lm_head=true (a quantized lm_head) is not supported, got "
+                f"{config['lm_head']!r}"
+            )
         if config.get("dynamic"):
             raise ValueError(
                 "quantization_config.dynamic (per-module GPTQ overrides) is not supported, got "
@@ -160,13 +166,12 @@ class GPTQConfig:
             group_size=group_size,
             desc_act=_bool_field(config, "desc_act", False),
             sym=_bool_field(config, "sym", True),
-            lm_head_quantized=_bool_field(config, "lm_head", False),
             checkpoint_format=checkpoint_format,
         )
 
     def is_skipped(self, layer_name: str) -> bool:
-        """Only ``lm_head`` can be left unquantized in a GPTQ checkpoint (``lm_head: false``)."""
-        return layer_name.split(".")[-1] == "lm_head" and not self.lm_head_quantized
+        """Only ``lm_head`` is unquantized in a GPTQ checkpoint (``lm_head: true`` is refused)."""
+        return layer_name.split(".")[-1] == "lm_head"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,8 +243,11 @@ class QuantizationScheme:
             raise ValueError(f"{where}.output_activations is not supported, got a value")
         weights = QuantizationArgs.from_config(group["weights"], f"{where}.weights")
         act_cfg = group.get("input_activations")
-        acts = None if act_cfg is None else QuantizationArgs.from_config(
-            act_cfg, f"{where}.input_activations")
+        acts = (
+            None
+            if act_cfg is None
+            else QuantizationArgs.from_config(act_cfg, f"{where}.input_activations")
+        )
         kind = _scheme_kind(weights, acts, where)
         return cls(weights, acts, kind)
 
@@ -268,8 +276,7 @@ def _scheme_kind(w: QuantizationArgs, a: QuantizationArgs | None, where: str) ->
         )
     if w.type != a.type:
         raise ValueError(
-            f"{where}.input_activations.type must equal weights.type, got {a.type!r} and "
-            f"{w.type!r}"
+            f"{where}.input_activations.type must equal weights.type, got {a.type!r} and {w.type!r}"
         )
     if w.strategy not in ("tensor", "channel"):
         raise ValueError(

@@ -45,8 +45,9 @@ def quantize_weight_fp8(weight: np.ndarray) -> dict[str, np.ndarray]:
     return {"weight": q, "weight_scale": np.array([scale], np.float32)}
 
 
-def fp8_tensor_specs(in_features: int, out_features: int, config: Fp8Config
-                     ) -> dict[str, TensorSpec]:
+def fp8_tensor_specs(
+    in_features: int, out_features: int, config: Fp8Config
+) -> dict[str, TensorSpec]:
     """The stored tensors of one layer of an FP8 checkpoint (``is_checkpoint_fp8_serialized``)."""
     specs = {
         "weight": TensorSpec((out_features, in_features), ("float8_e4m3fn",)),
@@ -57,8 +58,13 @@ def fp8_tensor_specs(in_features: int, out_features: int, config: Fp8Config
     return specs
 
 
-def load_fp8_layer(prefix: str, tensors: Mapping[str, np.ndarray], in_features: int,
-                   out_features: int, config: Fp8Config) -> dict[str, np.ndarray]:
+def load_fp8_layer(
+    prefix: str,
+    tensors: Mapping[str, np.ndarray],
+    in_features: int,
+    out_features: int,
+    config: Fp8Config,
+) -> dict[str, np.ndarray]:
     """One layer's FP8 tensors: as stored (FP8 checkpoint) or quantized from ``weight``.
 
     Raises:
@@ -67,10 +73,10 @@ def load_fp8_layer(prefix: str, tensors: Mapping[str, np.ndarray], in_features: 
     if not config.is_checkpoint_fp8_serialized:
         spec = {"weight": TensorSpec((out_features, in_features), _FLOAT_DTYPES)}
         return quantize_weight_fp8(check_stored_tensors(prefix, tensors, spec)["weight"])
-    tensors = {k: (v.reshape(1) if k.endswith("_scale") and v.ndim == 0 else v)
-               for k, v in tensors.items()}
-    out = check_stored_tensors(prefix, tensors,
-                               fp8_tensor_specs(in_features, out_features, config))
+    tensors = {
+        k: (v.reshape(1) if k.endswith("_scale") and v.ndim == 0 else v) for k, v in tensors.items()
+    }
+    out = check_stored_tensors(prefix, tensors, fp8_tensor_specs(in_features, out_features, config))
     return {k: (v if k == "weight" else v.astype(np.float32)) for k, v in out.items()}
 
 
@@ -80,5 +86,6 @@ def fp8_linear(x: jax.Array, params: Mapping[str, jax.Array]) -> jax.Array:
     ``params``: ``weight: f8e4m3fn[out, in]``, ``weight_scale: f32[1]``, optional
     ``input_scale: f32[1]`` (static activation scale; absent: dynamic per token).
     """
-    return w8a8_linear(x, params["weight"], params["weight_scale"], params.get("input_scale"),
-                       per_token=True)
+    return w8a8_linear(
+        x, params["weight"], params["weight_scale"], params.get("input_scale"), per_token=True
+    )

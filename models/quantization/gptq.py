@@ -50,8 +50,9 @@ def gptq_num_groups(in_features: int, group_size: int) -> int:
     return in_features // group_size
 
 
-def gptq_tensor_specs(in_features: int, out_features: int, config: GPTQConfig
-                      ) -> dict[str, TensorSpec]:
+def gptq_tensor_specs(
+    in_features: int, out_features: int, config: GPTQConfig
+) -> dict[str, TensorSpec]:
     """The stored tensors of one GPTQ linear layer of ``in_features -> out_features``.
 
     Raises:
@@ -73,8 +74,13 @@ def gptq_tensor_specs(in_features: int, out_features: int, config: GPTQConfig
     }
 
 
-def load_gptq_layer(prefix: str, tensors: Mapping[str, np.ndarray], in_features: int,
-                    out_features: int, config: GPTQConfig) -> dict[str, np.ndarray]:
+def load_gptq_layer(
+    prefix: str,
+    tensors: Mapping[str, np.ndarray],
+    in_features: int,
+    out_features: int,
+    config: GPTQConfig,
+) -> dict[str, np.ndarray]:
     """One layer's stored tensors from ``tensors`` (suffix -> array), checked.
 
     ``g_idx`` is kept (as int32) only with ``desc_act``; otherwise it is implied by the group
@@ -84,8 +90,9 @@ def load_gptq_layer(prefix: str, tensors: Mapping[str, np.ndarray], in_features:
         ValueError: a missing tensor (``g_idx`` with ``desc_act``), a wrong shape or dtype, or a
             ``g_idx`` entry outside ``[0, G)``, naming ``prefix.suffix``.
     """
-    out = check_stored_tensors(prefix, tensors,
-                               gptq_tensor_specs(in_features, out_features, config))
+    out = check_stored_tensors(
+        prefix, tensors, gptq_tensor_specs(in_features, out_features, config)
+    )
     if not config.desc_act:
         out.pop("g_idx", None)
         return out
@@ -100,8 +107,9 @@ def load_gptq_layer(prefix: str, tensors: Mapping[str, np.ndarray], in_features:
     return out
 
 
-def gptq_unpack(qweight: jax.Array, qzeros: jax.Array, bits: int,
-                checkpoint_format: str = "gptq") -> tuple[jax.Array, jax.Array]:
+def gptq_unpack(
+    qweight: jax.Array, qzeros: jax.Array, bits: int, checkpoint_format: str = "gptq"
+) -> tuple[jax.Array, jax.Array]:
     """``(q: i32[in, out], z: i32[G, out])``; ``z`` with v1's offset of one undone."""
     values = unpack_int32(qweight, bits, axis=0)
     zeros = unpack_int32(qzeros, bits, axis=1)
@@ -110,9 +118,16 @@ def gptq_unpack(qweight: jax.Array, qzeros: jax.Array, bits: int,
     return values, zeros
 
 
-def gptq_dequantize(qweight: jax.Array, qzeros: jax.Array, scales: jax.Array,
-                    g_idx: jax.Array | None = None, *, bits: int,
-                    checkpoint_format: str = "gptq", dtype=None) -> jax.Array:
+def gptq_dequantize(
+    qweight: jax.Array,
+    qzeros: jax.Array,
+    scales: jax.Array,
+    g_idx: jax.Array | None = None,
+    *,
+    bits: int,
+    checkpoint_format: str = "gptq",
+    dtype=None,
+) -> jax.Array:
     """``W: [in, out]`` in ``dtype`` (default ``scales.dtype``).
 
     ``g_idx: i32[in]`` (act-order) picks each row's zero and scale; None is the blocked layout
@@ -127,14 +142,28 @@ def gptq_dequantize(qweight: jax.Array, qzeros: jax.Array, scales: jax.Array,
     return (values - rows_zeros).astype(dtype) * rows_scales.astype(dtype)
 
 
-def gptq_linear(x: jax.Array, qweight: jax.Array, qzeros: jax.Array, scales: jax.Array,
-                g_idx: jax.Array | None = None, *, bits: int,
-                checkpoint_format: str = "gptq") -> jax.Array:
+def gptq_linear(
+    x: jax.Array,
+    qweight: jax.Array,
+    qzeros: jax.Array,
+    scales: jax.Array,
+    g_idx: jax.Array | None = None,
+    *,
+    bits: int,
+    checkpoint_format: str = "gptq",
+) -> jax.Array:
     """``x @ W`` for ``x: [..., in]`` -> ``[..., out]`` in ``x.dtype`` (float32 accumulation).
 
     The dequantization is elementwise on the weight (plus, with act-order, a row gather of the
     ``[G, out]`` zeros and scales), for XLA to fuse into the dot's operand.
     """
-    weight = gptq_dequantize(qweight, qzeros, scales, g_idx, bits=bits,
-                             checkpoint_format=checkpoint_format, dtype=x.dtype)
+    weight = gptq_dequantize(
+        qweight,
+        qzeros,
+        scales,
+        g_idx,
+        bits=bits,
+        checkpoint_format=checkpoint_format,
+        dtype=x.dtype,
+    )
     return matmul(x, weight, transposed=False)

@@ -40,8 +40,9 @@ def pack_factor(bits: int) -> int:
     return 32 // bits
 
 
-def unpack_int32(packed: jax.Array, bits: int, axis: int,
-                 slot_of_element: Sequence[int] | None = None) -> jax.Array:
+def unpack_int32(
+    packed: jax.Array, bits: int, axis: int, slot_of_element: Sequence[int] | None = None
+) -> jax.Array:
     """Unsigned ``bits``-bit values out of int32 words.
 
     Args:
@@ -74,8 +75,9 @@ def unpack_int32(packed: jax.Array, bits: int, axis: int,
     return values.reshape(out_shape)
 
 
-def dequantize_groups(values: jax.Array, zeros: jax.Array | None, scales: jax.Array, *,
-                      axis: int, dtype=None) -> jax.Array:
+def dequantize_groups(
+    values: jax.Array, zeros: jax.Array | None, scales: jax.Array, *, axis: int, dtype=None
+) -> jax.Array:
     """``(values - zeros) * scales`` with one zero and scale per group of ``axis``.
 
     Args:
@@ -102,8 +104,7 @@ def dequantize_groups(values: jax.Array, zeros: jax.Array | None, scales: jax.Ar
     return weight.reshape(values.shape)
 
 
-def matmul(x: jax.Array, weight: jax.Array, *, transposed: bool,
-           out_dtype=None) -> jax.Array:
+def matmul(x: jax.Array, weight: jax.Array, *, transposed: bool, out_dtype=None) -> jax.Array:
     """``x @ weight`` (``weight [in, out]``) or ``x @ weight.T`` (``weight [out, in]``).
 
     ``x: [..., in]``; ``weight`` is converted to ``x.dtype`` (fused into the dot's operand);
@@ -112,7 +113,9 @@ def matmul(x: jax.Array, weight: jax.Array, *, transposed: bool,
     """
     contract = 1 if transposed else 0
     y = jax.lax.dot_general(
-        x, weight.astype(x.dtype), (((x.ndim - 1,), (contract,)), ((), ())),
+        x,
+        weight.astype(x.dtype),
+        (((x.ndim - 1,), (contract,)), ((), ())),
         preferred_element_type=jnp.float32,
     )
     return y.astype(x.dtype if out_dtype is None else out_dtype)

@@ -23,8 +23,9 @@ class TensorSpec:
     optional: bool = False  # may be absent (e.g. GPTQ's g_idx without desc_act)
 
 
-def check_stored_tensors(prefix: str, tensors: Mapping[str, np.ndarray],
-                         specs: Mapping[str, TensorSpec]) -> dict[str, np.ndarray]:
+def check_stored_tensors(
+    prefix: str, tensors: Mapping[str, np.ndarray], specs: Mapping[str, TensorSpec]
+) -> dict[str, np.ndarray]:
     """The tensors of ``specs`` taken from ``tensors``, checked.
 
     Args:
@@ -48,9 +49,7 @@ def check_stored_tensors(prefix: str, tensors: Mapping[str, np.ndarray],
             raise ValueError(f"tensor {name} is missing from the checkpoint")
         array = tensors[suffix]
         if tuple(array.shape) != spec.shape:
-            raise ValueError(
-                f"tensor {name} has shape {tuple(array.shape)}; expected {spec.shape}"
-            )
+            raise ValueError(f"tensor {name} has shape {tuple(array.shape)}; expected {spec.shape}")
         if str(array.dtype) not in spec.dtypes:
             raise ValueError(
                 f"tensor {name} has dtype {array.dtype}; expected one of {', '.join(spec.dtypes)}"

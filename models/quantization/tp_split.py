@@ -62,8 +62,9 @@ _GROUP_TENSORS = frozenset({"qzeros", "scales", "weight_scale", "weight_zero_poi
 PARALLEL_STYLES = ("column", "row")
 
 
-def tp_split_axis(method: str, name: str, parallel: str, shape: tuple[int, ...], *,
-                  act_order: bool = False) -> int | None:
+def tp_split_axis(
+    method: str, name: str, parallel: str, shape: tuple[int, ...], *, act_order: bool = False
+) -> int | None:
     """The axis of stored tensor ``name`` (shape ``shape``) that ``tp`` splits; None: replicated.
 
     Args:
@@ -92,8 +93,15 @@ def tp_split_axis(method: str, name: str, parallel: str, shape: tuple[int, ...],
     return axis
 
 
-def shard_layer(method: str, tensors: Mapping[str, np.ndarray], parallel: str, tp: int,
-                rank: int, *, prefix: str = "layer") -> dict[str, np.ndarray]:
+def shard_layer(
+    method: str,
+    tensors: Mapping[str, np.ndarray],
+    parallel: str,
+    tp: int,
+    rank: int,
+    *,
+    prefix: str = "layer",
+) -> dict[str, np.ndarray]:
     """Device ``rank``'s slice of every stored tensor of one layer (numpy, host side).
 
     Args:

@@ -37,8 +37,9 @@ def _amax(x: jax.Array, per_token: bool) -> jax.Array:
     return jnp.max(ax).reshape((1,) * x.ndim)
 
 
-def quantize_int8(x: jax.Array, input_scale: jax.Array | None = None, *,
-                  per_token: bool = True) -> tuple[jax.Array, jax.Array]:
+def quantize_int8(
+    x: jax.Array, input_scale: jax.Array | None = None, *, per_token: bool = True
+) -> tuple[jax.Array, jax.Array]:
     """``x: [..., in]`` -> ``(q: i8[..., in], scale: f32[..., 1])`` with ``x ~= q * scale``.
 
     ``input_scale`` (a static, calibrated per-tensor scale, ``f32[]`` or ``f32[1]``) is used as
@@ -53,12 +54,12 @@ def quantize_int8(x: jax.Array, input_scale: jax.Array | None = None, *,
     else:
         scale = jnp.reshape(input_scale.astype(jnp.float32), (1,) * x.ndim)
         q = jnp.round(xf / scale)
-    return jnp.clip(q, -128, 127).astype(jnp.int8), jnp.broadcast_to(
-        scale, (*x.shape[:-1], 1))
+    return jnp.clip(q, -128, 127).astype(jnp.int8), jnp.broadcast_to(scale, (*x.shape[:-1], 1))
 
 
-def quantize_fp8(x: jax.Array, input_scale: jax.Array | None = None, *,
-                 per_token: bool = True) -> tuple[jax.Array, jax.Array]:
+def quantize_fp8(
+    x: jax.Array, input_scale: jax.Array | None = None, *, per_token: bool = True
+) -> tuple[jax.Array, jax.Array]:
     """``x: [..., in]`` -> ``(q: f8e4m3fn[..., in], scale: f32[..., 1])``, ``x ~= q * scale``.
 
     As :func:`quantize_int8`, with vLLM's FP8 scale ``max(amax / 448, 1 / (448 * 512))`` and the
@@ -73,8 +74,9 @@ def quantize_fp8(x: jax.Array, input_scale: jax.Array | None = None, *,
     return q, jnp.broadcast_to(scale, (*x.shape[:-1], 1))
 
 
-def scaled_matmul(x_q: jax.Array, x_scale: jax.Array, weight: jax.Array,
-                  weight_scale: jax.Array, out_dtype) -> jax.Array:
+def scaled_matmul(
+    x_q: jax.Array, x_scale: jax.Array, weight: jax.Array, weight_scale: jax.Array, out_dtype
+) -> jax.Array:
     """``(x_q @ weight.T) * x_scale * weight_scale`` in ``out_dtype``.
 
     Args:
@@ -99,8 +101,14 @@ def scaled_matmul(x_q: jax.Array, x_scale: jax.Array, weight: jax.Array,
     return (acc.astype(jnp.float32) * x_scale * w_scale).astype(out_dtype)
 
 
-def w8a8_linear(x: jax.Array, weight: jax.Array, weight_scale: jax.Array,
-                input_scale: jax.Array | None = None, *, per_token: bool = True) -> jax.Array:
+def w8a8_linear(
+    x: jax.Array,
+    weight: jax.Array,
+    weight_scale: jax.Array,
+    input_scale: jax.Array | None = None,
+    *,
+    per_token: bool = True,
+) -> jax.Array:
     """``x @ W.T`` with ``W = weight * weight_scale`` and ``x`` quantized like ``weight``.
 
     ``weight: i8[out, in]`` (INT8 W8A8) or ``f8e4m3fn[out, in]`` (FP8 W8A8); ``input_scale``:

@@ -50,8 +50,10 @@ def test_round_trip_error_is_within_the_format_bound(name, constant):
 def test_default_scale_of_one_is_a_plain_cast():
     x = _kv(1).clip(-400, 400)
     stored = quantize_kv(jnp.asarray(x), 1.0)
-    np.testing.assert_array_equal(np.asarray(stored).view(np.uint8),
-                                  np.asarray(jnp.asarray(x).astype(jnp.float8_e4m3fn)).view(np.uint8))
+    np.testing.assert_array_equal(
+        np.asarray(stored).view(np.uint8),
+        np.asarray(jnp.asarray(x).astype(jnp.float8_e4m3fn)).view(np.uint8),
+    )
 
 
 @pytest.mark.parametrize("name", sorted(BOUNDS))
@@ -83,5 +85,7 @@ def test_kv_cache_dtype_names_are_vllms():
     assert kv_cache_fp8_dtype("fp8") == jnp.float8_e4m3fn
     assert kv_cache_fp8_dtype("fp8_e4m3") == jnp.float8_e4m3fn
     assert kv_cache_fp8_dtype("fp8_e5m2") == jnp.float8_e5m2
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of fp8, fp8_e4m3, fp8_e5m2 .* got 'int8'"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype must be one of fp8, fp8_e4m3, fp8_e5m2 .* got 'int8'"
+    ):
         kv_cache_fp8_dtype("int8")

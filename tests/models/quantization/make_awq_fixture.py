@@ -48,8 +48,11 @@ def _awq_modules(root: pathlib.Path):
     gemm = _load("awq.modules.linear.gemm", root / "awq/modules/linear/gemm.py")
     # pseudo_quantize_tensor alone, out of the quantizer module (which imports the whole tool).
     source = (root / "awq/quantize/quantizer.py").read_text()
-    cls = next(n for n in ast.parse(source).body
-               if isinstance(n, ast.ClassDef) and n.name == "AwqQuantizer")
+    cls = next(
+        n
+        for n in ast.parse(source).body
+        if isinstance(n, ast.ClassDef) and n.name == "AwqQuantizer"
+    )
     fn = next(n for n in cls.body if getattr(n, "name", "") == "pseudo_quantize_tensor")
     namespace = {"torch": torch}
     exec(compile(ast.Module([fn], []), "quantizer.py", "exec"), namespace)  # noqa: S102
@@ -65,16 +68,19 @@ def main(root: str) -> None:
         quantizer = types.SimpleNamespace(group_size=group_size, zero_point=True, w_bit=4)
         # As AwqQuantizer._apply_quant: fake-quantize, then pack with transposed scales/zeros.
         linear.weight.data, scales, zeros = pseudo_quantize(quantizer, linear.weight.data)
-        q = wq_linear.from_linear(linear, 4, group_size, scales=scales.t().contiguous(),
-                                  zeros=zeros.t().contiguous())
+        q = wq_linear.from_linear(
+            linear, 4, group_size, scales=scales.t().contiguous(), zeros=zeros.t().contiguous()
+        )
         dequant = dequantize_gemm(q.qweight, q.qzeros, q.scales, 4, group_size)
-        arrays.update({
-            f"g{group_size}_qweight": q.qweight.numpy(),
-            f"g{group_size}_qzeros": q.qzeros.numpy(),
-            f"g{group_size}_scales": q.scales.numpy(),
-            f"g{group_size}_dequant": dequant.numpy(),  # [in, out] float16, the tool's
-            f"g{group_size}_fake_quant": linear.weight.data.numpy(),  # [out, in] float16
-        })
+        arrays.update(
+            {
+                f"g{group_size}_qweight": q.qweight.numpy(),
+                f"g{group_size}_qzeros": q.qzeros.numpy(),
+                f"g{group_size}_scales": q.scales.numpy(),
+                f"g{group_size}_dequant": dequant.numpy(),  # [in, out] float16, the tool's
+                f"g{group_size}_fake_quant": linear.weight.data.numpy(),  # [out, in] float16
+            }
+        )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(OUT, **arrays)
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")

@@ -28,8 +28,14 @@ def main() -> None:
     cb, scb, _ = bnb_f.int8_vectorwise_quant(weight)
     dequant = bnb_f.int8_vectorwise_dequant(cb, scb)
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(OUT, weight=weight.numpy(), CB=cb.numpy(), SCB=scb.numpy(),
-                        dequant=dequant.numpy(), version=np.array(bitsandbytes.__version__))
+    np.savez_compressed(
+        OUT,
+        weight=weight.numpy(),
+        CB=cb.numpy(),
+        SCB=scb.numpy(),
+        dequant=dequant.numpy(),
+        version=np.array(bitsandbytes.__version__),
+    )
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes), bitsandbytes {bitsandbytes.__version__}")
 
 

@@ -40,8 +40,9 @@ def _pack_awq(values: np.ndarray) -> np.ndarray:
 def test_dequantize_equals_autoawq_bit_for_bit(group_size):
     d = np.load(FIXTURE)
     qweight, qzeros, scales = (d[f"g{group_size}_{k}"] for k in ("qweight", "qzeros", "scales"))
-    ours = np.asarray(awq_dequantize(jnp.asarray(qweight), jnp.asarray(qzeros),
-                                     jnp.asarray(scales)))
+    ours = np.asarray(
+        awq_dequantize(jnp.asarray(qweight), jnp.asarray(qzeros), jnp.asarray(scales))
+    )
     assert ours.dtype == np.float16
     np.testing.assert_array_equal(ours.view(np.uint16), d[f"g{group_size}_dequant"].view(np.uint16))
     # AutoAWQ's fake-quantized weight (what it calibrated against) is the same numbers up to
@@ -73,11 +74,17 @@ def test_linear_matches_float32_reference(group_size):
     scales = rng.uniform(0.01, 0.1, zeros.shape).astype(np.float32)
     weight = (values - np.repeat(zeros, group_size, 0)) * np.repeat(scales, group_size, 0)
     x = rng.standard_normal((5, in_features)).astype(np.float32)
-    y = awq_linear(jnp.asarray(x), jnp.asarray(_pack_awq(values)), jnp.asarray(_pack_awq(zeros)),
-                   jnp.asarray(scales))
+    y = awq_linear(
+        jnp.asarray(x),
+        jnp.asarray(_pack_awq(values)),
+        jnp.asarray(_pack_awq(zeros)),
+        jnp.asarray(scales),
+    )
     expected = x.astype(np.float64) @ weight.astype(np.float64)
     assert y.shape == (5, out_features) and y.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    np.testing.assert_allclose(
+        np.asarray(y), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max()
+    )
 
 
 def _stored(in_features=128, out_features=32, groups=4):
@@ -91,7 +98,10 @@ def _stored(in_features=128, out_features=32, groups=4):
 def test_load_checks_shapes_and_names_the_tensor():
     config = AWQConfig(4, 32, True)
     assert set(load_awq_layer("m.q_proj", _stored(), 128, 32, config)) == {
-        "qweight", "qzeros", "scales"}
+        "qweight",
+        "qzeros",
+        "scales",
+    }
     bad = _stored()
     bad["qweight"] = np.zeros((128, 8), np.int32)
     with pytest.raises(ValueError, match=r"m\.q_proj\.qweight has shape \(128, 8\)"):

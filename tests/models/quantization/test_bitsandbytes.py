@@ -28,8 +28,9 @@ def bnb():
 
 
 def test_quantize_at_load_equals_bitsandbytes(bnb):
-    out = load_bitsandbytes_layer("m.o_proj", {"weight": bnb["weight"]}, 64, 32,
-                                  BitsAndBytesConfig(is_prequantized=False))
+    out = load_bitsandbytes_layer(
+        "m.o_proj", {"weight": bnb["weight"]}, 64, 32, BitsAndBytesConfig(is_prequantized=False)
+    )
     np.testing.assert_array_equal(out["weight"], bnb["CB"])
     np.testing.assert_array_equal(out["SCB"], bnb["SCB"])
     assert out["weight"].dtype == np.int8 and out["SCB"].dtype == np.float32
@@ -46,22 +47,27 @@ def test_dequantize_equals_bitsandbytes_bit_for_bit(bnb):
 
 def test_prequantized_checkpoint_loads_as_stored_and_checks(bnb):
     config = BitsAndBytesConfig(is_prequantized=True)
-    out = load_bitsandbytes_layer("m.o_proj", {"weight": bnb["CB"], "SCB": bnb["SCB"]}, 64, 32,
-                                  config)
+    out = load_bitsandbytes_layer(
+        "m.o_proj", {"weight": bnb["CB"], "SCB": bnb["SCB"]}, 64, 32, config
+    )
     np.testing.assert_array_equal(out["weight"], bnb["CB"])
     with pytest.raises(ValueError, match=r"m\.o_proj\.SCB is missing"):
         load_bitsandbytes_layer("m.o_proj", {"weight": bnb["CB"]}, 64, 32, config)
-    with pytest.raises(ValueError, match=r"m\.o_proj\.weight has dtype float16; expected one of int8"):
-        load_bitsandbytes_layer("m.o_proj", {"weight": bnb["weight"], "SCB": bnb["SCB"]}, 64, 32,
-                                config)
+    with pytest.raises(
+        ValueError, match=r"m\.o_proj\.weight has dtype float16; expected one of int8"
+    ):
+        load_bitsandbytes_layer(
+            "m.o_proj", {"weight": bnb["weight"], "SCB": bnb["SCB"]}, 64, 32, config
+        )
 
 
 def test_linear_matches_dequantized_float32_weight(bnb):
     x = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
     y = bitsandbytes_linear(jnp.asarray(x), jnp.asarray(bnb["CB"]), jnp.asarray(bnb["SCB"]))
     reference = x.astype(np.float64) @ bnb["dequant"].astype(np.float64).T
-    np.testing.assert_allclose(np.asarray(y), reference, rtol=1e-4,
-                               atol=1e-4 * np.abs(reference).max())
+    np.testing.assert_allclose(
+        np.asarray(y), reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max()
+    )
     assert np.all(np.asarray(y)[:, 3] == 0)  # the all-zero row stays zero
 
 

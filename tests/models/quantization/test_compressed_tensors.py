@@ -43,14 +43,22 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def _make(weights: dict, inputs: dict | None = None, fmt: str = "pack-quantized",
-          dtype=torch.float16, seed: int = 0):
+def _make(
+    weights: dict,
+    inputs: dict | None = None,
+    fmt: str = "pack-quantized",
+    dtype=torch.float16,
+    seed: int = 0,
+):
     """(our scheme parsed from the tool's config dict, stored tensors, tool's decompressed W)."""
     torch.manual_seed(seed)
     weight = torch.randn(OUT, IN, dtype=torch.float32).to(dtype)
     args = CTArgs(**weights)
-    scheme = CTScheme(targets=["Linear"], weights=args,
-                      input_activations=None if inputs is None else CTArgs(**inputs))
+    scheme = CTScheme(
+        targets=["Linear"],
+        weights=args,
+        input_activations=None if inputs is None else CTArgs(**inputs),
+    )
     if args.strategy == "group":
         grouped = weight.reshape(OUT, IN // args.group_size, args.group_size)
         lo, hi = grouped.amin(-1), grouped.amax(-1)
@@ -60,13 +68,19 @@ def _make(weights: dict, inputs: dict | None = None, fmt: str = "pack-quantized"
         lo, hi = weight.amin().reshape(1), weight.amax().reshape(1)
     scale, zero_point = calculate_qparams(lo, hi, args)
     state = {"weight": weight, "weight_scale": scale.to(dtype), "weight_zero_point": zero_point}
-    compressor = {"pack-quantized": PackedQuantizationCompressor,
-                  "int-quantized": IntQuantizationCompressor,
-                  "float-quantized": FloatQuantizationCompressor}[fmt]
+    compressor = {
+        "pack-quantized": PackedQuantizationCompressor,
+        "int-quantized": IntQuantizationCompressor,
+        "float-quantized": FloatQuantizationCompressor,
+    }[fmt]
     stored = compressor.compress(state, scheme)
     expected = compressor.decompress(stored, scheme)["weight"]
-    config = CTConfig(config_groups={"group_0": scheme}, format=fmt, ignore=["lm_head"],
-                      quantization_status="compressed").model_dump()
+    config = CTConfig(
+        config_groups={"group_0": scheme},
+        format=fmt,
+        ignore=["lm_head"],
+        quantization_status="compressed",
+    ).model_dump()
     ours = CompressedTensorsConfig.from_config(config).scheme_for("model.layers.0.mlp.up_proj")
     return ours, {k: _np(v) for k, v in stored.items()}, _np(expected)
 
@@ -80,75 +94,111 @@ WNA16_CASES = [
 ]
 
 
-@pytest.mark.parametrize("weights", WNA16_CASES, ids=lambda w: f"{w['num_bits']}b-"
-                         f"{'sym' if w['symmetric'] else 'asym'}-{w['strategy']}")
+@pytest.mark.parametrize(
+    "weights",
+    WNA16_CASES,
+    ids=lambda w: f"{w['num_bits']}b-{'sym' if w['symmetric'] else 'asym'}-{w['strategy']}",
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_wna16_dequantize_equals_library_bit_for_bit(weights, dtype):
     scheme, stored, expected = _make(weights, dtype=dtype)
     assert scheme.kind == "wna16"
     params = load_compressed_tensors_layer("model.layers.0.mlp.up_proj", stored, IN, OUT, scheme)
-    w = dequantize_wna16(jnp.asarray(params["weight_packed"]), jnp.asarray(params["weight_scale"]),
-                         None if "weight_zero_point" not in params
-                         else jnp.asarray(params["weight_zero_point"]),
-                         bits=weights["num_bits"])
+    w = dequantize_wna16(
+        jnp.asarray(params["weight_packed"]),
+        jnp.asarray(params["weight_scale"]),
+        None if "weight_zero_point" not in params else jnp.asarray(params["weight_zero_point"]),
+        bits=weights["num_bits"],
+    )
     w = np.asarray(w)
     assert w.dtype == expected.dtype and w.shape == (OUT, IN)
     np.testing.assert_array_equal(w.view(np.uint16), expected.view(np.uint16))
 
 
 def test_wna16_act_order_gathers_groups_by_g_idx():
-    scheme, stored, _ = _make(dict(num_bits=4, type="int", symmetric=False, strategy="group",
-                                   group_size=32))
+    scheme, stored, _ = _make(
+        dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32)
+    )
     rng = np.random.default_rng(0)
     g_idx = rng.permutation(np.arange(IN) // 32).astype(np.int32)
     params = load_compressed_tensors_layer("l", stored, IN, OUT, scheme)
-    w = np.asarray(dequantize_wna16(*(jnp.asarray(params[k]) for k in (
-        "weight_packed", "weight_scale", "weight_zero_point")), jnp.asarray(g_idx), bits=4),
-        np.float64)
-    blocked = np.asarray(dequantize_wna16(*(jnp.asarray(params[k]) for k in (
-        "weight_packed", "weight_scale", "weight_zero_point")), bits=4), np.float64)
+    w = np.asarray(
+        dequantize_wna16(
+            *(
+                jnp.asarray(params[k])
+                for k in ("weight_packed", "weight_scale", "weight_zero_point")
+            ),
+            jnp.asarray(g_idx),
+            bits=4,
+        ),
+        np.float64,
+    )
+    blocked = np.asarray(
+        dequantize_wna16(
+            *(
+                jnp.asarray(params[k])
+                for k in ("weight_packed", "weight_scale", "weight_zero_point")
+            ),
+            bits=4,
+        ),
+        np.float64,
+    )
     # Column i of the act-order weight uses group g_idx[i]'s scale and zero point; recover the
     # integers from the blocked weight and re-scale them with the permuted groups.
     scales = params["weight_scale"].astype(np.float64)
     from models.quantization.compressed_tensors import unpack_wna16
 
-    q, zp = (np.asarray(a) for a in unpack_wna16(jnp.asarray(params["weight_packed"]),
-                                                 jnp.asarray(params["weight_zero_point"]),
-                                                 bits=4, out_features=OUT))
-    np.testing.assert_allclose(blocked, (q - np.repeat(zp, 32, 1)) * np.repeat(scales, 32, 1),
-                               rtol=2**-10)
+    q, zp = (
+        np.asarray(a)
+        for a in unpack_wna16(
+            jnp.asarray(params["weight_packed"]),
+            jnp.asarray(params["weight_zero_point"]),
+            bits=4,
+            out_features=OUT,
+        )
+    )
+    np.testing.assert_allclose(
+        blocked, (q - np.repeat(zp, 32, 1)) * np.repeat(scales, 32, 1), rtol=2**-10
+    )
     np.testing.assert_allclose(w, (q - zp[:, g_idx]) * scales[:, g_idx], rtol=2**-10)
 
 
 @pytest.mark.parametrize("weights", WNA16_CASES[:2], ids=["4b-sym-g32", "4b-asym-g64"])
 def test_wna16_linear_matches_float32_reference(weights):
     scheme, stored, expected = _make(weights, dtype=torch.float32)
-    params = {k: jnp.asarray(v) for k, v in
-              load_compressed_tensors_layer("l", stored, IN, OUT, scheme).items()}
+    params = {
+        k: jnp.asarray(v)
+        for k, v in load_compressed_tensors_layer("l", stored, IN, OUT, scheme).items()
+    }
     x = np.random.default_rng(2).standard_normal((4, IN)).astype(np.float32)
     y = compressed_tensors_linear(jnp.asarray(x), params, scheme)
     reference = x.astype(np.float64) @ expected.astype(np.float64).T
-    np.testing.assert_allclose(np.asarray(y), reference, rtol=1e-4,
-                               atol=1e-4 * np.abs(reference).max())
+    np.testing.assert_allclose(
+        np.asarray(y), reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max()
+    )
 
 
 W8A8_CASES = {
     "int8-channel-dynamic-token": (
         dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
         dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True),
-        "int-quantized"),
+        "int-quantized",
+    ),
     "int8-tensor-static": (
         dict(num_bits=8, type="int", symmetric=True, strategy="tensor"),
         dict(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False),
-        "int-quantized"),
+        "int-quantized",
+    ),
     "fp8-channel-dynamic-token": (
         dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
         dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True),
-        "float-quantized"),
+        "float-quantized",
+    ),
     "fp8-tensor-static": (
         dict(num_bits=8, type="float", symmetric=True, strategy="tensor"),
         dict(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False),
-        "float-quantized"),
+        "float-quantized",
+    ),
 }
 
 
@@ -163,19 +213,24 @@ def test_w8a8_linear_is_exact_on_quantized_inputs(case):
     x = np.random.default_rng(3).standard_normal((6, IN)).astype(np.float32)
     if not scheme.input_activations.dynamic:
         stored["input_scale"] = np.array([np.abs(x).max() / 100.0], np.float32)
-    params = {k: jnp.asarray(v) for k, v in
-              load_compressed_tensors_layer("l", stored, IN, OUT, scheme).items()}
+    params = {
+        k: jnp.asarray(v)
+        for k, v in load_compressed_tensors_layer("l", stored, IN, OUT, scheme).items()
+    }
     # The stored weight times its scale is the library's decompressed weight, bit for bit.
     np.testing.assert_array_equal(
-        np.asarray(params["weight"], np.float32) * np.asarray(params["weight_scale"]).reshape(-1, 1),
-        expected)
+        np.asarray(params["weight"], np.float32)
+        * np.asarray(params["weight_scale"]).reshape(-1, 1),
+        expected,
+    )
     y = np.asarray(compressed_tensors_linear(jnp.asarray(x), params, scheme), np.float64)
 
     from models.quantization.w8a8 import quantize_fp8, quantize_int8
 
     quantize = quantize_int8 if weights["type"] == "int" else quantize_fp8
-    x_q, x_scale = quantize(jnp.asarray(x), params.get("input_scale"),
-                            per_token=inputs["strategy"] == "token")
+    x_q, x_scale = quantize(
+        jnp.asarray(x), params.get("input_scale"), per_token=inputs["strategy"] == "token"
+    )
     x_deq = np.asarray(x_q, np.float64) * np.asarray(x_scale, np.float64)
     reference = x_deq @ expected.astype(np.float64).T
     np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())

@@ -80,17 +80,22 @@ CASES = [
 @pytest.mark.parametrize("bits,group_size,desc_act,sym,checkpoint_format", CASES)
 def test_dequantize_bit_for_bit(bits, group_size, desc_act, sym, checkpoint_format):
     config = GPTQConfig(bits, group_size, desc_act, sym, checkpoint_format=checkpoint_format)
-    tensors, values, zeros, reference = _checkpoint(bits, group_size, desc_act, sym,
-                                                    checkpoint_format)
+    tensors, values, zeros, reference = _checkpoint(
+        bits, group_size, desc_act, sym, checkpoint_format
+    )
     loaded = load_gptq_layer("m.down_proj", tensors, IN, OUT, config)
     assert ("g_idx" in loaded) == desc_act
-    q, z = gptq_unpack(jnp.asarray(loaded["qweight"]), jnp.asarray(loaded["qzeros"]), bits,
-                       checkpoint_format)
+    q, z = gptq_unpack(
+        jnp.asarray(loaded["qweight"]), jnp.asarray(loaded["qzeros"]), bits, checkpoint_format
+    )
     np.testing.assert_array_equal(np.asarray(q), values)
     np.testing.assert_array_equal(np.asarray(z), zeros)
-    w = gptq_dequantize(*(jnp.asarray(loaded[k]) for k in ("qweight", "qzeros", "scales")),
-                        None if not desc_act else jnp.asarray(loaded["g_idx"]), bits=bits,
-                        checkpoint_format=checkpoint_format)
+    w = gptq_dequantize(
+        *(jnp.asarray(loaded[k]) for k in ("qweight", "qzeros", "scales")),
+        None if not desc_act else jnp.asarray(loaded["g_idx"]),
+        bits=bits,
+        checkpoint_format=checkpoint_format,
+    )
     assert w.dtype == jnp.float16
     np.testing.assert_array_equal(np.asarray(w).view(np.uint16), reference.view(np.uint16))
 
@@ -100,21 +105,29 @@ def test_linear_matches_float32_reference(bits, group_size, desc_act):
     tensors, _, _, reference = _checkpoint(bits, group_size, desc_act, False, "gptq", seed=3)
     scales = tensors["scales"].astype(np.float32)
     x = np.random.default_rng(4).standard_normal((3, IN)).astype(np.float32)
-    y = gptq_linear(jnp.asarray(x), jnp.asarray(tensors["qweight"]),
-                    jnp.asarray(tensors["qzeros"]), jnp.asarray(scales),
-                    jnp.asarray(tensors["g_idx"]) if desc_act else None, bits=bits)
+    y = gptq_linear(
+        jnp.asarray(x),
+        jnp.asarray(tensors["qweight"]),
+        jnp.asarray(tensors["qzeros"]),
+        jnp.asarray(scales),
+        jnp.asarray(tensors["g_idx"]) if desc_act else None,
+        bits=bits,
+    )
     # The float32 weight: same integers, scales exactly the float16 ones widened.
     g_idx = tensors["g_idx"]
-    q = np.asarray(gptq_unpack(jnp.asarray(tensors["qweight"]), jnp.asarray(tensors["qzeros"]),
-                               bits)[0])
-    z = np.asarray(gptq_unpack(jnp.asarray(tensors["qweight"]), jnp.asarray(tensors["qzeros"]),
-                               bits)[1])
+    q = np.asarray(
+        gptq_unpack(jnp.asarray(tensors["qweight"]), jnp.asarray(tensors["qzeros"]), bits)[0]
+    )
+    z = np.asarray(
+        gptq_unpack(jnp.asarray(tensors["qweight"]), jnp.asarray(tensors["qzeros"]), bits)[1]
+    )
     weight = (q - z[g_idx]).astype(np.float64) * scales[g_idx]
     np.testing.assert_allclose(weight, reference.astype(np.float64), rtol=2**-10)
     expected = x.astype(np.float64) @ weight
     assert y.shape == (3, OUT) and y.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4,
-                               atol=1e-4 * np.abs(expected).max())
+    np.testing.assert_allclose(
+        np.asarray(y), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max()
+    )
 
 
 def test_load_errors_name_the_tensor():
@@ -128,7 +141,9 @@ def test_load_errors_name_the_tensor():
     with pytest.raises(ValueError, match=r"m\.o_proj\.g_idx must hold group ids in \[0, 4\)"):
         load_gptq_layer("m.o_proj", bad, IN, OUT, config)
     bad = dict(tensors, qweight=np.zeros((IN // 4, OUT), np.int32))  # packed as 8-bit
-    with pytest.raises(ValueError, match=r"m\.o_proj\.qweight has shape \(32, 64\); expected \(16, 64\)"):
+    with pytest.raises(
+        ValueError, match=r"m\.o_proj\.qweight has shape \(32, 64\); expected \(16, 64\)"
+    ):
         load_gptq_layer("m.o_proj", bad, IN, OUT, config)
     missing = dict(tensors)
     del missing["scales"]

@@ -33,23 +33,32 @@ def _scales(*shape):
 
 def _awq(group_size=64):
     groups = IN // group_size
-    return {"qweight": _words(IN, OUT // 8), "qzeros": _words(groups, OUT // 8),
-            "scales": _scales(groups, OUT)}
+    return {
+        "qweight": _words(IN, OUT // 8),
+        "qzeros": _words(groups, OUT // 8),
+        "scales": _scales(groups, OUT),
+    }
 
 
 def _gptq(bits=4, groups=4, act_order=False):
     pack = 32 // bits
     g_idx = np.arange(IN) // (IN // groups)
-    return {"qweight": _words(IN // pack, OUT), "qzeros": _words(groups, OUT // pack),
-            "scales": _scales(groups, OUT),
-            **({"g_idx": RNG.permutation(g_idx).astype(np.int32)} if act_order else {})}
+    return {
+        "qweight": _words(IN // pack, OUT),
+        "qzeros": _words(groups, OUT // pack),
+        "scales": _scales(groups, OUT),
+        **({"g_idx": RNG.permutation(g_idx).astype(np.int32)} if act_order else {}),
+    }
 
 
 def _ct(groups=4, act_order=False):
     g_idx = np.arange(IN) // (IN // groups)
-    return {"weight_packed": _words(OUT, IN // 8), "weight_scale": _scales(OUT, groups),
-            "weight_zero_point": _words(OUT // 8, groups),
-            **({"weight_g_idx": RNG.permutation(g_idx).astype(np.int32)} if act_order else {})}
+    return {
+        "weight_packed": _words(OUT, IN // 8),
+        "weight_scale": _scales(OUT, groups),
+        "weight_zero_point": _words(OUT // 8, groups),
+        **({"weight_g_idx": RNG.permutation(g_idx).astype(np.int32)} if act_order else {}),
+    }
 
 
 @functools.partial(jax.jit, static_argnames="method")
@@ -58,11 +67,17 @@ def _deq_jit(method, t):
     if method == "awq":
         return awq_dequantize(t["qweight"], t["qzeros"], t["scales"])
     if method in ("gptq4", "gptq8"):
-        return gptq_dequantize(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"),
-                               bits=int(method[-1]))
+        return gptq_dequantize(
+            t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), bits=int(method[-1])
+        )
     if method == "compressed-tensors":
-        return dequantize_wna16(t["weight_packed"], t["weight_scale"], t["weight_zero_point"],
-                                t.get("weight_g_idx"), bits=4)
+        return dequantize_wna16(
+            t["weight_packed"],
+            t["weight_scale"],
+            t["weight_zero_point"],
+            t.get("weight_g_idx"),
+            bits=4,
+        )
     return bitsandbytes_dequantize(t["weight"], t["SCB"])
 
 
@@ -80,8 +95,12 @@ LAYERS = {
     "ct-asym-g64": ("compressed-tensors", "compressed-tensors", lambda: _ct(4), 0),
     "ct-act-order": ("compressed-tensors", "compressed-tensors", lambda: _ct(4, True), 0),
     "ct-channel": ("compressed-tensors", "compressed-tensors", lambda: _ct(1), 0),
-    "bnb": ("bitsandbytes", "bnb", lambda: {
-        "weight": RNG.integers(-127, 128, (OUT, IN)).astype(np.int8), "SCB": _scales(OUT)}, 0),
+    "bnb": (
+        "bitsandbytes",
+        "bnb",
+        lambda: {"weight": RNG.integers(-127, 128, (OUT, IN)).astype(np.int8), "SCB": _scales(OUT)},
+        0,
+    ),
 }
 
 
@@ -126,8 +145,11 @@ def test_every_rule_names_known_axes():
 
 def test_split_that_would_cut_packed_words_names_the_tensor():
     layer = {"qweight": _words(IN, 3), "qzeros": _words(4, 3), "scales": _scales(4, 24)}
-    with pytest.raises(ValueError, match=r"down_proj\.qweight of shape \(128, 3\) cannot be "
-                                         r"split column-parallel over tensor_parallel_size=2"):
+    with pytest.raises(
+        ValueError,
+        match=r"down_proj\.qweight of shape \(128, 3\) cannot be "
+        r"split column-parallel over tensor_parallel_size=2",
+    ):
         shard_layer("awq", layer, "column", 2, 0, prefix="down_proj")
     with pytest.raises(ValueError, match="parallel must be 'column' or 'row'"):
         tp_split_axis("awq", "qweight", "vocab", (1, 1))

@@ -73,15 +73,16 @@ def test_scaled_matmul_is_exact_on_the_quantized_operands(kind, per_token):
         weight = rng.standard_normal((OUT, IN)).astype(ml_dtypes.float8_e4m3fn)
         quantize = quantize_fp8
     w_scale = rng.uniform(0.001, 0.01, OUT).astype(np.float32)
-    y = w8a8_linear(jnp.asarray(x), jnp.asarray(weight), jnp.asarray(w_scale),
-                    per_token=per_token)
+    y = w8a8_linear(jnp.asarray(x), jnp.asarray(weight), jnp.asarray(w_scale), per_token=per_token)
     q, s = quantize(jnp.asarray(x), per_token=per_token)
     reference = (np.asarray(q, np.float64) * np.asarray(s, np.float64)) @ (
-        weight.astype(np.float64) * w_scale[:, None]).T
+        weight.astype(np.float64) * w_scale[:, None]
+    ).T
     assert y.shape == (7, OUT) and y.dtype == jnp.float32
     # Exact 8-bit products; only float32 rounding of the sums and of the scale product remain.
-    np.testing.assert_allclose(np.asarray(y), reference, rtol=1e-5,
-                               atol=1e-5 * np.abs(reference).max())
+    np.testing.assert_allclose(
+        np.asarray(y), reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max()
+    )
     assert not np.asarray(y)[4].any()  # the zero token
 
 
@@ -114,8 +115,13 @@ def test_fp8_matmul_is_lowered_with_fp8_operands_and_float32_result():
 
 def test_scaled_matmul_refuses_mixed_or_float_operands():
     with pytest.raises(ValueError, match="must share a dtype"):
-        scaled_matmul(jnp.zeros((1, 4), jnp.int8), jnp.ones((1, 1)),
-                      jnp.zeros((2, 4), jnp.float8_e4m3fn), jnp.ones((1,)), jnp.float32)
+        scaled_matmul(
+            jnp.zeros((1, 4), jnp.int8),
+            jnp.ones((1, 1)),
+            jnp.zeros((2, 4), jnp.float8_e4m3fn),
+            jnp.ones((1,)),
+            jnp.float32,
+        )
     with pytest.raises(ValueError, match="must be int8 or float8_e4m3fn, got float32"):
         w8a8_linear(jnp.zeros((1, 4)), jnp.zeros((2, 4)), jnp.ones((1,)))
 
@@ -139,8 +145,11 @@ def test_online_fp8_weights_error_bound_and_linear():
 def test_serialized_fp8_checkpoint_loads_and_names_missing_scales():
     weight = quantize_weight_fp8(np.ones((OUT, IN), np.float32))
     config = Fp8Config(True, "static")
-    stored = {"weight": weight["weight"], "weight_scale": np.float32(0.5).reshape(()),
-              "input_scale": np.array(0.25, np.float32)}
+    stored = {
+        "weight": weight["weight"],
+        "weight_scale": np.float32(0.5).reshape(()),
+        "input_scale": np.array(0.25, np.float32),
+    }
     params = load_fp8_layer("m.up_proj", stored, IN, OUT, config)
     assert params["weight_scale"].shape == (1,) and params["input_scale"].shape == (1,)
     del stored["input_scale"]
