@@ -5,31 +5,30 @@ A column-parallel layer (``qkv_proj``, ``gate_up_proj``) splits its output featu
 (``models.sharding``). For a quantized layer every stored tensor that has that dimension splits
 along it, in the tensor's own orientation; packing and groups only change the axis length:
 
-======================  =====================  ==========  ==========
-method                  tensor                 column      row
-======================  =====================  ==========  ==========
-awq                     qweight [in, out/8]    1           0
-awq                     qzeros  [G, out/8]     1           0
-awq                     scales  [G, out]       1           0
-gptq                    qweight [in/p, out]    1           0
-gptq                    qzeros  [G, out/p]     1           0 (*)
-gptq                    scales  [G, out]       1           0 (*)
-gptq                    g_idx   [in]           --          0
-compressed-tensors      weight_packed [out, in/p]    0     1
-compressed-tensors      weight_scale  [out, G|1]     0     1 (*)
-compressed-tensors      weight_scale  [out]|[1] (W8A8, as loaded)  0  --
-compressed-tensors      weight_zero_point [out/p, G] 0     1 (*)
-compressed-tensors      weight_g_idx  [in]           --    0
-compressed-tensors      weight [out, in] (W8A8)      0     1
-fp8 / bitsandbytes      weight [out, in]       0           1
-bitsandbytes            SCB [out]              0           --
-any                     input_scale [1]        --          --
-======================  =====================  ==========  ==========
+Axis split by a column- / row-parallel layer (``--``: replicated):
 
-``--`` is replicated. ``(*)``: replicated instead when the axis has length 1 (one group:
-``group_size=-1``, per-channel scale ``[out, 1]``, per-tensor ``[1]``) and when the layer uses
-act-order (``g_idx``): then a device's input rows belong to any group, so every device keeps
-all groups' scales and zeros (vLLM does the same for GPTQ ``desc_act`` under TP).
+    awq                 qweight [in, out/8]               1 / 0
+                        qzeros [G, out/8], scales [G, out] 1 / 0
+    gptq                qweight [in/p, out]               1 / 0
+                        qzeros [G, out/p], scales [G, out] 1 / 0 (*)
+                        g_idx [in]                        -- / 0
+    compressed-tensors  weight_packed [out, in/p]         0 / 1
+                        weight_scale [out, G]             0 / 1 (*)
+                        weight_zero_point [out/p, G]      0 / 1 (*)
+                        weight_g_idx [in]                 -- / 0
+                        weight [out, in] (W8A8)           0 / 1
+                        weight_scale [out] | [1] (W8A8)   0 / --
+    fp8                 weight [out, in]                  0 / 1
+                        weight_scale [1] | [out] (fused)  0 / --
+    bitsandbytes        weight [out, in]                  0 / 1
+                        SCB [out]                         0 / --
+    any                 input_scale [1]                   -- / --
+
+A scale or zero point is replicated along an axis of length 1 (per tensor ``[1]``, per
+channel ``[out, 1]`` under a row split, one group with ``group_size=-1``). ``(*)``: also
+replicated under a row split when the layer uses act-order (``g_idx``): a device's input rows
+then belong to any group, so every device keeps all groups' scales and zeros (vLLM does the
+same for GPTQ ``desc_act`` under TP).
 
 A split is valid only if each shard is whole words and whole groups: the split axis must
 divide by ``tp``, and the unpacked dimension per shard is then a multiple of the pack factor
@@ -54,9 +53,10 @@ TP_SPLIT_AXES: dict[str, dict[str, tuple[int | None, int | None]]] = {
         "weight": (0, 1),
         "input_scale": (None, None),
     },
-    "fp8": {"weight": (0, 1), "weight_scale": (None, None), "input_scale": (None, None)},
+    "fp8": {"weight": (0, 1), "weight_scale": (0, None), "input_scale": (None, None)},
     "bitsandbytes": {"weight": (0, 1), "SCB": (0, None)},
 }
+_WEIGHTS = frozenset({"qweight", "weight_packed", "weight"})
 # Per-group tensors that act-order replicates in a row-parallel layer.
 _GROUP_TENSORS = frozenset({"qzeros", "scales", "weight_scale", "weight_zero_point"})
 PARALLEL_STYLES = ("column", "row")
@@ -85,8 +85,9 @@ def tp_split_axis(
     if name not in TP_SPLIT_AXES[method]:
         raise ValueError(f"no tensor-parallel rule for {method} tensor {name!r}")
     axis = TP_SPLIT_AXES[method][name][PARALLEL_STYLES.index(parallel)]
-    # A 1-D per-output scale (W8A8's loaded [out] or [1]) has no input axis to split.
-    if axis is None or axis >= len(shape) or shape[axis] == 1:
+    # A 1-D per-output scale (W8A8's loaded [out] or [1]) has no input axis to split; a
+    # length-1 axis of a scale or zero-point tensor is a broadcast one (one group, per tensor).
+    if axis is None or axis >= len(shape) or (shape[axis] == 1 and name not in _WEIGHTS):
         return None
     if parallel == "row" and act_order and name in _GROUP_TENSORS:
         return None

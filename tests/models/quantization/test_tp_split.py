@@ -134,6 +134,9 @@ def test_w8a8_scales_split_with_output_rows_only():
     assert tp_split_axis("compressed-tensors", "weight_scale", "column", (1,)) is None
     assert tp_split_axis("fp8", "weight", "row", (OUT, IN)) == 1
     assert tp_split_axis("fp8", "weight_scale", "column", (1,)) is None
+    assert tp_split_axis("fp8", "weight_scale", "column", (OUT,)) == 0  # fused q/k/v scales
+    # A weight is never taken for a broadcast scale, even with a one-word axis.
+    assert tp_split_axis("awq", "qweight", "column", (IN, 1)) == 1
     assert tp_split_axis("compressed-tensors", "input_scale", "row", (1,)) is None
 
 
