@@ -297,6 +297,17 @@ def _scheme_kind(w: QuantizationArgs, a: QuantizationArgs | None, where: str) ->
     return "w8a8_int8" if w.type == "int" else "w8a8_fp8"
 
 
+# compressed-tensors CompressionFormat values whose tensors jaxpaged reads (None: inferred).
+_CT_FORMATS = (None, "pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
+
+
+def _check_format(fmt: Any, where: str) -> None:
+    if fmt not in _CT_FORMATS:
+        raise ValueError(
+            f"{where} must be one of {', '.join(str(f) for f in _CT_FORMATS[1:])}, got {fmt!r}"
+        )
+
+
 def _match(target: str, layer_name: str) -> bool:
     """compressed-tensors' name match: ``re:`` prefix for a regex, else the exact name."""
     if target.startswith("re:"):
@@ -327,9 +338,16 @@ class CompressedTensorsConfig:
                 "quantization_config.quantization_status must be 'compressed' or 'frozen' "
                 f"(a saved checkpoint), got {status!r}"
             )
+        if config.get("sparsity_config"):
+            raise ValueError(
+                "quantization_config.sparsity_config (sparse compressed-tensors) is not "
+                "supported, got a value"
+            )
+        _check_format(config.get("format"), "quantization_config.format")
         groups = []
         for name, group in groups_cfg.items():
             where = f"quantization_config.config_groups.{name}"
+            _check_format(group.get("format"), f"{where}.format")
             targets = group.get("targets")
             if not targets or isinstance(targets, str):
                 raise ValueError(f"{where}.targets must be a non-empty list, got {targets!r}")

@@ -232,3 +232,15 @@ def test_compressed_tensors_scheme_kinds(weights, inputs, kind):
 def test_compressed_tensors_unsupported_schemes_are_named(weights, inputs, match):
     with pytest.raises(ValueError, match=match):
         resolve_quantization(None, _group(weights, inputs))
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"format": "marlin-24"}, r"quantization_config\.format must be one of pack-quantized"),
+        ({"sparsity_config": {"format": "sparse-24-bitmask"}}, r"sparsity_config .* not supported"),
+    ],
+)
+def test_compressed_tensors_formats_we_cannot_read_are_refused(change, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_quantization(None, dict(W8A8_INT8, **change))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -85,3 +86,26 @@ def test_online_methods_read_the_float_weight_and_keep_only_the_quantized_one(co
     assert np.abs(y - exact).max() <= 0.1 * np.abs(exact).max()
     with pytest.raises(ValueError, match=rf"{LAYER}\.weight is missing"):
         method.load(LAYER, {}, 64, 32)
+
+
+def test_int4_dequantization_is_shifts_and_masks_into_one_dot():
+    """The lowered AWQ and GPTQ linears: the packed words reach the single dot only through
+    elementwise ops (shift, mask, subtract, convert, multiply) and reshapes; no gather, so XLA
+    can fuse the dequantization into the dot's operand."""
+    d = np.load(DATA / "awq_gemm.npz")
+    stored = {k: d[f"g32_{k}"] for k in ("qweight", "qzeros", "scales")}
+    x = jnp.zeros((4, 128), jnp.bfloat16)
+    for config in (AWQConfig(4, 32, True), GPTQConfig(4, 32, desc_act=False, sym=True)):
+        method = get_linear_method(config, LAYER)
+        if config.method == "gptq":
+            stored = {
+                "qweight": np.zeros((16, 32), np.int32),
+                "qzeros": np.zeros((4, 4), np.int32),
+                "scales": np.ones((4, 32), np.float16),
+            }
+        params = {k: jnp.asarray(v) for k, v in method.load(LAYER, stored, 128, 32).items()}
+        text = jax.jit(method.apply).lower(x, params).as_text()
+        ops = {line.split("=")[1].split()[0] for line in text.splitlines() if " = " in line}
+        assert sum("dot_general" in line for line in text.splitlines()) == 1
+        assert "stablehlo.shift_right_arithmetic" in ops and "stablehlo.and" in ops
+        assert not any("gather" in op for op in ops), ops
