@@ -322,6 +322,8 @@ class CompressedTensorsConfig:
     groups: tuple[tuple[tuple[str, ...], QuantizationScheme], ...]  # (targets, scheme)
     ignore: tuple[str, ...]
     format: str | None
+    # FP8 KV cache with calibrated per-layer k_scale / v_scale stored in the checkpoint.
+    kv_cache_scheme: QuantizationArgs | None = None
     method = "compressed-tensors"
 
     @classmethod
@@ -352,7 +354,19 @@ class CompressedTensorsConfig:
             if not targets or isinstance(targets, str):
                 raise ValueError(f"{where}.targets must be a non-empty list, got {targets!r}")
             groups.append((tuple(targets), QuantizationScheme.from_config(group, where)))
-        return cls(tuple(groups), _names(config, "ignore"), config.get("format"))
+        kv_cache_scheme = None
+        if config.get("kv_cache_scheme") is not None:
+            where = "quantization_config.kv_cache_scheme"
+            kv_cache_scheme = QuantizationArgs.from_config(config["kv_cache_scheme"], where)
+            if (kv_cache_scheme.type, kv_cache_scheme.num_bits) != ("float", 8) or (
+                kv_cache_scheme.strategy != "tensor"
+            ):
+                raise ValueError(
+                    f"{where} must be 8-bit float with strategy 'tensor' (per-layer k_scale / "
+                    f"v_scale), got type {kv_cache_scheme.type!r}, num_bits "
+                    f"{kv_cache_scheme.num_bits}, strategy {kv_cache_scheme.strategy!r}"
+                )
+        return cls(tuple(groups), _names(config, "ignore"), config.get("format"), kv_cache_scheme)
 
     def scheme_for(self, layer_name: str) -> QuantizationScheme | None:
         """The scheme of linear layer ``layer_name``; None when ignored or targeted by no group.

@@ -83,18 +83,25 @@ def load_gptq_layer(
 ) -> dict[str, np.ndarray]:
     """One layer's stored tensors from ``tensors`` (suffix -> array), checked.
 
-    ``g_idx`` is kept (as int32) only with ``desc_act``; otherwise it is implied by the group
-    size and dropped.
+    ``g_idx`` is kept (as int32) only with ``desc_act``; otherwise it must be the blocked
+    ``i // group_size`` (if stored at all) and is dropped.
 
     Raises:
-        ValueError: a missing tensor (``g_idx`` with ``desc_act``), a wrong shape or dtype, or a
-            ``g_idx`` entry outside ``[0, G)``, naming ``prefix.suffix``.
+        ValueError: a missing tensor (``g_idx`` with ``desc_act``), a wrong shape or dtype, a
+            ``g_idx`` entry outside ``[0, G)``, or a permuted ``g_idx`` without ``desc_act``,
+            naming ``prefix.suffix``.
     """
     out = check_stored_tensors(
         prefix, tensors, gptq_tensor_specs(in_features, out_features, config)
     )
     if not config.desc_act:
-        out.pop("g_idx", None)
+        g_idx = out.pop("g_idx", None)
+        blocked = np.arange(in_features) // (in_features // out["scales"].shape[0])
+        if g_idx is not None and not np.array_equal(g_idx, blocked):
+            raise ValueError(
+                f"tensor {prefix}.g_idx is not the blocked i // group_size but "
+                "quantization_config.desc_act is false"
+            )
         return out
     g_idx = out["g_idx"]
     groups = out["scales"].shape[0]

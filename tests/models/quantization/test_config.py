@@ -244,3 +244,12 @@ def test_compressed_tensors_unsupported_schemes_are_named(weights, inputs, match
 def test_compressed_tensors_formats_we_cannot_read_are_refused(change, match):
     with pytest.raises(ValueError, match=match):
         resolve_quantization(None, dict(W8A8_INT8, **change))
+
+
+def test_compressed_tensors_kv_cache_scheme():
+    fp8_kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    config = resolve_quantization(None, dict(W8A8_INT8, kv_cache_scheme=fp8_kv))
+    assert config.kv_cache_scheme.type == "float"
+    assert resolve_quantization(None, W8A8_INT8).kv_cache_scheme is None
+    with pytest.raises(ValueError, match=r"kv_cache_scheme must be 8-bit float .* 'int'"):
+        resolve_quantization(None, dict(W8A8_INT8, kv_cache_scheme=dict(fp8_kv, type="int")))

@@ -145,6 +145,9 @@ def test_load_errors_name_the_tensor():
         ValueError, match=r"m\.o_proj\.qweight has shape \(32, 64\); expected \(16, 64\)"
     ):
         load_gptq_layer("m.o_proj", bad, IN, OUT, config)
+    permuted = dict(tensors)  # an act-order g_idx while the config says desc_act: false
+    with pytest.raises(ValueError, match=r"m\.o_proj\.g_idx is not the blocked"):
+        load_gptq_layer("m.o_proj", permuted, IN, OUT, GPTQConfig(4, 32, False, True))
     missing = dict(tensors)
     del missing["scales"]
     with pytest.raises(ValueError, match=r"m\.o_proj\.scales is missing"):
