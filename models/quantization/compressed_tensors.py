@@ -159,7 +159,10 @@ def dequantize_wna16(
     dtype = weight_scale.dtype if dtype is None else dtype
     if zeros is not None:
         values = values - jnp.take(zeros, weight_g_idx, axis=1)
-    return values.astype(dtype) * jnp.take(weight_scale, weight_g_idx, axis=1).astype(dtype)
+    weight = values.astype(jnp.float32) * jnp.take(weight_scale, weight_g_idx, axis=1).astype(
+        jnp.float32
+    )
+    return weight.astype(dtype)  # one rounding, as in packing.dequantize_groups
 
 
 def compressed_tensors_linear(

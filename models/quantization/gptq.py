@@ -146,7 +146,8 @@ def gptq_dequantize(
     dtype = scales.dtype if dtype is None else dtype
     rows_zeros = jnp.take(zeros, g_idx, axis=0)  # [in, out]
     rows_scales = jnp.take(scales, g_idx, axis=0)
-    return (values - rows_zeros).astype(dtype) * rows_scales.astype(dtype)
+    weight = (values - rows_zeros).astype(jnp.float32) * rows_scales.astype(jnp.float32)
+    return weight.astype(dtype)  # one rounding, as in packing.dequantize_groups
 
 
 def gptq_linear(

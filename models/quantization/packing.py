@@ -87,8 +87,11 @@ def dequantize_groups(
         scales: ``[G, out]`` (or ``[out, G]``) with ``G`` groups along ``axis``; group ``k``
             covers elements ``[k * n / G, (k + 1) * n / G)`` of that axis.
         axis: 0 or 1, the grouped axis of a 2-D weight.
-        dtype: the result dtype; None is ``scales.dtype``. The difference is converted once,
-            then multiplied once (a single rounding, as the tools' own dequantization does).
+        dtype: the result dtype; None is ``scales.dtype``. The product is formed in float32
+            and rounded once to ``dtype``: for float16/bfloat16 scales and 4- or 8-bit values it
+            is exact in float32 (at most 9 + 11 significant bits), so the result equals the
+            tools' own ``(q - z) * s`` in the scales' dtype bit for bit, and a bfloat16 compute
+            dtype with float16 scales loses nothing before that one rounding.
 
     Returns:
         The dequantized weight, shaped like ``values``.
@@ -100,8 +103,8 @@ def dequantize_groups(
     grouped = values.reshape(split)
     if zeros is not None:
         grouped = grouped - jnp.expand_dims(zeros, axis + 1)
-    weight = grouped.astype(dtype) * jnp.expand_dims(scales, axis + 1).astype(dtype)
-    return weight.reshape(values.shape)
+    weight = grouped.astype(jnp.float32) * jnp.expand_dims(scales, axis + 1).astype(jnp.float32)
+    return weight.astype(dtype).reshape(values.shape)
 
 
 def matmul(x: jax.Array, weight: jax.Array, *, transposed: bool, out_dtype=None) -> jax.Array:

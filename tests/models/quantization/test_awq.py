@@ -116,3 +116,12 @@ def test_load_checks_shapes_and_names_the_tensor():
         load_awq_layer("m.q_proj", wrong_dtype, 128, 32, config)
     with pytest.raises(ValueError, match="group_size"):
         load_awq_layer("m.q_proj", _stored(), 100, 32, config)
+
+
+def test_bfloat16_weight_is_the_exact_product_rounded_once():
+    """float16 scales into a bfloat16 compute dtype: no intermediate rounding of the scale."""
+    d = np.load(FIXTURE)
+    args = [jnp.asarray(d[f"g32_{k}"]) for k in ("qweight", "qzeros", "scales")]
+    bf16 = np.asarray(awq_dequantize(*args, dtype=jnp.bfloat16))
+    exact = np.asarray(awq_dequantize(*args, dtype=jnp.float32))  # exact in float32
+    np.testing.assert_array_equal(bf16, exact.astype(jnp.bfloat16))
