@@ -29,7 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.quantization.config import GPTQConfig
-from models.quantization.packing import dequantize_groups, matmul, pack_factor, unpack_int32
+from models.quantization.packing import (
+    dequantize_groups,
+    matmul,
+    pack_factor,
+    pack_int32,
+    unpack_int32,
+)
 from models.quantization.stored import TensorSpec, check_stored_tensors
 
 _SCALE_DTYPES = ("float16", "bfloat16", "float32")
@@ -114,6 +120,48 @@ def load_gptq_layer(
     return out
 
 
+def gptq_sort_act_order(
+    tensors: Mapping[str, np.ndarray], bits: int, *, prefix: str = "layer"
+) -> dict[str, np.ndarray]:
+    """An act-order layer with its rows sorted by group, for a gather-free dequantization.
+
+    vLLM's and exllama's ``gptq_shuffle``: with ``perm = argsort(g_idx)`` (stable), row ``i`` of
+    the sorted ``qweight`` is row ``perm[i]`` of the stored one, so the groups become the blocked
+    ``i // group_size`` and the layer computes ``x[..., perm] @ W_sorted`` (a gather of the
+    activations, not of the weight's scales). Host side, at load.
+
+    Args:
+        tensors: ``load_gptq_layer``'s result with ``g_idx``.
+        bits: 4 or 8.
+        prefix: the layer's name, for messages.
+
+    Returns:
+        ``qweight`` (rows sorted), ``qzeros``, ``scales`` and ``perm: i32[in]`` (no ``g_idx``).
+        Only for a whole layer or a column-parallel one: a row split would cut ``perm``'s
+        input axis, which the devices no longer hold in order (``tp_split`` refuses it).
+
+    Raises:
+        ValueError: a group that does not hold exactly ``in / G`` rows (then no blocked order
+            exists), naming ``prefix.g_idx``.
+    """
+    g_idx = np.asarray(tensors["g_idx"])
+    groups = tensors["scales"].shape[0]
+    counts = np.bincount(g_idx, minlength=groups)
+    if np.any(counts != g_idx.size // groups):
+        raise ValueError(
+            f"tensor {prefix}.g_idx does not give every one of its {groups} groups "
+            f"{g_idx.size // groups} rows (counts {counts.min()}..{counts.max()})"
+        )
+    perm = np.argsort(g_idx, kind="stable")
+    values = np.asarray(unpack_int32(jnp.asarray(tensors["qweight"]), bits, axis=0))
+    return {
+        "qweight": pack_int32(values[perm], bits, axis=0),
+        "qzeros": tensors["qzeros"],
+        "scales": tensors["scales"],
+        "perm": perm.astype(np.int32),
+    }
+
+
 def gptq_unpack(
     qweight: jax.Array, qzeros: jax.Array, bits: int, checkpoint_format: str = "gptq"
 ) -> tuple[jax.Array, jax.Array]:
@@ -159,12 +207,17 @@ def gptq_linear(
     *,
     bits: int,
     checkpoint_format: str = "gptq",
+    perm: jax.Array | None = None,
 ) -> jax.Array:
     """``x @ W`` for ``x: [..., in]`` -> ``[..., out]`` in ``x.dtype`` (float32 accumulation).
 
     The dequantization is elementwise on the weight (plus, with act-order, a row gather of the
-    ``[G, out]`` zeros and scales), for XLA to fuse into the dot's operand.
+    ``[G, out]`` zeros and scales), for XLA to fuse into the dot's operand. ``perm: i32[in]``
+    (from :func:`gptq_sort_act_order`, instead of ``g_idx``) permutes ``x``'s features and
+    keeps the weight's dequantization blocked and gather-free.
     """
+    if perm is not None:
+        x = jnp.take(x, perm, axis=-1)
     weight = gptq_dequantize(
         qweight,
         qzeros,

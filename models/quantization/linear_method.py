@@ -112,6 +112,7 @@ class LinearMethod:
                 params.get("g_idx"),
                 bits=c.weight_bits,
                 checkpoint_format=c.checkpoint_format,
+                perm=params.get("perm"),
             )
         if isinstance(c, CompressedTensorsConfig):
             return compressed_tensors.compressed_tensors_linear(x, params, self.scheme)

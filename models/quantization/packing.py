@@ -122,3 +122,23 @@ def matmul(x: jax.Array, weight: jax.Array, *, transposed: bool, out_dtype=None)
         preferred_element_type=jnp.float32,
     )
     return y.astype(x.dtype if out_dtype is None else out_dtype)
+
+
+def pack_int32(values: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """The inverse of :func:`unpack_int32` with the natural slot order (host side, numpy).
+
+    ``values``: unsigned ints in ``[0, 2 ** bits)``, ``axis`` a multiple of ``32 // bits`` long;
+    returns ``i32`` with that axis divided by ``32 // bits``, element ``j`` of each run of
+    ``32 // bits`` in bits ``[bits * j, bits * (j + 1))`` (GPTQ's and compressed-tensors' order).
+
+    Raises:
+        ValueError: ``bits`` is not 4 or 8, or the axis length is not a multiple of the pack.
+    """
+    pack = pack_factor(bits)
+    values = np.moveaxis(np.asarray(values, dtype=np.uint32), axis, 0)
+    if values.shape[0] % pack:
+        raise ValueError(f"cannot pack {values.shape[0]} values into words of {pack}")
+    runs = values.reshape(values.shape[0] // pack, pack, *values.shape[1:])
+    shifts = (bits * np.arange(pack, dtype=np.uint32)).reshape(1, pack, *[1] * (values.ndim - 1))
+    words = np.bitwise_or.reduce(runs << shifts, axis=1)
+    return np.moveaxis(words.view(np.int32), 0, axis)

@@ -12,6 +12,7 @@ Axis split by a column- / row-parallel layer (``--``: replicated):
     gptq                qweight [in/p, out]               1 / 0
                         qzeros [G, out/p], scales [G, out] 1 / 0 (*)
                         g_idx [in]                        -- / 0
+                        perm [in] (sorted act-order)      -- / refused
     compressed-tensors  weight_packed [out, in/p]         0 / 1
                         weight_scale [out, G]             0 / 1 (*)
                         weight_zero_point [out/p, G]      0 / 1 (*)
@@ -44,7 +45,13 @@ import numpy as np
 # method -> tensor suffix -> (axis split by a column-parallel layer, by a row-parallel layer)
 TP_SPLIT_AXES: dict[str, dict[str, tuple[int | None, int | None]]] = {
     "awq": {"qweight": (1, 0), "qzeros": (1, 0), "scales": (1, 0)},
-    "gptq": {"qweight": (1, 0), "qzeros": (1, 0), "scales": (1, 0), "g_idx": (None, 0)},
+    "gptq": {
+        "qweight": (1, 0),
+        "qzeros": (1, 0),
+        "scales": (1, 0),
+        "g_idx": (None, 0),
+        "perm": (None, None),  # sorted act-order: column-parallel only (row split refused)
+    },
     "compressed-tensors": {
         "weight_packed": (0, 1),
         "weight_scale": (0, 1),
@@ -76,7 +83,8 @@ def tp_split_axis(
             ``actorder: group``).
 
     Raises:
-        ValueError: an unknown method, tensor or parallel style.
+        ValueError: an unknown method, tensor or parallel style; GPTQ's ``perm`` (a sorted
+            act-order layer) in a row-parallel layer.
     """
     if parallel not in PARALLEL_STYLES:
         raise ValueError(f"parallel must be 'column' or 'row', got {parallel!r}")
@@ -84,6 +92,12 @@ def tp_split_axis(
         raise ValueError(f"no tensor-parallel rules for method {method!r}")
     if name not in TP_SPLIT_AXES[method]:
         raise ValueError(f"no tensor-parallel rule for {method} tensor {name!r}")
+    if name == "perm" and parallel == "row":
+        raise ValueError(
+            "a row-parallel layer cannot hold a sorted act-order weight (perm): its input rows "
+            "are split in the original order; keep g_idx (gptq_sort_act_order is for whole or "
+            "column-parallel layers)"
+        )
     axis = TP_SPLIT_AXES[method][name][PARALLEL_STYLES.index(parallel)]
     # A 1-D per-output scale (W8A8's loaded [out] or [1]) has no input axis to split; a
     # length-1 axis of a scale or zero-point tensor is a broadcast one (one group, per tensor).

@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 
 from models.quantization.config import GPTQConfig
-from models.quantization.gptq import gptq_dequantize, gptq_linear, gptq_unpack, load_gptq_layer
+from models.quantization.gptq import (
+    gptq_dequantize,
+    gptq_linear,
+    gptq_sort_act_order,
+    gptq_unpack,
+    load_gptq_layer,
+)
+from models.quantization.packing import pack_int32, unpack_int32
 
 IN, OUT = 128, 64
 
@@ -152,3 +159,47 @@ def test_load_errors_name_the_tensor():
     del missing["scales"]
     with pytest.raises(ValueError, match=r"m\.o_proj\.scales is missing"):
         load_gptq_layer("m.o_proj", missing, IN, OUT, config)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_sorted_act_order_equals_the_g_idx_form(bits):
+    """vLLM/exllama's shuffle: rows sorted by group, ``x`` permuted instead of the scales
+    gathered. The sorted weight is the gathered one's rows in ``perm`` order, bit for bit."""
+    config = GPTQConfig(bits, 32, desc_act=True, sym=False)
+    tensors, *_ = _checkpoint(bits, 32, True, False, "gptq", seed=5)
+    loaded = load_gptq_layer("m.up_proj", tensors, IN, OUT, config)
+    sorted_ = gptq_sort_act_order(loaded, bits)
+    assert "g_idx" not in sorted_ and sorted_["perm"].dtype == np.int32
+    j, s = ({k: jnp.asarray(v) for k, v in t.items()} for t in (loaded, sorted_))
+    gathered = np.asarray(
+        gptq_dequantize(j["qweight"], j["qzeros"], j["scales"], j["g_idx"], bits=bits)
+    )
+    blocked = np.asarray(gptq_dequantize(s["qweight"], s["qzeros"], s["scales"], bits=bits))
+    np.testing.assert_array_equal(
+        blocked.view(np.uint16), gathered[sorted_["perm"]].view(np.uint16)
+    )
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((3, IN)), jnp.float32)
+    y_sorted = gptq_linear(
+        x, s["qweight"], s["qzeros"], s["scales"].astype(jnp.float32), bits=bits, perm=s["perm"]
+    )
+    y_gidx = gptq_linear(
+        x, j["qweight"], j["qzeros"], j["scales"].astype(jnp.float32), j["g_idx"], bits=bits
+    )
+    np.testing.assert_allclose(np.asarray(y_sorted), np.asarray(y_gidx), rtol=1e-5, atol=1e-5)
+
+
+def test_sorting_needs_equal_groups():
+    tensors, *_ = _checkpoint(4, 32, True, False, "gptq")
+    bad = dict(tensors, g_idx=np.sort(tensors["g_idx"])[::-1].copy())
+    bad["g_idx"][0] = 0  # group 0 now one row too many
+    with pytest.raises(ValueError, match=r"m\.g_idx does not give every one of its 4 groups"):
+        gptq_sort_act_order(bad, 4, prefix="m")
+
+
+@pytest.mark.parametrize("bits,axis", [(4, 0), (4, 1), (8, 0), (8, 1)])
+def test_pack_int32_inverts_unpack_and_matches_the_gptq_layout(bits, axis):
+    values = np.random.default_rng(bits + axis).integers(0, 2**bits, (64, 32))
+    packed = pack_int32(values, bits, axis)
+    np.testing.assert_array_equal(np.asarray(unpack_int32(jnp.asarray(packed), bits, axis)), values)
+    reference = _pack_rows(values, bits) if axis == 0 else _pack_cols(values, bits)
+    np.testing.assert_array_equal(packed, reference)

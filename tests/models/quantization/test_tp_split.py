@@ -156,5 +156,8 @@ def test_split_that_would_cut_packed_words_names_the_tensor():
         shard_layer("awq", layer, "column", 2, 0, prefix="down_proj")
     with pytest.raises(ValueError, match="parallel must be 'column' or 'row'"):
         tp_split_axis("awq", "qweight", "vocab", (1, 1))
+    with pytest.raises(ValueError, match="row-parallel layer cannot hold a sorted act-order"):
+        tp_split_axis("gptq", "perm", "row", (IN,))
+    assert tp_split_axis("gptq", "perm", "column", (IN,)) is None
     with pytest.raises(ValueError, match="no tensor-parallel rule for awq tensor 'g_idx'"):
         tp_split_axis("awq", "g_idx", "row", (8,))
