@@ -11,6 +11,9 @@ Modules:
 
 - ``config``: HF ``quantization_config`` -> a frozen config per method; auto-detection from
   ``quant_method`` and the ``quantization=`` flag check (no JAX, no numpy).
+- ``linear_method``: ``get_linear_method(config, layer_name)``, the one object the model and the
+  loaders talk to (tensor specs, load, TP split axis, apply).
+- ``stored``: a layer's stored tensors (``TensorSpec``) and the check that names a bad one.
 - ``packing``: int4/int8 values packed in int32 words, unpacked with shifts and masks.
 - ``awq``, ``gptq``, ``compressed_tensors``, ``fp8``, ``bitsandbytes``: per method, the tensors a
   layer loads as stored (names, shapes, dtypes, checks), unpacking to (values, scales, zeros),
@@ -18,6 +21,9 @@ Modules:
 - ``w8a8``: dynamic per-token activation quantization and the INT8 / FP8 scaled matmuls shared by
   ``compressed_tensors``, ``fp8`` and ``bitsandbytes``.
 - ``tp_split``: which axis of each stored tensor splits for column- and row-parallel layers.
+- ``merge``: q/k/v (gate/up) parts fused in ``models.merged_linear``'s shard-major order.
+
+``docs/quantization.md`` lists the formats with their sources and the plan for wiring this in.
 
 Shape letters: ``in`` / ``out`` are a layer's input and output features, ``G`` its number of
 quantization groups along ``in`` (``in // group_size``), ``T`` tokens (as in ``pallas_kernels``).
