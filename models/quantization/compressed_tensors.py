@@ -26,7 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.quantization.config import QuantizationScheme
-from models.quantization.packing import dequantize_groups, matmul, pack_factor, unpack_int32
+from models.quantization.packing import (
+    dequantize_groups,
+    matmul,
+    pack_factor,
+    permute_packed,
+    unpack_int32,
+)
 from models.quantization.stored import TensorSpec, check_stored_tensors
 from models.quantization.w8a8 import w8a8_linear
 
@@ -165,6 +171,35 @@ def dequantize_wna16(
     return weight.astype(dtype)  # one rounding, as in packing.dequantize_groups
 
 
+def sort_wna16_act_order(
+    tensors: Mapping[str, np.ndarray], bits: int, *, prefix: str = "layer"
+) -> dict[str, np.ndarray]:
+    """An ``actorder: group`` layer with its input columns sorted by group (gather-free).
+
+    As :func:`models.quantization.gptq.gptq_sort_act_order`: with ``perm =
+    argsort(weight_g_idx)`` (stable), column ``i`` of the sorted ``weight_packed`` is column
+    ``perm[i]`` of the stored one, the groups become blocked, and the layer computes
+    ``x[..., perm] @ W_sorted.T``. Returns the tensors with ``perm: i32[in]`` instead of
+    ``weight_g_idx``. Whole or column-parallel layers only (``tp_split`` refuses a row split).
+
+    Raises:
+        ValueError: a group without exactly ``in / G`` columns, naming ``prefix.weight_g_idx``.
+    """
+    g_idx = np.asarray(tensors["weight_g_idx"])
+    groups = tensors["weight_scale"].shape[1]
+    counts = np.bincount(g_idx, minlength=groups)
+    if np.any(counts != g_idx.size // groups):
+        raise ValueError(
+            f"tensor {prefix}.weight_g_idx does not give every one of its {groups} groups "
+            f"{g_idx.size // groups} columns (counts {counts.min()}..{counts.max()})"
+        )
+    perm = np.argsort(g_idx, kind="stable")
+    out = {k: v for k, v in tensors.items() if k != "weight_g_idx"}
+    out["weight_packed"] = permute_packed(tensors["weight_packed"], bits, 1, perm)
+    out["perm"] = perm.astype(np.int32)
+    return out
+
+
 def compressed_tensors_linear(
     x: jax.Array, params: Mapping[str, jax.Array], scheme: QuantizationScheme
 ) -> jax.Array:
@@ -175,6 +210,8 @@ def compressed_tensors_linear(
     dynamic or with the static ``input_scale``) and runs the 8-bit matmul.
     """
     if scheme.kind == "wna16":
+        if "perm" in params:  # sort_wna16_act_order: permute the activations, not the scales
+            x = jnp.take(x, params["perm"], axis=-1)
         weight = dequantize_wna16(
             params["weight_packed"],
             params["weight_scale"],

@@ -33,7 +33,7 @@ from models.quantization.packing import (
     dequantize_groups,
     matmul,
     pack_factor,
-    pack_int32,
+    permute_packed,
     unpack_int32,
 )
 from models.quantization.stored import TensorSpec, check_stored_tensors
@@ -153,9 +153,8 @@ def gptq_sort_act_order(
             f"{g_idx.size // groups} rows (counts {counts.min()}..{counts.max()})"
         )
     perm = np.argsort(g_idx, kind="stable")
-    values = np.asarray(unpack_int32(jnp.asarray(tensors["qweight"]), bits, axis=0))
     return {
-        "qweight": pack_int32(values[perm], bits, axis=0),
+        "qweight": permute_packed(tensors["qweight"], bits, 0, perm),
         "qzeros": tensors["qzeros"],
         "scales": tensors["scales"],
         "perm": perm.astype(np.int32),

@@ -142,3 +142,12 @@ def pack_int32(values: np.ndarray, bits: int, axis: int) -> np.ndarray:
     shifts = (bits * np.arange(pack, dtype=np.uint32)).reshape(1, pack, *[1] * (values.ndim - 1))
     words = np.bitwise_or.reduce(runs << shifts, axis=1)
     return np.moveaxis(words.view(np.int32), 0, axis)
+
+
+def permute_packed(packed: np.ndarray, bits: int, axis: int, perm: np.ndarray) -> np.ndarray:
+    """Packed words whose unpacked ``axis`` is reordered: element ``i`` <- element ``perm[i]``.
+
+    Host side (numpy), natural slot order; used to sort act-order layers by group at load.
+    """
+    values = np.asarray(unpack_int32(jnp.asarray(packed), bits, axis))
+    return pack_int32(np.take(values, perm, axis=axis), bits, axis)

@@ -17,6 +17,7 @@ Axis split by a column- / row-parallel layer (``--``: replicated):
                         weight_scale [out, G]             0 / 1 (*)
                         weight_zero_point [out/p, G]      0 / 1 (*)
                         weight_g_idx [in]                 -- / 0
+                        perm [in] (sorted act-order)      -- / refused
                         weight [out, in] (W8A8)           0 / 1
                         weight_scale [out] | [1] (W8A8)   0 / --
     fp8                 weight [out, in]                  0 / 1
@@ -57,6 +58,7 @@ TP_SPLIT_AXES: dict[str, dict[str, tuple[int | None, int | None]]] = {
         "weight_scale": (0, 1),
         "weight_zero_point": (0, 1),
         "weight_g_idx": (None, 0),
+        "perm": (None, None),  # sorted act-order: column-parallel only (row split refused)
         "weight": (0, 1),
         "input_scale": (None, None),
     },
@@ -83,8 +85,8 @@ def tp_split_axis(
             ``actorder: group``).
 
     Raises:
-        ValueError: an unknown method, tensor or parallel style; GPTQ's ``perm`` (a sorted
-            act-order layer) in a row-parallel layer.
+        ValueError: an unknown method, tensor or parallel style; ``perm`` (a sorted act-order
+            layer) in a row-parallel layer.
     """
     if parallel not in PARALLEL_STYLES:
         raise ValueError(f"parallel must be 'column' or 'row', got {parallel!r}")

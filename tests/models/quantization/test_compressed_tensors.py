@@ -27,6 +27,7 @@ from models.quantization.compressed_tensors import (
     compressed_tensors_linear,
     dequantize_wna16,
     load_compressed_tensors_layer,
+    sort_wna16_act_order,
 )
 from models.quantization.config import CompressedTensorsConfig
 
@@ -248,3 +249,28 @@ def test_load_rejects_wrong_weight_shape_and_missing_scale():
     bad = dict(stored, weight_packed=stored["weight_packed"][:, :-1])
     with pytest.raises(ValueError, match=r"l\.weight_packed has shape \(48, 15\)"):
         load_compressed_tensors_layer("l", bad, IN, OUT, scheme)
+
+
+def test_sorted_act_order_equals_the_g_idx_form():
+    scheme, stored, _ = _make(
+        dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32),
+        dtype=torch.float32,
+    )
+    g_idx = np.random.default_rng(1).permutation(np.arange(IN) // 32).astype(np.int32)
+    params = dict(load_compressed_tensors_layer("l", stored, IN, OUT, scheme), weight_g_idx=g_idx)
+    sorted_ = sort_wna16_act_order(params, 4)
+    assert "weight_g_idx" not in sorted_
+    j, s = ({k: jnp.asarray(v) for k, v in t.items()} for t in (params, sorted_))
+    keys = ("weight_packed", "weight_scale", "weight_zero_point")
+    gathered = np.asarray(dequantize_wna16(*(j[k] for k in keys), j["weight_g_idx"], bits=4))
+    blocked = np.asarray(dequantize_wna16(*(s[k] for k in keys), bits=4))
+    np.testing.assert_array_equal(blocked, gathered[:, sorted_["perm"]])
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, IN)), jnp.float32)
+    np.testing.assert_allclose(
+        np.asarray(compressed_tensors_linear(x, s, scheme)),
+        np.asarray(compressed_tensors_linear(x, j, scheme)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    with pytest.raises(ValueError, match=r"l\.weight_g_idx does not give every one"):
+        sort_wna16_act_order(dict(params, weight_g_idx=np.zeros(IN, np.int32)), 4, prefix="l")
