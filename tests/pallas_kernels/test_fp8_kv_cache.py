@@ -89,3 +89,65 @@ def test_kv_cache_dtype_names_are_vllms():
         ValueError, match="kv_cache_dtype must be one of fp8, fp8_e4m3, fp8_e5m2 .* got 'int8'"
     ):
         kv_cache_fp8_dtype("int8")
+
+
+def _decode_case(seed=3):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, 4, 32)).astype(np.float32)  # [B, Hq, D]
+    k = rng.standard_normal((2, 24, 2, 32)).astype(np.float32)  # [B, S, Hkv, D]
+    v = rng.standard_normal((2, 24, 2, 32)).astype(np.float32) * 3
+    return q, k, v, jnp.asarray([24, 17], jnp.int32)
+
+
+def test_folding_the_scales_out_of_the_kernel_is_the_same_attention():
+    """docs/quantization.md's plan: kernels may read raw fp8 and fold the scales into the logit
+    scale (``sm_scale * k_scale``) and the output (``* v_scale``) instead of dequantizing each
+    element: the same attention up to float32 rounding."""
+    from pallas_kernels import paged_attention_reference
+
+    q, k, v, seq_lens = _decode_case()
+    k_scale = kv_scale_from_amax(jnp.asarray(k), K_SCALE_CONSTANT)
+    v_scale = kv_scale_from_amax(jnp.asarray(v), V_SCALE_CONSTANT)
+    k8, v8 = quantize_kv(jnp.asarray(k), k_scale), quantize_kv(jnp.asarray(v), v_scale)
+    sm = 32**-0.5
+    dequantized = paged_attention_reference(
+        jnp.asarray(q), dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale), seq_lens, scale=sm
+    )
+    folded = v_scale * paged_attention_reference(
+        jnp.asarray(q),
+        k8.astype(jnp.float32),
+        v8.astype(jnp.float32),
+        seq_lens,
+        scale=sm * float(k_scale),  # the reference takes a static scale
+    )
+    np.testing.assert_allclose(np.asarray(folded), np.asarray(dequantized), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_kv_attention_error_is_within_its_derived_bound():
+    """Attention over an e4m3 cache against float32 K/V. Each logit moves by at most
+    ``delta = sm * sum_d |q_d| |dk_d|``, so each softmax weight by a factor within
+    ``exp(+-2 delta)``, and ``|d out| <= (exp(2 delta) - 1) * max|v| + max|dv|``."""
+    from pallas_kernels import paged_attention_reference
+
+    q, k, v, seq_lens = _decode_case(4)
+    sm = 32**-0.5
+    k_scale = kv_scale_from_amax(jnp.asarray(k), K_SCALE_CONSTANT)
+    v_scale = kv_scale_from_amax(jnp.asarray(v), V_SCALE_CONSTANT)
+    k_deq = np.asarray(dequantize_kv(quantize_kv(jnp.asarray(k), k_scale), k_scale))
+    v_deq = np.asarray(dequantize_kv(quantize_kv(jnp.asarray(v), v_scale), v_scale))
+    exact = np.asarray(paged_attention_reference(*map(jnp.asarray, (q, k, v)), seq_lens, scale=sm))
+    fp8 = np.asarray(
+        paged_attention_reference(
+            jnp.asarray(q), jnp.asarray(k_deq), jnp.asarray(v_deq), seq_lens, scale=sm
+        )
+    )
+    group = 2  # Hq / Hkv
+    for b, length in enumerate([24, 17]):
+        for h in range(4):
+            dk = np.abs(k_deq[b, :length, h // group] - k[b, :length, h // group])
+            delta = sm * (np.abs(q[b, h]) * dk).sum(-1).max()
+            dv = np.abs(v_deq[b, :length, h // group] - v[b, :length, h // group]).max()
+            vmax = np.abs(v[b, :length, h // group]).max()
+            bound = (np.exp(2 * delta) - 1) * vmax + dv
+            assert np.abs(fp8[b, h] - exact[b, h]).max() <= bound * (1 + 1e-4) + 1e-6
+    assert np.abs(fp8 - exact).max() > 0  # the cache really was quantized
