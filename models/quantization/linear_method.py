@@ -1,0 +1,138 @@
+"""One object per quantized linear layer: what it loads, how it splits, how it multiplies.
+
+DESIGN.md §10: a linear layer's method is chosen once from the checkpoint's
+``quantization_config`` (or the flag). :func:`get_linear_method` returns it for a layer name
+(None: the layer stays unquantized, e.g. ``lm_head`` or an ``ignore``d module), and the model and
+loaders then only call its four members; no method-specific code outside this package:
+
+- ``tensor_specs(in, out)``: the stored tensors (suffix -> shape, dtypes) the loader reads;
+- ``load(prefix, tensors, in, out)``: checked host arrays in the form ``apply`` takes (online
+  methods quantize here, so the device only ever holds the quantized form);
+- ``split_axis(name, parallel, shape)``: the ``tp`` axis of each loaded tensor (or None);
+- ``apply(x, params)``: ``x [..., in] -> [..., out]`` in ``x.dtype``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+from models.quantization import awq, bitsandbytes, compressed_tensors, fp8, gptq
+from models.quantization.config import (
+    AWQConfig,
+    BitsAndBytesConfig,
+    CompressedTensorsConfig,
+    Fp8Config,
+    GPTQConfig,
+    QuantizationConfig,
+    QuantizationScheme,
+)
+from models.quantization.stored import TensorSpec
+from models.quantization.tp_split import tp_split_axis
+
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearMethod:
+    """The quantization of one linear layer (see the module docstring for the members)."""
+
+    config: QuantizationConfig
+    scheme: QuantizationScheme | None = None  # compressed-tensors: this layer's scheme
+
+    @property
+    def method(self) -> str:
+        """vLLM's method name (``awq``, ``gptq``, ``compressed-tensors``, ...)."""
+        return self.config.method
+
+    def tensor_specs(self, in_features: int, out_features: int) -> dict[str, TensorSpec]:
+        """The checkpoint tensors of one layer (for online methods, the float ``weight``)."""
+        c = self.config
+        if isinstance(c, AWQConfig):
+            return awq.awq_tensor_specs(in_features, out_features, c)
+        if isinstance(c, GPTQConfig):
+            return gptq.gptq_tensor_specs(in_features, out_features, c)
+        if isinstance(c, CompressedTensorsConfig):
+            return compressed_tensors.compressed_tensors_specs(
+                in_features, out_features, self.scheme
+            )
+        if isinstance(c, Fp8Config) and c.is_checkpoint_fp8_serialized:
+            return fp8.fp8_tensor_specs(in_features, out_features, c)
+        if isinstance(c, BitsAndBytesConfig) and c.is_prequantized:
+            return {
+                "weight": TensorSpec((out_features, in_features), ("int8",)),
+                "SCB": TensorSpec((out_features,), _FLOAT_DTYPES),
+            }
+        return {"weight": TensorSpec((out_features, in_features), _FLOAT_DTYPES)}
+
+    def load(
+        self,
+        prefix: str,
+        tensors: Mapping[str, np.ndarray],
+        in_features: int,
+        out_features: int,
+    ) -> dict[str, np.ndarray]:
+        """Checked host arrays for :meth:`apply`.
+
+        Raises:
+            ValueError: a missing tensor, wrong shape or dtype, naming ``prefix.suffix``.
+        """
+        c, args = self.config, (prefix, tensors, in_features, out_features)
+        if isinstance(c, AWQConfig):
+            return awq.load_awq_layer(*args, c)
+        if isinstance(c, GPTQConfig):
+            return gptq.load_gptq_layer(*args, c)
+        if isinstance(c, CompressedTensorsConfig):
+            return compressed_tensors.load_compressed_tensors_layer(*args, self.scheme)
+        if isinstance(c, Fp8Config):
+            return fp8.load_fp8_layer(*args, c)
+        return bitsandbytes.load_bitsandbytes_layer(*args, c)
+
+    def split_axis(self, name: str, parallel: str, shape: tuple[int, ...]) -> int | None:
+        """The axis of loaded tensor ``name`` that ``tp`` splits (``models.quantization.tp_split``)."""
+        act_order = (isinstance(self.config, GPTQConfig) and self.config.desc_act) or (
+            self.scheme is not None and self.scheme.weights.actorder == "group"
+        )
+        return tp_split_axis(self.method, name, parallel, shape, act_order=act_order)
+
+    def apply(self, x: jax.Array, params: Mapping[str, jax.Array]) -> jax.Array:
+        """``x: [..., in]`` -> ``[..., out]`` in ``x.dtype``; ``params`` as :meth:`load` made them."""
+        c = self.config
+        if isinstance(c, AWQConfig):
+            return awq.awq_linear(x, params["qweight"], params["qzeros"], params["scales"])
+        if isinstance(c, GPTQConfig):
+            return gptq.gptq_linear(
+                x,
+                params["qweight"],
+                params["qzeros"],
+                params["scales"],
+                params.get("g_idx"),
+                bits=c.weight_bits,
+                checkpoint_format=c.checkpoint_format,
+                perm=params.get("perm"),
+            )
+        if isinstance(c, CompressedTensorsConfig):
+            return compressed_tensors.compressed_tensors_linear(x, params, self.scheme)
+        if isinstance(c, Fp8Config):
+            return fp8.fp8_linear(x, params)
+        return bitsandbytes.bitsandbytes_linear(x, params["weight"], params["SCB"])
+
+
+def get_linear_method(config: QuantizationConfig | None, layer_name: str) -> LinearMethod | None:
+    """The method of linear layer ``layer_name`` (HF name, e.g. ``model.layers.0.mlp.up_proj``).
+
+    None when the model is unquantized or the checkpoint leaves this layer in float
+    (``modules_to_not_convert``, GPTQ's ``lm_head: false``, compressed-tensors ``ignore`` or no
+    matching target, FP8 ``ignored_layers``, ``llm_int8_skip_modules``).
+    """
+    if config is None:
+        return None
+    if isinstance(config, CompressedTensorsConfig):
+        scheme = config.scheme_for(layer_name)
+        return None if scheme is None else LinearMethod(config, scheme)
+    if config.is_skipped(layer_name):
+        return None
+    return LinearMethod(config)
