@@ -265,9 +265,7 @@ class TestRaggedPagedAttention:
             q_lens=[1, 4, 7],
         )
         slopes = random_alibi_slopes(np.random.default_rng(0), 4)
-        options = dict(
-            scale=0.25, sliding_window=5, alibi_slopes=slopes, interpret=self.INTERPRET
-        )
+        options = dict(scale=0.25, sliding_window=5, alibi_slopes=slopes, interpret=self.INTERPRET)
         ragged = ragged_paged_attention(q, k_cache, v_cache, tables, lens, cu, **options)
         last = np.asarray(cu)[1:] - 1
         decode = paged_attention(q[last], k_cache, v_cache, tables, lens, **options)
