@@ -18,7 +18,7 @@ from models.sharded_weights import load_sharded_model
 from models.sharding import kv_cache_sharding, make_mesh
 from models.weights import load_model
 from tests.models.conftest import PagedRunner, relative_diff
-from tests.models.test_gpt2 import TIGHT_ENGINE, VOCAB, hf_greedy, make_checkpoint
+from tests.models.test_gpt2 import VOCAB, hf_greedy, make_checkpoint
 
 NUM_DEVICES = 2
 # Sharded against one device: the all-reduces add partial sums in another order (float32 ulps).
@@ -46,12 +46,15 @@ def _prefill_logits(model, config, mesh=None) -> np.ndarray:
     return np.concatenate([np.stack(s.logits) for s in runner.generate(PROMPTS, 1)])
 
 
-@pytest.mark.parametrize("architecture", ["GPT2LMHeadModel", "BloomForCausalLM"])
-def test_sharded_pallas_logits_match_one_device(tmp_path, architecture):
+@pytest.mark.parametrize(
+    "architecture, backend", [("GPT2LMHeadModel", "reference"), ("BloomForCausalLM", "pallas")]
+)
+def test_sharded_logits_match_one_device(tmp_path, architecture, backend):
+    """BLOOM on the Pallas backend: each shard's kernels take that shard's ALiBi slopes."""
     path = make_checkpoint(str(tmp_path / architecture), architecture)
     one, config = load_model(path)
     sharded, _ = load_sharded_model(
-        path, mesh=make_mesh(NUM_DEVICES), attention_backend="pallas", interpret=True
+        path, mesh=make_mesh(NUM_DEVICES), attention_backend=backend, interpret=True
     )
     qkv = sharded.model.layers[0].self_attn.qkv_proj.kernel[...]
     assert [s.data.shape[1] for s in qkv.addressable_shards] == [qkv.shape[1] // 2] * 2
@@ -62,7 +65,10 @@ def test_sharded_pallas_logits_match_one_device(tmp_path, architecture):
 
 def test_bloom_tensor_parallel_engine_matches_hf_greedy(tmp_path):
     path = make_checkpoint(str(tmp_path / "bloom"), "BloomForCausalLM")
-    llm = LLM(path, tensor_parallel_size=NUM_DEVICES, **TIGHT_ENGINE)
+    llm = LLM(
+        path, tensor_parallel_size=NUM_DEVICES, dtype="float32", skip_tokenizer_init=True,
+        max_model_len=32, max_num_seqs=2, max_num_batched_tokens=32, block_size=8,
+    )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == hf_greedy(path, PROMPTS, 10)

@@ -174,7 +174,11 @@ def test_unsupported_activation_raises_naming_it():
         vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, activation_function="swish"
     )
     with pytest.raises(ValueError, match="activation_function 'swish'.*gelu_new"):
-        GPT2LMHeadModel(config, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+        nnx.eval_shape(
+            lambda: GPT2LMHeadModel(
+                config, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)
+            )
+        )
 
 
 def test_tensor_parallel_checks_pass_on_2_cpu_devices():
