@@ -242,7 +242,9 @@ class EngineConfig:
         parallel_config = _parallel_config(args, hf_config_json)
         # GPT-2 names it n_positions; BLOOM (ALiBi) has none: vLLM's default of 2048.
         model_limit = int(
-            hf_config_json.get("max_position_embeddings") or hf_config_json.get("n_positions") or 2048
+            hf_config_json.get("max_position_embeddings")
+            or hf_config_json.get("n_positions")
+            or 2048
         )
         max_model_len = args.max_model_len if args.max_model_len is not None else model_limit
         if max_model_len < 1:
