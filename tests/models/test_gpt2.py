@@ -197,3 +197,28 @@ def test_tensor_parallel_checks_pass_on_2_cpu_devices():
     assert proc.returncode == 0, report
     assert re.search(r"\b3 passed\b", proc.stdout), report
     assert "skipped" not in proc.stdout, report
+
+
+def test_config_json_of_gpt2_and_bloom_gives_layout_and_context_limit(tmp_path):
+    """GPT-2 names the head count ``n_head`` and the context ``n_positions``; BLOOM (ALiBi) has
+    no context limit in its config: vLLM's default of 2048 applies. Their MLP is 4 x hidden."""
+    import json
+
+    from jaxpaged.config import EngineArgs
+    from models.tp_layout import TPLayout
+
+    gpt2 = dict(architectures=["GPT2LMHeadModel"], n_head=12, n_embd=768, n_inner=None,
+                n_layer=12, n_positions=1024, vocab_size=50257)  # fmt: skip
+    bloom = dict(architectures=["BloomForCausalLM"], n_head=16, hidden_size=1024, n_layer=24,
+                 vocab_size=250880)  # fmt: skip
+    for config, intermediate, limit in ((gpt2, 3072, 1024), (bloom, 4096, 2048)):
+        layout = TPLayout.from_hf_config(config, 2)
+        assert (layout.num_heads, layout.num_kv_heads) == (config["n_head"],) * 2
+        assert layout.intermediate_size == intermediate
+        directory = tmp_path / config["architectures"][0]
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(config))
+        args = EngineArgs(model=str(directory), load_format="dummy", tensor_parallel_size=2)
+        assert args.create_engine_config().model_config.max_model_len == limit
+    with pytest.raises(ValueError, match=r"num_attention_heads \(12\)"):
+        TPLayout.from_hf_config(gpt2, 5)
