@@ -11,6 +11,7 @@ import json
 import os
 from importlib import resources
 
+from models.hub import resolve_model_path
 from models.tp_layout import TPLayout
 
 DEFAULT_MODEL_NAME = "stories260k"
@@ -38,7 +39,14 @@ class EngineArgs:
 
     model: str | None = _arg(
         None,
-        "Local HF model directory (config.json + safetensors + tokenizer). None: embedded stories260k.",
+        "Local HF model directory (config.json + safetensors + tokenizer) or Hugging Face Hub id "
+        "(org/name; HF_HOME, HF_HUB_OFFLINE apply). None: embedded stories260k.",
+    )
+    revision: str | None = _arg(
+        None, "Branch, tag or commit of a Hub model id; None means main. Ignored for directories."
+    )
+    download_dir: str | None = _arg(
+        None, "Cache directory for Hub downloads; None means huggingface_hub's (HF_HOME/hub)."
     )
     tokenizer: str | None = _arg(None, "Tokenizer directory; None means the model directory.")
     skip_tokenizer_init: bool = _arg(
@@ -190,6 +198,11 @@ class EngineConfig:
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
         model = args.model or default_model_path()
+        # A Hub id becomes its local snapshot directory (models.hub); a directory stays as is.
+        model = resolve_model_path(
+            model, revision=args.revision, download_dir=args.download_dir,
+            require_weights=args.load_format != "dummy",
+        )  # fmt: skip
         config_path = os.path.join(model, "config.json")
         if not os.path.isdir(model):
             raise ValueError(
@@ -227,7 +240,12 @@ class EngineConfig:
             )
 
         parallel_config = _parallel_config(args, hf_config_json)
-        model_limit = int(hf_config_json.get("max_position_embeddings", 2048))
+        # GPT-2 names it n_positions; BLOOM (ALiBi) has none: vLLM's default of 2048.
+        model_limit = int(
+            hf_config_json.get("max_position_embeddings")
+            or hf_config_json.get("n_positions")
+            or 2048
+        )
         max_model_len = args.max_model_len if args.max_model_len is not None else model_limit
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")

@@ -8,13 +8,15 @@ tests and for checking the kernels inside a whole model). Shape letters as in ``
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import pallas_kernels
 from models.attention_metadata import AttentionMetadata
-from models.sharding import shard_over_heads
+from models.sharding import TP_AXIS, shard_over_heads
 
 BACKENDS = ("pallas", "reference")
 
@@ -47,6 +49,7 @@ def attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    alibi_slopes: Sequence[float] | jax.Array | None = None,
     interpret: bool = False,
     mesh: Mesh | None = None,
 ) -> jax.Array:
@@ -61,6 +64,8 @@ def attention(
         scale: multiplier of ``q . k`` (usually ``D ** -0.5``).
         soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
         sliding_window: if set, a query at position ``p`` sees keys at ``p - w < k <= p``.
+        alibi_slopes: ``Hq`` slopes (the whole model's heads, also under ``mesh``) or None; if
+            set, head ``j``'s score of key position ``k`` gains ``slope_j * (k - p)`` (ALiBi).
         interpret: run Pallas kernels in interpret mode (CPU).
         mesh: tensor parallelism: this same function runs per device on its heads inside
             ``jax.shard_map`` (``models.sharding.shard_over_heads``); None on one device.
@@ -73,11 +78,20 @@ def attention(
     """
     if mesh is not None:
         per_device = functools.partial(
-            attention, backend=backend, scale=scale, soft_cap=soft_cap,
-            sliding_window=sliding_window, interpret=interpret,
+            _attention_per_device,
+            backend=backend,
+            scale=scale,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+            alibi_slopes=alibi_slopes,
+            interpret=interpret,
         )
         return shard_over_heads(per_device, mesh)(q, k_cache, v_cache, metadata)
-    kwargs = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    if alibi_slopes is not None:
+        alibi_slopes = jnp.asarray(alibi_slopes, jnp.float32)
+    kwargs = dict(
+        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, alibi_slopes=alibi_slopes
+    )
     if backend == "pallas":
         if metadata.decode_only:
             return pallas_kernels.paged_attention(
@@ -97,3 +111,15 @@ def attention(
             q, k, v, metadata.seq_lens, metadata.cu_q_lens, **kwargs
         )
     raise ValueError(f"attention backend must be one of {list(BACKENDS)}, got {backend!r}")
+
+
+def _attention_per_device(q, k_cache, v_cache, metadata, *, alibi_slopes, **kwargs):
+    """:func:`attention` on one device's heads inside ``shard_map``: device ``i`` of the ``tp``
+    axis holds query heads ``[i * n, (i + 1) * n)`` (``n = Hq / tp``), so it takes those
+    heads' ALiBi slopes."""
+    if alibi_slopes is not None:
+        num_local = q.shape[1]
+        slopes = jnp.asarray(alibi_slopes, jnp.float32)
+        start = jax.lax.axis_index(TP_AXIS) * num_local
+        alibi_slopes = jax.lax.dynamic_slice_in_dim(slopes, start, num_local)
+    return attention(q, k_cache, v_cache, metadata, alibi_slopes=alibi_slopes, **kwargs)

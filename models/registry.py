@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
+from models.checkpoint_views import bloom_view, gpt2_view
+from models.gpt2 import BloomForCausalLM, GPT2LMHeadModel
 from models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
 _MODEL_CLASSES: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+    "BloomForCausalLM": BloomForCausalLM,
+}
+
+# Families whose checkpoint tensors differ from the standard layout (models.checkpoint_views).
+_CHECKPOINT_VIEWS: dict[str, Callable] = {
+    "GPT2LMHeadModel": gpt2_view,
+    "BloomForCausalLM": bloom_view,
 }
 
 
@@ -36,3 +48,12 @@ def get_model_class(hf_config: Any) -> type:
             f"architecture {name!r} is not supported; supported: {supported_architectures()}"
         )
     return _MODEL_CLASSES[name]
+
+
+def checkpoint_view(hf_config: Any) -> Callable | None:
+    """``reader -> reader`` presenting the checkpoint of ``hf_config``'s architecture in the
+    standard layout the loaders read (``models.checkpoint_views``), or None when it already is.
+    """
+    architectures = getattr(hf_config, "architectures", None) or [None]
+    view = _CHECKPOINT_VIEWS.get(architectures[0])
+    return None if view is None else functools.partial(view, config=hf_config)

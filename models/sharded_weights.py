@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from models.merged_linear import merged_column_order
-from models.registry import get_model_class
+from models.registry import checkpoint_view, get_model_class
 from models.sharding import TP_AXIS, param_partition_spec, tp_model_config
 from models.tp_layout import TPLayout
 from models.weights import (
@@ -104,7 +104,7 @@ def load_sharded_model(
     if load_format == "dummy":
         filled = _dummy_state(params, resolved, seed)
     else:
-        filled = _load_state(params, model_dir, resolved)
+        filled = _load_state(params, model_dir, resolved, checkpoint_view(hf_config))
     return nnx.merge(graphdef, nnx.from_flat_state(filled)), hf_config
 
 
@@ -211,8 +211,9 @@ def _checkpoint_parts(
     ]
 
 
-def _load_state(params: list, model_dir: str, dtype: jnp.dtype) -> list:
-    """Every parameter read slice by slice into its shards.
+def _load_state(params: list, model_dir: str, dtype: jnp.dtype, view: Any = None) -> list:
+    """Every parameter read slice by slice into its shards (``view``: as in
+    ``models.weights._load_state``).
 
     Raises:
         ValueError: a parameter missing from the checkpoint or of the wrong shape (the first in
@@ -221,6 +222,8 @@ def _load_state(params: list, model_dir: str, dtype: jnp.dtype) -> list:
     files = _weight_files(model_dir)
     with ExitStack() as stack:
         reader = _TensorReader(files, stack)
+        if view is not None:
+            reader = view(reader)
         # Check everything before reading anything big.
         for path, _, shape, _, maps in params:
             names, transposed = hf_names(path)

@@ -11,7 +11,8 @@ with ``NamedSharding``d inputs; Megatron-LM's layout, Shoeybi et al. 2019, arXiv
   them, and their biases (if any) are replicated, added once after the reduction;
 - vocab-parallel: ``embed_tokens`` (rows) and ``lm_head`` (columns); replicated when the vocab
   does not divide by ``tensor_parallel_size`` (a valid, only costlier layout);
-- norms replicated; KV caches split over their ``Hkv`` axis (located through
+- norms (weights, LayerNorm biases) and GPT-2's learned position embedding replicated; the
+  ungated MLP's ``up_proj`` (GPT-2, BLOOM) column-parallel like ``gate_up_proj``; KV caches split over their ``Hkv`` axis (located through
   ``pallas_kernels.kv_cache_shape``, which owns the layout);
 - attention (reference or Pallas) runs per shard inside ``jax.shard_map`` over the heads: each
   device holds whole query heads and the KV heads they read, so it needs no communication.
@@ -46,7 +47,8 @@ from models.tp_layout import TPLayout
 
 TP_AXIS = "tp"
 
-_COLUMN_PARALLEL = frozenset({"qkv_proj", "gate_up_proj"})
+# up_proj: the ungated MLP's first projection (GPT-2, BLOOM; models.gpt2).
+_COLUMN_PARALLEL = frozenset({"qkv_proj", "gate_up_proj", "up_proj"})
 _ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 
 
@@ -109,8 +111,10 @@ def param_partition_spec(path: tuple, layout: TPLayout) -> P:
         return P(TP_AXIS, None) if layout.shard_vocab else P()
     if module == "lm_head":
         return P(None, TP_AXIS) if layout.shard_vocab else P()
-    if leaf == "weight":  # RMSNorm
+    if leaf == "weight":  # RMSNorm, LayerNorm
         return P()
+    if module == "embed_positions" or (leaf == "bias" and module.endswith("norm")):
+        return P()  # GPT-2's learned positions, LayerNorm biases (models.gpt2)
     raise ValueError(f"no tensor-parallel rule for parameter {'.'.join(str(p) for p in path)}")
 
 

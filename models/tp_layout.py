@@ -54,13 +54,23 @@ class TPLayout:
 
     @classmethod
     def from_hf_config(cls, config: Any, tensor_parallel_size: int) -> TPLayout:
-        """Layout of an HF config (a ``PretrainedConfig`` or its ``config.json`` dict)."""
-        num_heads = int(_config_value(config, "num_attention_heads"))
+        """Layout of an HF config (a ``PretrainedConfig`` or its ``config.json`` dict).
+
+        GPT-2 and BLOOM ``config.json`` files name the head count ``n_head`` (and GPT-2 the
+        hidden size ``n_embd``); their MLP width is ``n_inner`` or ``4 * hidden``.
+        """
+        num_heads = int(
+            _config_value(config, "num_attention_heads") or _config_value(config, "n_head")
+        )
+        hidden = _config_value(config, "hidden_size") or _config_value(config, "n_embd")
+        intermediate = _config_value(config, "intermediate_size") or _config_value(
+            config, "n_inner"
+        )
         return cls(
             tensor_parallel_size=int(tensor_parallel_size),
             num_heads=num_heads,
             num_kv_heads=int(_config_value(config, "num_key_value_heads", num_heads)),
-            intermediate_size=int(_config_value(config, "intermediate_size")),
+            intermediate_size=int(intermediate or 4 * int(hidden)),
             vocab_size=int(_config_value(config, "vocab_size")),
         )
 

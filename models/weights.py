@@ -23,7 +23,7 @@ import transformers
 from flax import nnx
 
 from models.merged_linear import MergedColumnParallelLinear
-from models.registry import get_model_class
+from models.registry import checkpoint_view, get_model_class
 
 _DTYPES = {
     "float32": jnp.float32,
@@ -219,10 +219,14 @@ def _hf_parts(
     return [(name, (*shape[:-1], size)) for name, size in zip(names, sizes, strict=True)]
 
 
-def _load_state(flat_state: Any, merged: dict, model_dir: str, dtype: jnp.dtype) -> list:
+def _load_state(
+    flat_state: Any, merged: dict, model_dir: str, dtype: jnp.dtype, view: Any = None
+) -> list:
     """Fills every parameter of the abstract ``flat_state`` from the checkpoint; a fused
     parameter is its parts' tensors concatenated along the last axis (one device: one shard,
     so the per-shard column order of ``models.merged_linear`` is the plain concatenation).
+    ``view`` (``models.registry.checkpoint_view``) wraps the reader for families whose tensors
+    differ from the standard layout.
 
     Raises:
         ValueError: a parameter missing from the checkpoint or with a different shape; the message
@@ -231,6 +235,8 @@ def _load_state(flat_state: Any, merged: dict, model_dir: str, dtype: jnp.dtype)
     files = _weight_files(model_dir)
     with ExitStack() as stack:
         reader = _TensorReader(files, stack)
+        if view is not None:
+            reader = view(reader)
         plans = []
         for path, variable in flat_state:
             _, transposed = hf_names(path)
@@ -341,6 +347,7 @@ def load_model(
     if load_format == "dummy":
         filled = _dummy_state(flat_state, resolved, seed)
     else:
-        filled = _load_state(flat_state, merged_output_sizes(abstract), model_dir, resolved)
+        filled = _load_state(flat_state, merged_output_sizes(abstract), model_dir, resolved,
+                             checkpoint_view(hf_config))
     model = nnx.merge(graphdef, nnx.from_flat_state(filled))
     return model, hf_config

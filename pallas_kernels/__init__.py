@@ -13,6 +13,10 @@ KV cache layout (owned here; everything else sees only block ids and slots): one
 array per layer, each ``[num_blocks, block_size, Hkv, D]`` as in vLLM. A *slot* is
 ``block_id * block_size + offset``; slot ``-1`` marks padding and is never written.
 
+Both attention kernels run the same block step (scores, soft cap, ALiBi bias, mask, online
+softmax, P.V) from ``pallas_kernels.online_softmax``, which also holds their shared argument
+checks; each kernel keeps its own program-to-rows mapping and visibility rules.
+
 Contract shared by all kernels: positions at or past a sequence's ``seq_len`` hold stale data
 (possibly NaN) and are never allowed to influence the result; block-table entries past
 ``ceil(seq_len / block_size)`` are arbitrary valid block ids.

@@ -18,7 +18,6 @@ tiling defaults (``_TILING``).
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -26,12 +25,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-# Scores of masked positions. Finite, so that max/exp never meet inf - inf.
-_MASK_VALUE = -1e30
-# Scores are kept in base 2 (exp2 is one instruction; exp is exp2 plus a multiply).
-_LOG2E = math.log2(math.e)
-# Triton's tensor-core dot needs every dimension >= 16.
-_MIN_DOT_DIM = 16
+from pallas_kernels.online_softmax import (
+    MIN_DOT_DIM,
+    alibi_bias,
+    block_scores,
+    check_caches_and_query,
+    check_options,
+    initial_carry,
+    online_softmax_step,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +64,12 @@ def _paged_attention_kernel(
     q_ref,  # [Hq, D]: all query heads of the sequence; this program reads its KV head's group
     k_cache_ref,  # [num_blocks * block_size, D]: this KV head of the whole K cache, by slot
     v_cache_ref,  # [num_blocks * block_size, D]: this KV head of the whole V cache, by slot
-    *out_refs,  # one split: o [Hq, D] (normalised, q.dtype); several: o f32[Hq, D], m, l f32[Hq]
+    *refs,  # [alibi f32[Hq]], then one split: o [Hq, D] (normalised, q.dtype); several:
+    # o f32[Hq, D], m, l f32[Hq]
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    use_alibi: bool,
     group: int,
     rows: int,
     block_size: int,
@@ -73,6 +77,7 @@ def _paged_attention_kernel(
     steps_per_split: int,
     use_dot: bool,
 ):
+    alibi_ref, *out_refs = refs if use_alibi else (None, *refs)
     head = pl.program_id(1)
     split = pl.program_id(2)
     num_slots, head_dim = k_cache_ref.shape
@@ -93,11 +98,13 @@ def _paged_attention_kernel(
     row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     head_rows = pl.ds(head * group, rows)
     q = pltriton.load(q_ref.at[head_rows], mask=row < group, other=0)
+    if use_alibi:
+        slopes = pltriton.load(alibi_ref.at[head_rows], mask=row[:, 0] < group, other=0)
+        slopes = slopes[:, None]  # [rows, 1]
     token = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     dim = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
 
     def body(step, carry):
-        o_prev, m_prev, l_prev = carry
         kpos = step * block_k + token  # [block_k]
         visible = (kpos >= kv_start) & (kpos < seq_len)
         # Each key's cache row (slot), gathered token by token so that K and V load as 2-D
@@ -112,50 +119,15 @@ def _paged_attention_kernel(
         # NaN) and load as 0, so V there adds nothing to P.V.
         k = pltriton.load(k_cache_ref.at[slots, dim], mask=visible[:, None], other=0)
         v = pltriton.load(v_cache_ref.at[slots, dim], mask=visible[:, None], other=0)
-        k = k.astype(q.dtype)  # [block_k, D]
-        v = v.astype(q.dtype)
+        s = block_scores(q, k.astype(q.dtype), scale=scale, soft_cap=soft_cap, use_dot=use_dot)
+        if use_alibi:
+            s = s + alibi_bias(slopes, seq_len - 1, kpos)
+        # Every step holds at least one visible key, so the running maximum is a real score.
+        return online_softmax_step(
+            carry, s, v.astype(q.dtype), visible=visible[None, :], use_dot=use_dot
+        )
 
-        if use_dot:
-            s = lax.dot_general(
-                q,
-                k,
-                (((1,), (1,)), ((), ())),
-                precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
-                preferred_element_type=jnp.float32,
-            )
-        else:  # D too small for a tensor-core dot: multiply and reduce.
-            s = jnp.sum(
-                q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1
-            )
-        if soft_cap is None:
-            s = s * (scale * _LOG2E)  # [rows, block_k], base-2 scores
-        else:
-            s = (soft_cap * _LOG2E) * jnp.tanh(s * (scale / soft_cap))
-        s = jnp.where(visible[None, :], s, _MASK_VALUE)
-        # Every step holds at least one visible key, so m_next is a real score and the masked
-        # positions' exp2(_MASK_VALUE - m_next) is exactly 0.
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-        correction = jnp.exp2(m_prev - m_next)
-        p = jnp.exp2(s - m_next[:, None])
-        l_next = correction * l_prev + jnp.sum(p, axis=-1)
-        if use_dot:
-            pv = lax.dot_general(
-                p.astype(v.dtype),
-                v,
-                (((1,), (0,)), ((), ())),
-                precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
-                preferred_element_type=jnp.float32,
-            )
-        else:
-            pv = jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
-        return correction[:, None] * o_prev + pv, m_next, l_next
-
-    carry = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), _MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
-    o, row_max, row_sum = lax.fori_loop(first, end, body, carry)
+    o, row_max, row_sum = lax.fori_loop(first, end, body, initial_carry(rows, head_dim))
     if len(out_refs) == 1:
         # A sequence with no visible key (seq_len 0: a padding row) returns 0, not NaN.
         o = o / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]
@@ -178,7 +150,7 @@ def _split_plan(
     """(blocks_per_step, num_splits) for a shape and a tiling."""
     blocks_per_step = _largest_power_of_two_at_most(max(1, tiling.block_k // block_size))
     blocks_per_step = min(blocks_per_step, pl.next_power_of_2(max_blocks))
-    while blocks_per_step * block_size < _MIN_DOT_DIM:
+    while blocks_per_step * block_size < MIN_DOT_DIM:
         blocks_per_step *= 2
     block_k = blocks_per_step * block_size
     num_steps = pl.cdiv(max_blocks, blocks_per_step)
@@ -198,6 +170,7 @@ def _paged_attention(
     v_cache,
     block_tables,
     seq_lens,
+    alibi_slopes=None,
     *,
     scale,
     soft_cap,
@@ -220,10 +193,10 @@ def _paged_attention(
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     max_blocks = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
-    use_dot = head_dim >= _MIN_DOT_DIM
+    use_dot = head_dim >= MIN_DOT_DIM
     rows = pl.next_power_of_2(group)
     if use_dot:
-        rows = max(rows, _MIN_DOT_DIM)
+        rows = max(rows, MIN_DOT_DIM)
     blocks_per_step, num_splits = _split_plan(batch, num_kv_heads, block_size, max_blocks, tiling)
     num_steps = pl.cdiv(max_blocks, blocks_per_step)
     steps_per_split = pl.cdiv(num_steps, num_splits)
@@ -234,6 +207,7 @@ def _paged_attention(
         scale=scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        use_alibi=alibi_slopes is not None,
         group=group,
         rows=rows,
         block_size=block_size,
@@ -258,6 +232,10 @@ def _paged_attention(
         cache_spec,  # k_cache
         cache_spec,  # v_cache
     ]
+    operands = [seq_lens, block_tables, q, k_slots, v_slots]
+    if alibi_slopes is not None:
+        in_specs.append(pl.BlockSpec((num_q_heads,), lambda b, h, s: (0,)))
+        operands.append(alibi_slopes)
     if num_splits == 1:  # the kernel normalises and writes the final output: no combine pass
         out_specs = pl.BlockSpec((None, num_q_heads, head_dim), lambda b, h, s: (b, 0, 0))
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
@@ -283,7 +261,7 @@ def _paged_attention(
         ),
         interpret=interpret,
         name="paged_attention",
-    )(seq_lens, block_tables, q, k_slots, v_slots)
+    )(*operands)
     if num_splits == 1:
         return result
 
@@ -297,15 +275,6 @@ def _paged_attention(
     return (o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]).astype(q.dtype)
 
 
-def _check_options(scale, soft_cap, sliding_window):
-    if not isinstance(scale, (int, float)):
-        raise ValueError(f"scale must be a Python float, got {type(scale).__name__}")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
-    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
-        raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window}")
-
-
 def paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -316,6 +285,7 @@ def paged_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    alibi_slopes: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Decode attention: one query token per sequence against its paged K/V.
@@ -333,6 +303,9 @@ def paged_attention(
         soft_cap: if set to ``c``, scores become ``c * tanh(score / c)`` before masking.
         sliding_window: if set to ``w``, the query at position ``p`` sees keys
             ``p - w < pos <= p``.
+        alibi_slopes: ``f32[Hq]`` or None. If set, head ``j``'s score of the key at position
+            ``pos`` gains ``alibi_slopes[j] * (pos - p)`` (after the scale and soft cap; ALiBi,
+            Press et al., ICLR 2022; slopes as HF BLOOM's ``build_alibi_tensor``).
         interpret: run the Pallas kernel in interpret mode (CPU tests).
 
     Returns:
@@ -353,21 +326,8 @@ def paged_attention(
     Source: PagedAttention (Kwon et al., SOSP 2023); online softmax (Milakov & Gimelshein,
     2018); split-K combine as in Flash-Decoding (Dao et al., 2023).
     """
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, block_size, Hkv, D] of one dtype, got "
-            f"{k_cache.shape} {k_cache.dtype} and {v_cache.shape} {v_cache.dtype}"
-        )
-    if q.ndim != 3:
-        raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
-    batch, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if head_dim != cache_head_dim:
-        raise ValueError(f"q has D={head_dim} but the cache has D={cache_head_dim}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"Hq must be a multiple of Hkv, got Hq={num_q_heads} and Hkv={num_kv_heads}"
-        )
+    num_q_heads, _, _ = check_caches_and_query(q, k_cache, v_cache, "[B, Hq, D]")
+    batch = q.shape[0]
     if block_tables.ndim != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"block_tables must be [B={batch}, max_blocks], got {block_tables.shape}")
     if seq_lens.shape != (batch,):
@@ -377,13 +337,14 @@ def paged_attention(
             f"block_tables and seq_lens must be int32, got {block_tables.dtype} and "
             f"{seq_lens.dtype}"
         )
-    _check_options(scale, soft_cap, sliding_window)
+    check_options(scale, soft_cap, sliding_window, alibi_slopes, num_q_heads)
     return _paged_attention(
         q,
         k_cache,
         v_cache,
         block_tables,
         seq_lens,
+        alibi_slopes,
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
@@ -402,6 +363,7 @@ def paged_attention_reference(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    alibi_slopes: jax.Array | None = None,
 ) -> jax.Array:
     """Plain-JAX decode attention on contiguous K/V, for testing the kernel.
 
@@ -410,7 +372,7 @@ def paged_attention_reference(
         k, v: ``[B, S, Hkv, D]``, contiguous K/V of each sequence (``S >= max(seq_lens)``);
             positions ``>= seq_len`` may hold anything, NaN included.
         seq_lens: ``i32[B]``; 0 gives an all-zero row.
-        scale, soft_cap, sliding_window: as in ``paged_attention``.
+        scale, soft_cap, sliding_window, alibi_slopes: as in ``paged_attention``.
 
     Returns:
         ``[B, Hq, D]`` in ``q.dtype``, computed in float32 (einsum + masked softmax).
@@ -427,6 +389,10 @@ def paged_attention_reference(
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     pos = jnp.arange(seq_capacity)[None, :]
     lens = seq_lens[:, None]
+    if alibi_slopes is not None:  # slope * (key position - query position), per query head
+        distance = (pos - (lens - 1)).astype(jnp.float32)  # [B, S]
+        slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
+        scores = scores + slopes[None, :, :, None] * distance[:, None, None, :]
     mask = pos < lens  # [B, S]
     if sliding_window is not None:
         mask &= pos > lens - 1 - sliding_window

@@ -26,12 +26,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention import _LOG2E, _check_options, _largest_power_of_two_at_most
-
-# Finite score for masked positions; their probabilities are zeroed explicitly as well.
-_MASK_VALUE = -1e30
-# Triton's tensor-core dot needs every dimension >= 16.
-_MIN_DOT_DIM = 16
+from pallas_kernels.online_softmax import (
+    MIN_DOT_DIM,
+    alibi_bias,
+    block_scores,
+    check_caches_and_query,
+    check_options,
+    initial_carry,
+    online_softmax_step,
+)
+from pallas_kernels.paged_attention import _largest_power_of_two_at_most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +69,11 @@ def _ragged_paged_attention_kernel(
     q_ref,  # [T, Hq, D]: all queries
     k_cache_ref,  # [num_blocks * block_size, D]: this KV head of the whole K cache, by slot
     v_cache_ref,  # [num_blocks * block_size, D]: this KV head of the whole V cache, by slot
-    o_ref,  # [T, Hq, D]: the output; this program writes its tile's real tokens and heads
-    *,
+    *refs,  # [alibi f32[Hq]], then o [T, Hq, D]: this program writes its tile's real rows
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    use_alibi: bool,
     group: int,
     group_padded: int,
     q_tile: int,
@@ -77,6 +81,7 @@ def _ragged_paged_attention_kernel(
     blocks_per_step: int,
     use_dot: bool,
 ):
+    alibi_ref, o_ref = refs if use_alibi else (None, *refs)
     head = pl.program_id(1)
     num_slots, head_dim = k_cache_ref.shape
     num_blocks = num_slots // block_size
@@ -107,72 +112,45 @@ def _ragged_paged_attention_kernel(
     stored = (token_in_tile < tile_store_ref[0]) & (head_in_group < group)
     row_pos = pos0 + token_in_tile.reshape(rows, 1)  # [rows, 1]
     row_real = (token_in_tile < num_real).reshape(rows, 1)
+    if use_alibi:
+        group_slopes = pltriton.load(
+            alibi_ref.at[pl.ds(head * group, group_padded)],
+            mask=head_in_group[0, :, 0] < group,
+            other=0,
+        )  # [Gp]
+        slopes = jnp.broadcast_to(group_slopes[None, :], (q_tile, group_padded)).reshape(rows, 1)
     token = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     dim = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
 
     def body(step, carry, *, masked):
-        o_prev, m_prev, l_prev = carry
         kpos = step * block_k + token  # [block_k]
         # 2-D slot gathers feed the dots directly, so Triton pipelines them (see
         # paged_attention); clipping keeps a bad table entry from reading out of bounds.
         column = step * blocks_per_step + token // block_size
         ids = pltriton.load(block_tables_ref.at[seq, column], mask=column < max_blocks, other=0)
         slots = (jnp.clip(ids, 0, num_blocks - 1) * block_size + token % block_size)[:, None]
-        # Keys at or past kv_end may be stale (NaN): masked loads never read them.
-        load_mask = (kpos < kv_end)[:, None] if masked else None
-        k = pltriton.load(
-            k_cache_ref.at[slots, dim], mask=load_mask, other=0 if masked else None
-        ).astype(q.dtype)
-        v = pltriton.load(
-            v_cache_ref.at[slots, dim], mask=load_mask, other=0 if masked else None
-        ).astype(q.dtype)
-
-        if use_dot:
-            s = lax.dot_general(
-                q,
-                k,
-                (((1,), (1,)), ((), ())),
-                precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
-                preferred_element_type=jnp.float32,
-            )
-        else:  # D too small for a tensor-core dot: multiply and reduce.
-            s = jnp.sum(
-                q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1
-            )
-        if soft_cap is None:
-            s = s * (scale * _LOG2E)  # [rows, block_k], base-2 scores
-        else:
-            s = (soft_cap * _LOG2E) * jnp.tanh(s * (scale / soft_cap))
-
+        # Keys outside [kv_first, kv_end) may be stale (NaN), also those before a sliding
+        # window inside seq_len: masked loads never read them and load 0.
+        load_mask = None
+        if masked:
+            in_range = kpos < kv_end
+            if sliding_window is not None:
+                in_range &= kpos >= kv_first
+            load_mask = in_range[:, None]
+        other = 0 if masked else None
+        k = pltriton.load(k_cache_ref.at[slots, dim], mask=load_mask, other=other)
+        v = pltriton.load(v_cache_ref.at[slots, dim], mask=load_mask, other=other)
+        s = block_scores(q, k.astype(q.dtype), scale=scale, soft_cap=soft_cap, use_dot=use_dot)
+        if use_alibi:
+            s = s + alibi_bias(slopes, row_pos, kpos)
+        visible = None
         if masked:
             visible = row_real & (kpos[None, :] <= row_pos)  # causal, [rows, block_k]
             if sliding_window is not None:
                 visible &= kpos[None, :] > row_pos - sliding_window
-            s = jnp.where(visible, s, _MASK_VALUE)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-        correction = jnp.exp2(m_prev - m_next)
-        p = jnp.exp2(s - m_next[:, None])
-        if masked:
-            # A row may see no key of this step yet (m_next still _MASK_VALUE): zero it.
-            p = jnp.where(visible, p, 0.0)
-        l_next = correction * l_prev + jnp.sum(p, axis=-1)
-        if use_dot:
-            pv = lax.dot_general(
-                p.astype(v.dtype),
-                v,
-                (((1,), (0,)), ((), ())),
-                precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
-                preferred_element_type=jnp.float32,
-            )
-        else:
-            pv = jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
-        return correction[:, None] * o_prev + pv, m_next, l_next
+        return online_softmax_step(carry, s, v.astype(q.dtype), visible=visible, use_dot=use_dot)
 
-    carry = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), _MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
+    carry = initial_carry(rows, head_dim)
     carry = lax.fori_loop(first, full_end, functools.partial(body, masked=False), carry)
     o, _, row_sum = lax.fori_loop(full_end, end, functools.partial(body, masked=True), carry)
     # Rows with no visible key (padding tokens, unused tiles) are 0, not NaN.
@@ -193,15 +171,15 @@ def _default_tiling(
     tiling: RaggedTiling,
 ) -> tuple[int, int]:
     """(q_tile, blocks_per_step) for a shape: ``tiling.rows`` query rows, ``block_k`` keys."""
-    use_dot = head_dim >= _MIN_DOT_DIM
+    use_dot = head_dim >= MIN_DOT_DIM
     target_block_k = tiling.block_k if use_dot else tiling.block_k_no_dot
     blocks_per_step = _largest_power_of_two_at_most(max(1, target_block_k // block_size))
     blocks_per_step = min(blocks_per_step, pl.next_power_of_2(max_blocks))
-    while blocks_per_step * block_size < _MIN_DOT_DIM:
+    while blocks_per_step * block_size < MIN_DOT_DIM:
         blocks_per_step *= 2
     group_padded = pl.next_power_of_2(group)
-    q_tile = max(_MIN_DOT_DIM, _largest_power_of_two_at_most(tiling.rows // group_padded))
-    q_tile = min(q_tile, max(_MIN_DOT_DIM, pl.next_power_of_2(num_tokens)))
+    q_tile = max(MIN_DOT_DIM, _largest_power_of_two_at_most(tiling.rows // group_padded))
+    q_tile = min(q_tile, max(MIN_DOT_DIM, pl.next_power_of_2(num_tokens)))
     return q_tile, blocks_per_step
 
 
@@ -240,6 +218,7 @@ def _ragged_paged_attention(
     block_tables,
     seq_lens,
     cu_q_lens,
+    alibi_slopes=None,
     *,
     scale,
     soft_cap,
@@ -266,30 +245,32 @@ def _ragged_paged_attention(
         scale=scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        use_alibi=alibi_slopes is not None,
         group=group,
         group_padded=pl.next_power_of_2(group),
         q_tile=q_tile,
         block_size=block_size,
         blocks_per_step=blocks_per_step,
-        use_dot=head_dim >= _MIN_DOT_DIM,
+        use_dot=head_dim >= MIN_DOT_DIM,
     )
     scalar_spec = pl.BlockSpec((1,), lambda j, h: (j,))
     cache_spec = pl.BlockSpec((num_slots, None, head_dim), lambda j, h: (0, h, 0))
     token_spec = pl.BlockSpec(q.shape, lambda j, h: (0, 0, 0))
+    in_specs = [
+        *[scalar_spec] * len(tile_meta),
+        pl.BlockSpec(block_tables.shape, lambda j, h: (0, 0)),
+        token_spec,  # q
+        cache_spec,  # k_cache
+        cache_spec,  # v_cache
+    ]
+    operands = [*tile_meta, block_tables, q, k_slots, v_slots]
+    if alibi_slopes is not None:
+        in_specs.append(pl.BlockSpec((num_q_heads,), lambda j, h: (0,)))
+        operands.append(alibi_slopes)
     return pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
-        in_specs=[
-            scalar_spec,
-            scalar_spec,
-            scalar_spec,
-            scalar_spec,
-            scalar_spec,  # tile map
-            pl.BlockSpec(block_tables.shape, lambda j, h: (0, 0)),
-            token_spec,  # q
-            cache_spec,  # k_cache
-            cache_spec,  # v_cache
-        ],
+        in_specs=in_specs,
         out_specs=token_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltriton.CompilerParams(
@@ -297,7 +278,7 @@ def _ragged_paged_attention(
         ),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(*tile_meta, block_tables, q, k_slots, v_slots)
+    )(*operands)
 
 
 def ragged_paged_attention(
@@ -311,6 +292,7 @@ def ragged_paged_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    alibi_slopes: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal attention of ragged query tokens over each sequence's paged K/V.
@@ -326,8 +308,9 @@ def ragged_paged_attention(
             have ``seq_len == q_len == 0``.
         cu_q_lens: ``i32[B + 1]``, non-decreasing, ``cu_q_lens[0] == 0``,
             ``cu_q_lens[B] <= T``; tokens at or past ``cu_q_lens[B]`` are padding.
-        scale, soft_cap, sliding_window, interpret: as in ``paged_attention``; the window
-            applies to each token's own position ``p`` (keys ``p - w < pos <= p``).
+        scale, soft_cap, sliding_window, alibi_slopes, interpret: as in ``paged_attention``;
+            the window and the ALiBi distance use each token's own position ``p`` (keys
+            ``p - w < pos <= p``; bias ``alibi_slopes[j] * (pos - p)``).
 
     Returns:
         ``[T, Hq, D]`` in ``q.dtype`` (float32 softmax and accumulation); padding tokens give 0.
@@ -341,26 +324,12 @@ def ragged_paged_attention(
     Raises:
         ValueError: mismatched K/V cache shapes or dtypes, ``Hq % Hkv != 0``, a ``D`` that
             differs between ``q`` and the cache, ``block_tables``/``seq_lens``/``cu_q_lens``
-            whose batch sizes disagree or that are not int32, or a bad
-            ``scale``/``soft_cap``/``sliding_window``.
+            whose batch sizes disagree or that are not int32, a bad
+            ``scale``/``soft_cap``/``sliding_window``, or ``alibi_slopes`` not ``f32[Hq]``.
 
     Source: PagedAttention (Kwon et al., SOSP 2023); online softmax (Milakov & Gimelshein, 2018).
     """
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, block_size, Hkv, D] of one dtype, got "
-            f"{k_cache.shape} {k_cache.dtype} and {v_cache.shape} {v_cache.dtype}"
-        )
-    if q.ndim != 3:
-        raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if head_dim != cache_head_dim:
-        raise ValueError(f"q has D={head_dim} but the cache has D={cache_head_dim}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"Hq must be a multiple of Hkv, got Hq={num_q_heads} and Hkv={num_kv_heads}"
-        )
+    num_q_heads, _, _ = check_caches_and_query(q, k_cache, v_cache, "[T, Hq, D]")
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables must be [B, max_blocks], got {block_tables.shape}")
     num_seqs = block_tables.shape[0]
@@ -376,7 +345,7 @@ def ragged_paged_attention(
     ):
         if array.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {array.dtype}")
-    _check_options(scale, soft_cap, sliding_window)
+    check_options(scale, soft_cap, sliding_window, alibi_slopes, num_q_heads)
     return _ragged_paged_attention(
         q,
         k_cache,
@@ -384,6 +353,7 @@ def ragged_paged_attention(
         block_tables,
         seq_lens,
         cu_q_lens,
+        alibi_slopes,
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
@@ -403,6 +373,7 @@ def ragged_paged_attention_reference(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    alibi_slopes: jax.Array | None = None,
 ) -> jax.Array:
     """Plain-JAX ragged causal attention on contiguous K/V, for testing the kernel.
 
@@ -411,7 +382,7 @@ def ragged_paged_attention_reference(
         k, v: ``[B, S, Hkv, D]``, contiguous K/V of each sequence (``S >= max(seq_lens)``);
             positions ``>= seq_len`` may hold anything, NaN included.
         seq_lens: ``i32[B]``; cu_q_lens: ``i32[B + 1]``.
-        scale, soft_cap, sliding_window: as in ``ragged_paged_attention``.
+        scale, soft_cap, sliding_window, alibi_slopes: as in ``ragged_paged_attention``.
 
     Returns:
         ``[T, Hq, D]`` in ``q.dtype``, computed in float32; padding tokens give 0.
@@ -436,6 +407,10 @@ def ragged_paged_attention_reference(
     scores = jnp.einsum("thgd,tshd->thgs", qf, k_tok, precision=lax.Precision.HIGHEST) * scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
+    if alibi_slopes is not None:  # slope * (key position - query position), per query head
+        distance = (key_pos - position[:, None]).astype(jnp.float32)  # [T, S]
+        slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
+        scores = scores + slopes[None, :, :, None] * distance[:, None, None, :]
     mask4 = mask[:, None, None, :]
     scores = jnp.where(mask4, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)

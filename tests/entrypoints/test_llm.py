@@ -119,9 +119,9 @@ def test_unsupported_architecture_is_a_value_error(tmp_path, stories_dir):
 
     shutil.copytree(stories_dir, tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    config["architectures"] = ["GPT2LMHeadModel"]
+    config["architectures"] = ["FalconForCausalLM"]
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match="FalconForCausalLM"):
         LLM(str(tmp_path / "m"), **SMALL_ENGINE)
 
 

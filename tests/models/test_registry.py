@@ -16,8 +16,8 @@ def test_supported_architectures_map_to_the_llama_family(arch):
 
 
 def test_unsupported_architecture_is_named_with_the_supported_list():
-    config = types.SimpleNamespace(architectures=["GPT2LMHeadModel"])
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM") as info:
+    config = types.SimpleNamespace(architectures=["FalconForCausalLM"])
+    with pytest.raises(ValueError, match="FalconForCausalLM.*LlamaForCausalLM") as info:
         get_model_class(config)
     for arch in supported_architectures():
         assert arch in str(info.value)
@@ -27,3 +27,14 @@ def test_unsupported_architecture_is_named_with_the_supported_list():
 def test_config_without_architectures_raises(architectures):
     with pytest.raises(ValueError, match="architectures"):
         get_model_class(types.SimpleNamespace(architectures=architectures))
+
+
+def test_gpt2_and_bloom_map_to_their_classes_with_checkpoint_views():
+    from models.gpt2 import BloomForCausalLM, GPT2LMHeadModel
+    from models.registry import checkpoint_view
+
+    for arch, cls in (("GPT2LMHeadModel", GPT2LMHeadModel), ("BloomForCausalLM", BloomForCausalLM)):
+        config = types.SimpleNamespace(architectures=[arch])
+        assert get_model_class(config) is cls
+        assert checkpoint_view(config) is not None
+    assert checkpoint_view(types.SimpleNamespace(architectures=["LlamaForCausalLM"])) is None

@@ -76,6 +76,27 @@ def assert_close(actual, expected, tol):
     np.testing.assert_allclose(actual, np.asarray(expected, np.float32), **tol)
 
 
+def random_alibi_slopes(rng, num_q_heads: int) -> jnp.ndarray:
+    """``f32[Hq]`` distinct positive slopes (real ones are ``2 ** -k``, BLOOM's up to 0.7):
+    large enough that a wrong sign or position shows in the output."""
+    return jnp.asarray(rng.uniform(0.05, 0.8, num_q_heads), jnp.float32)
+
+
+def poison_blocks_before(k_cache, v_cache, tables, first_visible, block_size):
+    """Copies of the caches with NaN in every block of sequence ``b`` that lies wholly before
+    position ``first_visible[b]`` (blocks inside ``seq_len`` but outside a sliding window)."""
+    k_cache, v_cache = np.array(k_cache), np.array(v_cache)
+    tables = np.asarray(tables)
+    poisoned = 0
+    for b, first in enumerate(first_visible):
+        for column in range(max(int(first), 0) // block_size):
+            k_cache[tables[b, column]] = np.nan
+            v_cache[tables[b, column]] = np.nan
+            poisoned += 1
+    assert poisoned > 0, "the case poisons no block: it would test nothing"
+    return jnp.asarray(k_cache), jnp.asarray(v_cache)
+
+
 class TestPagedAttention:
     INTERPRET = True
 
@@ -91,6 +112,7 @@ class TestPagedAttention:
         dtype=np.float32,
         soft_cap=None,
         sliding_window=None,
+        alibi=False,
         seq_lens=None,
     ):
         rng = np.random.default_rng(seed)
@@ -108,6 +130,8 @@ class TestPagedAttention:
         q = jnp.asarray(rng.standard_normal((len(seq_lens), num_kv_heads * group, head_dim)), dtype)
         lens = jnp.asarray(seq_lens, jnp.int32)
         options = dict(scale=head_dim**-0.5, soft_cap=soft_cap, sliding_window=sliding_window)
+        if alibi:
+            options["alibi_slopes"] = random_alibi_slopes(rng, q.shape[1])
         out = paged_attention(
             q, k_cache, v_cache, tables, lens, interpret=self.INTERPRET, **options
         )
@@ -152,6 +176,72 @@ class TestPagedAttention:
             seed=1,
         )
         assert_close(out, expected, F32_TOL)
+
+    @pytest.mark.parametrize(
+        "num_kv_heads, group, soft_cap, sliding_window",
+        [(6, 1, None, None), (2, 3, 3.0, 11)],  # 6 heads: BLOOM's non-power-of-two count
+    )
+    def test_alibi_matches_reference(self, num_kv_heads, group, soft_cap, sliding_window):
+        out, expected = self.run_case(
+            num_kv_heads=num_kv_heads,
+            group=group,
+            head_dim=16,
+            block_size=8,
+            max_blocks=4,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+            alibi=True,
+            seed=9,
+        )
+        assert_close(out, expected, F32_TOL)
+
+    def test_alibi_reference_matches_naive_formula(self):
+        # softmax(q.k * scale + slope * (pos - (seq_len - 1))) . v, one head at a time in numpy.
+        rng = np.random.default_rng(10)
+        seq_lens = [1, 7, 12]
+        q = rng.standard_normal((3, 2, 8)).astype(np.float32)
+        k = rng.standard_normal((3, 12, 1, 8)).astype(np.float32)
+        v = rng.standard_normal((3, 12, 1, 8)).astype(np.float32)
+        slopes = np.array([0.5, 0.125], np.float32)
+        expected = np.zeros(q.shape)
+        for b, n in enumerate(seq_lens):
+            for h in range(2):
+                s = k[b, :n, 0] @ q[b, h] * 0.3 + slopes[h] * (np.arange(n) - (n - 1))
+                w = np.exp(s - s.max())
+                expected[b, h] = w @ v[b, :n, 0] / w.sum()
+        out = paged_attention_reference(
+            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(seq_lens, jnp.int32),
+            scale=0.3, alibi_slopes=jnp.asarray(slopes),
+        )  # fmt: skip
+        assert_close(out, expected, F32_TOL)
+
+    def test_sliding_window_never_reads_blocks_outside_the_window(self):
+        # Every block wholly before a sequence's window is NaN, although it lies inside
+        # seq_len; 16-key steps over blocks of 4 and 16-token splits put whole steps and whole
+        # splits before the window as well as a step that straddles its start.
+        rng = np.random.default_rng(11)
+        block_size, window = 4, 6
+        seq_lens = [9, 13, 31, 40]
+        k_cache, v_cache, tables, k, v = make_paged_kv(
+            rng, seq_lens, num_kv_heads=2, head_dim=16, block_size=block_size, max_blocks=10
+        )
+        k_poisoned, v_poisoned = poison_blocks_before(
+            k_cache, v_cache, tables, [n - window for n in seq_lens], block_size
+        )
+        q = jnp.asarray(rng.standard_normal((4, 4, 16)), jnp.float32)
+        lens = jnp.asarray(seq_lens, jnp.int32)
+        options = dict(scale=0.25, soft_cap=None, sliding_window=window)
+        tiling = DecodeTiling(block_k=16, target_programs=64, min_split_tokens=16)
+        assert _split_plan(4, 2, block_size, 10, tiling)[1] > 1
+        out = _paged_attention(
+            q, k_poisoned, v_poisoned, tables, lens, interpret=self.INTERPRET, tiling=tiling,
+            **options,
+        )  # fmt: skip
+        assert_close(out, paged_attention_reference(q, k, v, lens, **options), F32_TOL)
+        public = paged_attention(
+            q, k_poisoned, v_poisoned, tables, lens, interpret=self.INTERPRET, **options
+        )
+        assert_close(public, paged_attention_reference(q, k, v, lens, **options), F32_TOL)
 
     def test_sliding_window_ignores_keys_outside_the_window(self):
         # With a window of 1 each query sees only its own position: out == v[seq_len - 1].
@@ -265,6 +355,8 @@ class TestPagedAttention:
             ("table_dtype", "int32"),
             ("head_dim", "D="),
             ("window", "sliding_window"),
+            ("alibi_shape", "alibi_slopes"),
+            ("alibi_dtype", "alibi_slopes"),
         ],
     )
     def test_bad_arguments_raise_value_error(self, case, match):
@@ -285,6 +377,10 @@ class TestPagedAttention:
             tables = tables.astype(jnp.uint32)
         elif case == "head_dim":
             q = jnp.ones((2, 4, 8), jnp.float32)
+        elif case == "alibi_shape":
+            options["alibi_slopes"] = jnp.ones((2,), jnp.float32)
+        elif case == "alibi_dtype":
+            options["alibi_slopes"] = jnp.ones((4,), jnp.bfloat16)
         else:
             options["sliding_window"] = 0
         with pytest.raises(ValueError, match=match):

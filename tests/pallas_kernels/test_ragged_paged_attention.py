@@ -24,6 +24,8 @@ from tests.pallas_kernels.test_paged_attention import (
     assert_close,
     has_gpu,
     make_paged_kv,
+    poison_blocks_before,
+    random_alibi_slopes,
 )
 
 NUM_PADDING_TOKENS = 3
@@ -41,7 +43,9 @@ def cu_of(q_lens) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
 
 
-def naive_ragged_attention(q, k, v, seq_lens, q_lens, scale):
+def naive_ragged_attention(
+    q, k, v, seq_lens, q_lens, scale, *, alibi_slopes=None, sliding_window=None
+):
     """Token-by-token numpy loop, to check the reference itself."""
     out = np.zeros(q.shape, np.float64)
     group = q.shape[1] // k.shape[2]
@@ -50,10 +54,13 @@ def naive_ragged_attention(q, k, v, seq_lens, q_lens, scale):
         for i in range(q_len):
             t, pos = cu[b] + i, seq_len - q_len + i
             for head in range(q.shape[1]):
-                keys = k[b, : pos + 1, head // group].astype(np.float64)
+                start = 0 if sliding_window is None else max(0, pos + 1 - sliding_window)
+                keys = k[b, start : pos + 1, head // group].astype(np.float64)
                 scores = keys @ q[t, head].astype(np.float64) * scale
+                if alibi_slopes is not None:
+                    scores += alibi_slopes[head] * (np.arange(start, pos + 1) - pos)
                 weights = np.exp(scores - scores.max())
-                out[t, head] = weights @ v[b, : pos + 1, head // group] / weights.sum()
+                out[t, head] = weights @ v[b, start : pos + 1, head // group] / weights.sum()
     return out
 
 
@@ -91,9 +98,12 @@ class TestRaggedPagedAttention:
         cu = jnp.asarray(cu_of(q_lens))
         return q, k_cache, v_cache, tables, lens, cu, k, v
 
-    def run_case(self, *, soft_cap=None, sliding_window=None, **case):
+    def run_case(self, *, soft_cap=None, sliding_window=None, alibi=False, **case):
         q, k_cache, v_cache, tables, lens, cu, k, v = self.make_case(**case)
         options = dict(scale=q.shape[-1] ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window)
+        if alibi:
+            rng = np.random.default_rng(case.get("seed", 0) + 100)
+            options["alibi_slopes"] = random_alibi_slopes(rng, q.shape[1])
         out = ragged_paged_attention(
             q, k_cache, v_cache, tables, lens, cu, interpret=self.INTERPRET, **options
         )
@@ -136,6 +146,47 @@ class TestRaggedPagedAttention:
             sliding_window=sliding_window,
             seed=1,
         )
+        assert_close(out, expected, F32_TOL)
+
+    @pytest.mark.parametrize(
+        "num_kv_heads, group, soft_cap, sliding_window",
+        [(6, 1, None, None), (2, 3, 3.0, 6)],  # 6 heads: BLOOM's non-power-of-two count
+    )
+    def test_alibi_matches_reference(self, num_kv_heads, group, soft_cap, sliding_window):
+        out, expected = self.run_case(
+            num_kv_heads=num_kv_heads,
+            group=group,
+            head_dim=16,
+            block_size=8,
+            max_blocks=3,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+            alibi=True,
+            seed=8,
+        )
+        assert_close(out, expected, F32_TOL)
+
+    def test_sliding_window_never_reads_blocks_outside_the_window(self):
+        # Every block wholly before the window of a sequence's first new token is NaN, though
+        # inside seq_len. 16-key steps over blocks of 4 make the first step of a tile straddle
+        # the window's start, holding poisoned blocks next to visible ones; 16-row tiles split
+        # the 20-token chunk, so its second tile's window starts later than the first's.
+        block_size, window = 4, 6
+        seq_lens, q_lens = [13, 40, 31, 0], [1, 20, 5, 0]
+        q, k_cache, v_cache, tables, lens, cu, k, v = self.make_case(
+            num_kv_heads=1, group=2, head_dim=16, block_size=block_size, max_blocks=10,
+            seed=9, seq_lens=seq_lens, q_lens=q_lens,
+        )  # fmt: skip
+        first_visible = [n - m + 1 - window for n, m in zip(seq_lens, q_lens, strict=True)]
+        k_poisoned, v_poisoned = poison_blocks_before(
+            k_cache, v_cache, tables, first_visible, block_size
+        )
+        options = dict(scale=0.25, soft_cap=None, sliding_window=window)
+        out = _ragged_paged_attention(
+            q, k_poisoned, v_poisoned, tables, lens, cu, interpret=self.INTERPRET,
+            tiling=RaggedTiling(rows=32, block_k=16), **options,
+        )  # fmt: skip
+        expected = ragged_paged_attention_reference(q, k, v, lens, cu, **options)
         assert_close(out, expected, F32_TOL)
 
     def test_bfloat16_matches_reference_on_same_inputs(self):
@@ -213,7 +264,8 @@ class TestRaggedPagedAttention:
             seq_lens=[1, 9, 24],
             q_lens=[1, 4, 7],
         )
-        options = dict(scale=0.25, sliding_window=5, interpret=self.INTERPRET)
+        slopes = random_alibi_slopes(np.random.default_rng(0), 4)
+        options = dict(scale=0.25, sliding_window=5, alibi_slopes=slopes, interpret=self.INTERPRET)
         ragged = ragged_paged_attention(q, k_cache, v_cache, tables, lens, cu, **options)
         last = np.asarray(cu)[1:] - 1
         decode = paged_attention(q[last], k_cache, v_cache, tables, lens, **options)
@@ -228,6 +280,16 @@ class TestRaggedPagedAttention:
             np.asarray(q), np.asarray(k), np.asarray(v), seq_lens, q_lens, scale=0.3
         )
         out = ragged_paged_attention_reference(q, k, v, lens, cu, scale=0.3)
+        assert_close(out, expected, F32_TOL)
+        # ALiBi and a sliding window, written independently in the loop.
+        slopes = np.array([0.7, 0.25, 0.06, 0.5], np.float32)
+        expected = naive_ragged_attention(
+            np.asarray(q), np.asarray(k), np.asarray(v), seq_lens, q_lens, scale=0.3,
+            alibi_slopes=slopes, sliding_window=5,
+        )  # fmt: skip
+        out = ragged_paged_attention_reference(
+            q, k, v, lens, cu, scale=0.3, alibi_slopes=jnp.asarray(slopes), sliding_window=5
+        )
         assert_close(out, expected, F32_TOL)
 
     @pytest.mark.parametrize(
