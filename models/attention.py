@@ -13,10 +13,9 @@ import jax
 from jax.sharding import Mesh
 
 import pallas_kernels
+from models.attention_backends import ATTENTION_BACKENDS
 from models.attention_metadata import AttentionMetadata
 from models.sharding import shard_over_heads
-
-BACKENDS = ("pallas", "reference")
 
 
 def gather_kv(cache: jax.Array, block_tables: jax.Array) -> jax.Array:
@@ -96,4 +95,6 @@ def attention(
         return pallas_kernels.ragged_paged_attention_reference(
             q, k, v, metadata.seq_lens, metadata.cu_q_lens, **kwargs
         )
-    raise ValueError(f"attention backend must be one of {list(BACKENDS)}, got {backend!r}")
+    raise ValueError(
+        f"attention backend must be one of {list(ATTENTION_BACKENDS)}, got {backend!r}"
+    )

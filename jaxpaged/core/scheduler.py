@@ -27,9 +27,10 @@ from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus, derive_se
 
 logger = logging.getLogger(__name__)
 
-_PREEMPTION_MODES = (None, "recompute", "swap")
+# How a request gives its blocks back when they run out (None: vLLM's rule, see `_preempt`).
+PREEMPTION_MODES = (None, "recompute", "swap")
 
-__all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput"]
+__all__ = ["PREEMPTION_MODES", "ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -69,9 +70,9 @@ class Scheduler:
             getattr(config, "long_prefill_token_threshold", 0) or 0
         )
         self.preemption_mode: str | None = getattr(config, "preemption_mode", None)
-        if self.preemption_mode not in _PREEMPTION_MODES:
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
-                f"preemption_mode must be one of {list(_PREEMPTION_MODES)}, "
+                f"preemption_mode must be one of {list(PREEMPTION_MODES)}, "
                 f"got {self.preemption_mode!r}"
             )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
