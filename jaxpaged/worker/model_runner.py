@@ -196,6 +196,22 @@ class ModelRunner:
         self.num_scheduled_tokens = 0
         self.num_bucket_tokens = 0
 
+    def set_kv_caches(self, kv_caches: list) -> None:
+        """Run the steps on ``kv_caches`` from now on (the worker allocates them after
+        compiling against their shapes); they are donated to each step.
+
+        Raises:
+            ValueError: a layer count, shape or dtype other than the ones compiled for.
+        """
+        have = [(c.shape, c.dtype) for kv in self.kv_caches for c in kv]
+        got = [(c.shape, c.dtype) for kv in kv_caches for c in kv]
+        if have != got:
+            raise ValueError(
+                f"kv_caches must be {len(self.kv_caches)} (k, v) pairs of shape and dtype "
+                f"{have[:1]}, got {len(kv_caches)} pairs starting {got[:1]}"
+            )
+        self.kv_caches = kv_caches
+
     @property
     def model_state(self) -> nnx.State:
         """The model's parameters as an NNX state (the arrays the steps run on, not copies)."""
