@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import time
 from collections import deque
 
 from jaxpaged.core.beam_search import advance_beams
@@ -333,6 +334,7 @@ class Scheduler:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += hits[seq.seq_id]
         if group.num_cached_tokens is None:
+            group.first_scheduled_time = time.monotonic()
             group.num_cached_tokens = hits[group.request_id]
             group.seqs[0].num_cached_tokens = group.num_cached_tokens
         return [self._scheduled(seq, n) for seq, n in plan]
@@ -499,7 +501,9 @@ class Scheduler:
         logger.warning(
             "Request %s has %d sequences that need more KV-cache blocks than the %d the cache "
             "holds; it is finished early (finish_reason 'length').",
-            group.request_id, len(group.unfinished_seqs), self.kv_cache_manager.num_blocks,
+            group.request_id,
+            len(group.unfinished_seqs),
+            self.kv_cache_manager.num_blocks,
         )
         self._finish_group(group, SequenceStatus.FINISHED_IGNORED, queue_removed=queue_removed)
 
