@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_blocks": engine.num_blocks,
         "block_size": engine.config.cache_config.block_size,
         "bytes": engine.num_blocks * engine.worker.kv_cache_spec.bytes_per_block,
-        "budget": dataclasses.asdict(engine.worker.memory_budget) if engine.worker.memory_budget else None,
+        "budget": dataclasses.asdict(budget) if (budget := engine.worker.memory_budget) else None,
     }
     print(engine.kv_cache_report(), flush=True)
     print(
