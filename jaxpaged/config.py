@@ -11,16 +11,16 @@ import json
 import os
 from importlib import resources
 
+from jaxpaged.core.scheduler import PREEMPTION_MODES
+from models.attention_backends import ATTENTION_BACKEND_CHOICES
+from models.dtypes import DTYPE_CHOICES
 from models.hub import resolve_model_path
 from models.tp_layout import TPLayout
 
 DEFAULT_MODEL_NAME = "stories260k"
 
-_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
-_ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
-_PREEMPTION_MODES = (None, "recompute", "swap")
 
 
 def default_model_path() -> str:
@@ -213,11 +213,11 @@ class EngineConfig:
         with open(config_path) as f:
             hf_config_json = json.load(f)
 
-        _check_choice("dtype", args.dtype, _DTYPES)
+        _check_choice("dtype", args.dtype, DTYPE_CHOICES)
         _check_choice("load_format", args.load_format, _LOAD_FORMATS)
-        _check_choice("attention_backend", args.attention_backend, _ATTENTION_BACKENDS)
+        _check_choice("attention_backend", args.attention_backend, ATTENTION_BACKEND_CHOICES)
         _check_choice("block_size", args.block_size, _BLOCK_SIZES)
-        _check_choice("preemption_mode", args.preemption_mode, _PREEMPTION_MODES)
+        _check_choice("preemption_mode", args.preemption_mode, PREEMPTION_MODES)
         if not args.swap_space >= 0:
             raise ValueError(
                 f"swap_space must be a non-negative number of GiB, got {args.swap_space}"

@@ -32,6 +32,8 @@ _CONTEXT_TOKENS = 5
 # DecodeStream is primed with a prompt suffix of at least this many ids that starts on a character
 # boundary (no U+FFFD), searched up to _MAX_PRIME ids back, as vLLM does.
 _MIN_PRIME, _MAX_PRIME = 4, 24
+# A UTF-8 character has at most 4 bytes, so a prompt ends with at most 3 bytes of an unfinished one.
+_MAX_TAIL = 3
 # Start of the error tokenizers' DecodeStream raises when a step's text no longer extends the
 # text it decoded before.
 _INVALID_PREFIX = "Invalid prefix encountered"
@@ -121,6 +123,18 @@ class IncrementalDetokenizer:
         return self.output_text[start:end]
 
 
+def _unfinished_tail(decode, prompt_token_ids: list[int]) -> int:
+    """How many of the prompt's last ids are the first bytes of a character the prompt does not
+    finish (byte-fallback pieces), 0 to ``_MAX_TAIL``: the fewest ids whose removal leaves text
+    that does not end in U+FFFD (0 when none does, e.g. bytes that are not UTF-8 at all)."""
+    n = len(prompt_token_ids)
+    for tail in range(min(_MAX_TAIL, n - 1) + 1):
+        window = prompt_token_ids[max(0, n - tail - _CONTEXT_TOKENS) : n - tail]
+        if not decode(window).endswith("\ufffd"):
+            return tail
+    return 0
+
+
 class _NoTextDecoder:
     """Decoder of an engine without a tokenizer (``skip_tokenizer_init``): no text."""
 
@@ -140,9 +154,13 @@ class _WindowDecoder:
         self.kwargs = dict(skip_special_tokens=params.skip_special_tokens)
         if not params.skip_special_tokens:
             self.kwargs["spaces_between_special_tokens"] = params.spaces_between_special_tokens
-        self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        # The prompt's unfinished last character (if any) is unread: its bytes come out with
+        # the output token that completes it, and nothing before it does.
+        tail = _unfinished_tail(self._decode, prompt_token_ids)
+        head = prompt_token_ids[: len(prompt_token_ids) - tail]
+        self.ids = list(head[-_CONTEXT_TOKENS:]) + list(prompt_token_ids[len(head) :])
         self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.read_offset = len(self.ids) - tail
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, **self.kwargs)
@@ -173,14 +191,25 @@ class _StreamDecoder:
         self.tokenizer = tokenizer
         self.backend = backend
         self.skip_special_tokens = params.skip_special_tokens
-        prime = list(prompt_token_ids)
+        # DecodeStream must be primed on a character boundary (primed inside a character, its
+        # first text repeats the whole prime): the prompt's unfinished last character is fed
+        # after priming, so its bytes come out with the output token that completes it.
+        tail = _unfinished_tail(backend.decode, prompt_token_ids)
+        prime = list(prompt_token_ids[: len(prompt_token_ids) - tail])
+        tail_ids = list(prompt_token_ids[len(prime) :])
         if len(prime) > _MIN_PRIME:
             for n in range(_MIN_PRIME, min(len(prime), _MAX_PRIME) + 1):
                 if "\ufffd" not in backend.decode(prime[-n:]):
                     prime = prime[-n:]
                     break
         self.stream = DecodeStream(prime, skip_special_tokens=self.skip_special_tokens)
-        self.recent: deque[int] = deque(prime[-_CONTEXT_TOKENS:], maxlen=_CONTEXT_TOKENS)
+        for token_id in tail_ids:  # an unfinished character: DecodeStream returns None
+            self.stream.step(backend, token_id)
+        # Context for flush(): the prompt's last ids, its unfinished character included.
+        self.recent: deque[int] = deque(
+            (prime + tail_ids)[-_CONTEXT_TOKENS - len(tail_ids) :],
+            maxlen=_CONTEXT_TOKENS + _MAX_TAIL,
+        )
         self.pending: list[int] = []
         # spaces_between_special_tokens=False: adjacent special tokens show their bare content
         # (vLLM's FastIncrementalDetokenizer); skipped specials make it moot.

@@ -19,6 +19,9 @@ import dataclasses
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from jaxpaged.core.stats import SchedulerStats
+from jaxpaged.outputs import RequestOutput
+
 PREFIX = "jaxpaged:"
 
 # vLLM v1's bucket boundaries, in seconds.
@@ -48,7 +51,8 @@ class _RequestTimes:
 
 
 class ServerMetrics:
-    """The collectors of one server, fed by ``AsyncLLMEngine`` after every engine step.
+    """The collectors of one server, fed by ``AsyncLLMEngine`` after every engine step with the
+    step's outputs and the engine's stats (``LLMEngine.get_stats()``, one ``SchedulerStats``).
 
     Args:
         model_name: value of the ``model_name`` label.
@@ -139,8 +143,7 @@ class ServerMetrics:
         )
 
         self._requests: dict[str, _RequestTimes] = {}
-        self._last_num_preemptions = 0
-        self._last_prefix_stats: tuple[int, int] | None = None
+        self._last_stats = _Counters()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
@@ -154,23 +157,22 @@ class ServerMetrics:
         if self._requests.pop(request_id, None) is not None:
             self.request_success["abort"].inc()
 
-    def observe_step(self, engine, outputs, step_start: float, now: float) -> None:
-        """Token counters and latencies from one step's outputs.
+    def observe_step(
+        self, stats: SchedulerStats, outputs: list[RequestOutput], step_start: float, now: float
+    ) -> None:
+        """Token counters and latencies from one step's outputs, then the engine's gauges and
+        counters from ``stats`` (``LLMEngine.get_stats()`` after the step).
 
-        Every tracked request in the running batch after the step, or with an output from it,
-        counts as scheduled at ``step_start`` if it was not before.
+        A request counts as scheduled at its output's ``metrics["first_scheduled_time"]``, or
+        at ``step_start`` of its first output when the output carries none.
         """
-        for group in engine.scheduler.running:
-            times = self._requests.get(group.request_id)
-            if times is not None and times.scheduled is None:
-                times.scheduled = step_start
-        prefix_stats = _prefix_cache_stats(engine)
         for output in outputs:
             times = self._requests.get(output.request_id)
             if times is None:
                 continue
             if times.scheduled is None:
-                times.scheduled = step_start
+                scheduled = (output.metrics or {}).get("first_scheduled_time")
+                times.scheduled = step_start if scheduled is None else scheduled
             num_tokens = sum(len(c.token_ids) for c in output.outputs)
             new_tokens = num_tokens - times.num_output_tokens
             if new_tokens > 0:
@@ -178,11 +180,7 @@ class ServerMetrics:
                 if times.first_token is None:
                     times.first_token = now
                     self.time_to_first_token.observe(now - times.arrival)
-                    num_prompt = len(output.prompt_token_ids)
-                    self.prompt_tokens.inc(num_prompt)
-                    if prefix_stats is None:  # the engine keeps no counters: use the output
-                        self.prefix_cache_queries.inc(num_prompt)
-                        self.prefix_cache_hits.inc(getattr(output, "num_cached_tokens", 0) or 0)
+                    self.prompt_tokens.inc(len(output.prompt_token_ids))
                 else:
                     self.inter_token_latency.observe(now - times.last_token)
                     self.time_per_output_token.observe(now - times.last_token)
@@ -190,7 +188,7 @@ class ServerMetrics:
                 times.num_output_tokens = num_tokens
             if output.finished:
                 self._observe_finished(output, times, now)
-        self._observe_engine_state(engine, prefix_stats)
+        self.observe_engine_state(stats)
 
     def _observe_finished(self, output, times: _RequestTimes, now: float) -> None:
         del self._requests[output.request_id]
@@ -204,44 +202,29 @@ class ServerMetrics:
             self.request_prefill_time.observe(times.first_token - times.scheduled)
             self.request_decode_time.observe(now - times.first_token)
 
-    def observe_engine_state(self, engine) -> None:
-        """Gauges and engine-cumulative counters, read from the scheduler and KV manager
-        (and from ``engine.get_stats()`` for the prefix cache, when the engine has it)."""
-        self._observe_engine_state(engine, _prefix_cache_stats(engine))
-
-    def _observe_engine_state(self, engine, prefix_stats: tuple[int, int] | None) -> None:
-        scheduler = engine.scheduler
-        self.num_requests_running.set(scheduler.num_running)
-        self.num_requests_waiting.set(scheduler.num_waiting)
-        swapped = getattr(scheduler, "num_swapped", None)
-        if swapped is None:
-            swapped = len(getattr(scheduler, "swapped", ()))
-        self.num_requests_swapped.set(swapped)
-        usage = engine.kv_cache_manager.usage
-        self.kv_cache_usage_perc.set(usage)
-        self.gpu_cache_usage_perc.set(usage)
-        num_preemptions = scheduler.num_preemptions
-        if num_preemptions > self._last_num_preemptions:
-            self.num_preemptions.inc(num_preemptions - self._last_num_preemptions)
-        self._last_num_preemptions = num_preemptions
-        if prefix_stats is not None:
-            last = self._last_prefix_stats or (0, 0)
-            self.prefix_cache_queries.inc(max(0, prefix_stats[0] - last[0]))
-            self.prefix_cache_hits.inc(max(0, prefix_stats[1] - last[1]))
-            self._last_prefix_stats = prefix_stats
+    def observe_engine_state(self, stats: SchedulerStats) -> None:
+        """Gauges and the engine's cumulative counters (preemptions, prefix-cache tokens) from
+        ``stats``; counters advance by the change since the last call."""
+        self.num_requests_running.set(stats.num_requests_running)
+        self.num_requests_waiting.set(stats.num_requests_waiting)
+        self.num_requests_swapped.set(stats.num_requests_swapped)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage_perc)
+        self.gpu_cache_usage_perc.set(stats.kv_cache_usage_perc)
+        last = self._last_stats
+        self.num_preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self.prefix_cache_queries.inc(
+            max(0, stats.prefix_cache_queries - last.prefix_cache_queries)
+        )
+        self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
+        self._last_stats = _Counters(
+            stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits
+        )
 
 
-def _prefix_cache_stats(engine) -> tuple[int, int] | None:
-    """Cumulative (queries, hits) in tokens from ``engine.get_stats()``, if the engine offers
-    them (as attributes or keys ``prefix_cache_queries`` / ``prefix_cache_hits``); else None."""
-    get_stats = getattr(engine, "get_stats", None)
-    if not callable(get_stats):
-        return None
-    stats = get_stats()
-    values = []
-    for name in ("prefix_cache_queries", "prefix_cache_hits"):
-        value = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
-        if value is None:
-            return None
-        values.append(int(value))
-    return values[0], values[1]
+@dataclasses.dataclass(frozen=True)
+class _Counters:
+    """The engine's cumulative counters at the last observation."""
+
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0

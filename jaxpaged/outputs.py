@@ -68,4 +68,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at admission (whole blocks, never the last)."""
     metrics: dict | None = None
-    """Timestamps (seconds, ``time.monotonic``): arrival_time, first_token_time, finished_time."""
+    """Timestamps (seconds, ``time.monotonic``): arrival_time, first_scheduled_time,
+    first_token_time, finished_time."""

@@ -111,8 +111,16 @@ class SamplingParams:
     OpenAI wire format); each bias is clamped to [-100, 100]."""
     allowed_token_ids: list[int] | None = None
     """Only these token ids may be sampled; None means all; an empty list is rejected."""
+    bad_words: list[str] | None = None
+    """Words that are never generated. Each word, and its variant with a leading space, must
+    tokenize to one token (a multi-token word is refused, where vLLM bans its last token after
+    the others); the engine resolves them with its tokenizer (``update_from_tokenizer``)."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """What each RequestOutput carries: CUMULATIVE, DELTA (new text/tokens only) or FINAL_ONLY."""
+    bad_words_token_ids: list[int] | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
+    """The token ids ``bad_words`` ban, set by ``update_from_tokenizer``."""
 
     def __post_init__(self) -> None:
         if self.seed == -1:
@@ -135,6 +143,8 @@ class SamplingParams:
             self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
         if self.logprobs_mode not in _LOGPROBS_MODES:
@@ -196,6 +206,12 @@ class SamplingParams:
             _check_token_ids("allowed_token_ids", self.allowed_token_ids)
         if self.logit_bias is not None:
             _check_token_ids("logit_bias", list(self.logit_bias))
+        if self.bad_words is not None and not all(
+            isinstance(w, str) and w.strip() for w in self.bad_words
+        ):
+            raise SamplingParamsError(
+                "bad_words", self.bad_words, "must be a list of non-blank strings"
+            )
         if not isinstance(self.output_kind, RequestOutputKind):
             raise SamplingParamsError(
                 "output_kind", self.output_kind, "must be a RequestOutputKind"
@@ -236,7 +252,40 @@ class SamplingParams:
             or bool(self.logit_bias)
             or self.allowed_token_ids is not None
             or self.min_tokens > 0
+            or bool(self.bad_words)
         )
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Resolve ``bad_words`` to ``bad_words_token_ids`` (vLLM's rule: each word stripped of
+        leading space, and with one space in front when that tokenizes differently in as many
+        tokens; no special tokens added).
+
+        Raises:
+            SamplingParamsError: a word that is more than one token, or ``bad_words`` without a
+                tokenizer (``skip_tokenizer_init``).
+        """
+        if not self.bad_words:
+            return
+        if tokenizer is None:
+            raise SamplingParamsError(
+                "bad_words", self.bad_words, "needs a tokenizer (the engine has none)"
+            )
+        banned = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            variants = [plain]
+            if len(spaced) == len(plain) and spaced[:1] != plain[:1]:
+                variants.append(spaced)
+            for ids in variants:
+                if len(ids) != 1:
+                    raise SamplingParamsError(
+                        "bad_words",
+                        word,
+                        f"must each be one token; this one is {len(ids)} tokens {ids}",
+                    )
+                banned.append(ids[0])
+        self.bad_words_token_ids = sorted(set(banned))
 
     @property
     def stop_buffer_length(self) -> int:
@@ -292,6 +341,7 @@ def verify_for_model(params: SamplingParams, *, vocab_size: int, max_logprobs: i
         "stop_token_ids": params.stop_token_ids,
         "allowed_token_ids": params.allowed_token_ids or [],
         "logit_bias": list(params.logit_bias or {}),
+        "bad_words": params.bad_words_token_ids or [],
     }
     for name, ids in checks.items():
         bad = [t for t in ids if t >= vocab_size]

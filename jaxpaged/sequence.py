@@ -260,6 +260,7 @@ class SequenceGroup:
         self.completed_beams: list[Sequence] = []
         self.arrival_time = seq.arrival_time
         self.num_cached_tokens: int | None = None  # set at first admission
+        self.first_scheduled_time: float | None = None  # time.monotonic() at first admission
         self._num_children = 0
 
     def __repr__(self) -> str:

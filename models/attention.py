@@ -15,10 +15,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import pallas_kernels
+from models.attention_backends import ATTENTION_BACKENDS
 from models.attention_metadata import AttentionMetadata
 from models.sharding import TP_AXIS, shard_over_heads
-
-BACKENDS = ("pallas", "reference")
 
 
 def gather_kv(cache: jax.Array, block_tables: jax.Array) -> jax.Array:
@@ -110,7 +109,9 @@ def attention(
         return pallas_kernels.ragged_paged_attention_reference(
             q, k, v, metadata.seq_lens, metadata.cu_q_lens, **kwargs
         )
-    raise ValueError(f"attention backend must be one of {list(BACKENDS)}, got {backend!r}")
+    raise ValueError(
+        f"attention backend must be one of {list(ATTENTION_BACKENDS)}, got {backend!r}"
+    )
 
 
 def _attention_per_device(q, k_cache, v_cache, metadata, *, alibi_slopes, **kwargs):

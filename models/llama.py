@@ -36,6 +36,7 @@ from jax.sharding import Mesh
 
 import pallas_kernels
 from models.attention import attention
+from models.attention_backends import check_attention_backend
 from models.attention_metadata import AttentionMetadata
 from models.merged_linear import MergedColumnParallelLinear
 from models.sharding import tp_size
@@ -359,10 +360,7 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, config: Any, *, dtype: Any, param_dtype: Any,
                  attention_backend: str = "reference", interpret: bool = False,
                  mesh: Mesh | None = None, rngs: nnx.Rngs):
-        if attention_backend not in ("reference", "pallas"):
-            raise ValueError(
-                f"attention_backend must be 'reference' or 'pallas', got {attention_backend!r}"
-            )
+        check_attention_backend(attention_backend)
         self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype,

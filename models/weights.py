@@ -22,16 +22,10 @@ import safetensors
 import transformers
 from flax import nnx
 
+from models.dtypes import DTYPES as _DTYPES
 from models.merged_linear import MergedColumnParallelLinear
 from models.registry import checkpoint_view, get_model_class
 
-_DTYPES = {
-    "float32": jnp.float32,
-    "float": jnp.float32,
-    "bfloat16": jnp.bfloat16,
-    "float16": jnp.float16,
-    "half": jnp.float16,
-}
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"

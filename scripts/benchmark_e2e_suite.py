@@ -85,19 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     engine = llm.llm_engine
     suite["environment"] = _environment()
     suite["startup_seconds"] = time.perf_counter() - start
-    suite["compile_seconds"] = engine.compile_seconds
-    suite["num_buckets"] = len(engine.model_runner.all_bucket_keys())
+    suite["compile_seconds"] = engine.worker.compile_seconds
+    suite["num_buckets"] = len(engine.worker.model_runner.all_bucket_keys())
     suite["kv_cache"] = {
         "report": engine.kv_cache_report(),
         "num_blocks": engine.num_blocks,
         "block_size": engine.config.cache_config.block_size,
-        "bytes": engine.num_blocks * engine.kv_cache_spec.bytes_per_block,
-        "budget": dataclasses.asdict(engine.memory_budget) if engine.memory_budget else None,
+        "bytes": engine.num_blocks * engine.worker.kv_cache_spec.bytes_per_block,
+        "budget": dataclasses.asdict(budget) if (budget := engine.worker.memory_budget) else None,
     }
     print(engine.kv_cache_report(), flush=True)
     print(
         f"Start-up {suite['startup_seconds']:.1f} s, of which compiling "
-        f"{suite['num_buckets']} step buckets {engine.compile_seconds:.1f} s",
+        f"{suite['num_buckets']} step buckets {engine.worker.compile_seconds:.1f} s",
         flush=True,
     )
     save()

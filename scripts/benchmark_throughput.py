@@ -116,13 +116,14 @@ def run_throughput(llm, requests: list[BenchmarkRequest], *, warmup: bool = True
     engine.reset_prefix_cache()
     hits_before = engine.scheduler.prefix_cache_hits
     # Each step's dispatch and finish times give the device's idle fraction (an upper bound).
-    runner = engine.model_runner
+    runner = engine.worker.model_runner
     scheduled_before, bucket_before = runner.num_scheduled_tokens, runner.num_bucket_tokens
-    timeline = engine.model_runner.timeline = StepTimeline()
+    timeline = StepTimeline()
+    engine.worker.set_step_timeline(timeline)
     try:
         run = run_requests(engine, requests, tag="timed")
     finally:
-        engine.model_runner.timeline = None
+        engine.worker.set_step_timeline(None)
         timeline.close()
     idle, span, num_device_steps = timeline.idle_fraction()
     bucket_tokens = runner.num_bucket_tokens - bucket_before
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = build_llm(args)
     engine = llm.llm_engine
     print(engine.kv_cache_report(), flush=True)
-    print(f"Compiled step buckets in {engine.compile_seconds:.1f} s", flush=True)
+    print(f"Compiled step buckets in {engine.worker.compile_seconds:.1f} s", flush=True)
     requests = make_requests(
         args.dataset_name,
         num_prompts=args.num_prompts,

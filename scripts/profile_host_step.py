@@ -80,7 +80,7 @@ class PhaseTimer:
 
 def instrument(engine: LLMEngine) -> PhaseTimer:
     timer = PhaseTimer()
-    runner = engine.model_runner
+    runner = engine.worker.model_runner
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(runner, "_assign_logits_state_slots", "prepare")
     timer.wrap(runner, "_prepare_inputs", "prepare")

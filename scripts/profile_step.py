@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = llm.llm_engine
     result: dict = {
         "startup_seconds": time.perf_counter() - start,
-        "compile_seconds": engine.compile_seconds,
-        "num_buckets": len(engine.model_runner.all_bucket_keys()),
+        "compile_seconds": engine.worker.compile_seconds,
+        "num_buckets": len(engine.worker.model_runner.all_bucket_keys()),
     }
     print(engine.kv_cache_report(), flush=True)
     print(f"start-up {result['startup_seconds']:.1f} s, compiling {result['num_buckets']} "

@@ -195,3 +195,22 @@ def test_ids_that_break_the_decode_stream_prefix_do_not_raise(tokenizer):
     assert len(pieces) == len(output_ids)
     assert "".join(pieces) == detok.output_text
     assert detok.output_text.endswith(tokenizer.decode([300, 301]).strip()[-3:])
+
+
+@pytest.mark.parametrize("use_fast", [True, False])
+@pytest.mark.parametrize("num_prompt_bytes", [1, 2])
+def test_a_prompt_ending_inside_a_character_leaks_no_prompt_text(
+    tokenizer, use_fast, num_prompt_bytes
+):
+    """ "世" is three byte-fallback tokens; the prompt holds the first one or two. The output
+    token that completes the character shows the character, and nothing of the prompt before
+    it (the fast decoder once repeated "Hello world世", the window decoder dropped it)."""
+    ids = tokenizer.encode("Hello world世")
+    assert tokenizer.convert_ids_to_tokens(ids[-3:]) == ["<0xE4>", "<0xB8>", "<0x96>"]
+    prompt, output = ids[: len(ids) - 3 + num_prompt_bytes], ids[len(ids) - 3 + num_prompt_bytes :]
+    more = tokenizer.encode("Hello world世 and more", add_special_tokens=False)[len(ids) - 1 :]
+    pieces, detok, _ = _stream(
+        tokenizer, prompt, output + more, SamplingParams(), use_fast=use_fast
+    )
+    assert pieces[: len(output)] == [""] * (len(output) - 1) + ["世"]
+    assert "".join(pieces) == detok.output_text == "世 and more"

@@ -3,32 +3,35 @@ gauges, the engine-stats path, and one registry per instance."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.metrics import ITL_BUCKETS, TTFT_BUCKETS, ServerMetrics
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 
 
-def _engine(running=(), waiting=0, preemptions=0, usage=0.0, stats=None, swapped=0):
-    engine = SimpleNamespace(
-        scheduler=SimpleNamespace(
-            running=[SimpleNamespace(request_id=r) for r in running],  # SequenceGroups
-            num_running=len(running),
-            num_waiting=waiting,
-            num_preemptions=preemptions,
-            num_swapped=swapped,
-        ),
-        kv_cache_manager=SimpleNamespace(usage=usage),
+def _stats(running=0, waiting=0, swapped=0, usage=0.0, preemptions=0, queries=0, hits=0):
+    """``LLMEngine.get_stats()`` as the engine would report it."""
+    return SchedulerStats(
+        num_requests_running=running,
+        num_requests_waiting=waiting,
+        num_requests_swapped=swapped,
+        kv_cache_usage_perc=usage,
+        cpu_cache_usage_perc=0.0,
+        num_gpu_blocks=100,
+        num_cpu_blocks=0,
+        prefix_cache_queries=queries,
+        prefix_cache_hits=hits,
+        num_preemptions=preemptions,
+        num_preemptions_swap=0,
+        num_preemptions_recompute=preemptions,
+        kv_cache_tokens_stored=0,
+        kv_cache_slots_held=0,
     )
-    if stats is not None:
-        engine.get_stats = lambda: stats
-    return engine
 
 
-def _output(request_id, num_tokens, finish_reason=None, prompt_len=4, cached=0):
+def _output(request_id, num_tokens, finish_reason=None, prompt_len=4, scheduled=None):
     return RequestOutput(
         request_id=request_id,
         prompt=None,
@@ -39,7 +42,7 @@ def _output(request_id, num_tokens, finish_reason=None, prompt_len=4, cached=0):
             )
         ],
         finished=finish_reason is not None,
-        num_cached_tokens=cached,
+        metrics={"first_scheduled_time": scheduled},
     )
 
 
@@ -60,17 +63,15 @@ def test_a_request_lifecycle_gives_exact_counts_and_latencies():
     metrics = ServerMetrics("m")
     metrics.observe_added("a", arrival_time=10.0)
     metrics.observe_added("b", arrival_time=10.0)
-    # Step 1 starts at 10.5: "a" (prompt 4, 2 cached) gets its first token; "b" is a
-    # running prefill chunk without output yet.
-    metrics.observe_step(
-        _engine(running=["a", "b"], usage=0.5), [_output("a", 1, cached=2)], 10.5, 11.0
-    )
-    metrics.observe_step(
-        _engine(running=["a", "b"]), [_output("a", 2), _output("b", 1)], 11.0, 11.25
-    )
-    metrics.observe_step(
-        _engine(running=["b"]), [_output("a", 3, "stop"), _output("b", 2)], 11.25, 11.5
-    )
+    # Step 1 starts at 10.5, where the engine scheduled both: "a" (prompt 4, 2 cached) gets
+    # its first token; "b" is a running prefill chunk without output yet.
+    step1 = _stats(running=2, usage=0.5, queries=8, hits=2)
+    metrics.observe_step(step1, [_output("a", 1, scheduled=10.5)], 10.5, 11.0)
+    step2 = _stats(running=2, queries=8, hits=2)
+    outputs = [_output("a", 2, scheduled=10.5), _output("b", 1, scheduled=10.5)]
+    metrics.observe_step(step2, outputs, 11.0, 11.25)
+    outputs = [_output("a", 3, "stop", scheduled=10.5), _output("b", 2, scheduled=10.5)]
+    metrics.observe_step(_stats(running=1, queries=8, hits=2), outputs, 11.25, 11.5)
     metrics.observe_aborted("b")
     metrics.observe_aborted("b")  # a second abort of the same request is not counted
     s = _samples(metrics)
@@ -97,18 +98,15 @@ def test_a_request_lifecycle_gives_exact_counts_and_latencies():
     assert _get(s, "jaxpaged:time_to_first_token_seconds_bucket", le="2.5") == 2
 
 
-def test_gauges_preemptions_and_engine_prefix_stats():
+def test_gauges_and_engine_counters_come_from_the_stats_api():
     metrics = ServerMetrics("m")
-    stats = {"prefix_cache_queries": 100, "prefix_cache_hits": 40}
     metrics.observe_engine_state(
-        _engine(running=["x"], waiting=3, preemptions=2, usage=0.25, stats=stats, swapped=1)
+        _stats(running=1, waiting=3, preemptions=2, usage=0.25, queries=100, hits=40, swapped=1)
     )
     metrics.observe_added("x", 0.0)
-    # With engine counters, the outputs' num_cached_tokens are not counted again.
-    stats2 = {"prefix_cache_queries": 130, "prefix_cache_hits": 50}
-    metrics.observe_step(
-        _engine(running=["x"], preemptions=5, stats=stats2), [_output("x", 1, cached=16)], 0, 1
-    )
+    # Counters advance by the engine's cumulative change; gauges follow the latest stats.
+    later = _stats(running=1, preemptions=5, queries=130, hits=50)
+    metrics.observe_step(later, [_output("x", 1)], 0, 1)
     s = _samples(metrics)
     assert _get(s, "jaxpaged:prefix_cache_queries_total") == 130
     assert _get(s, "jaxpaged:prefix_cache_hits_total") == 50
@@ -118,7 +116,7 @@ def test_gauges_preemptions_and_engine_prefix_stats():
     assert _get(s, "jaxpaged:kv_cache_usage_perc") == 0.0
 
     metrics.observe_engine_state(
-        _engine(running=["x"], waiting=3, usage=0.25, stats=stats2, swapped=1, preemptions=5)
+        _stats(running=1, waiting=3, usage=0.25, queries=130, hits=50, swapped=1, preemptions=5)
     )
     s = _samples(metrics)
     assert _get(s, "jaxpaged:num_requests_waiting") == 3
@@ -126,12 +124,23 @@ def test_gauges_preemptions_and_engine_prefix_stats():
     assert _get(s, "jaxpaged:kv_cache_usage_perc") == 0.25
     assert _get(s, "jaxpaged:gpu_cache_usage_perc") == 0.25
     assert _get(s, "jaxpaged:num_preemptions_total") == 5
+    assert _get(s, "jaxpaged:prefix_cache_queries_total") == 130
+
+
+def test_a_request_without_a_scheduled_time_counts_from_its_first_output_step():
+    metrics = ServerMetrics("m")
+    metrics.observe_added("r", 1.0)
+    metrics.observe_step(_stats(), [_output("r", 1)], 2.0, 2.5)
+    metrics.observe_step(_stats(), [_output("r", 2, "length")], 2.5, 3.0)
+    s = _samples(metrics)
+    assert _get(s, "jaxpaged:request_queue_time_seconds_sum") == pytest.approx(1.0)
+    assert _get(s, "jaxpaged:request_inference_time_seconds_sum") == pytest.approx(1.0)
 
 
 def test_each_instance_has_its_own_registry_and_vllm_buckets():
     first, second = ServerMetrics("a"), ServerMetrics("b")
     first.observe_added("r", 0.0)
-    first.observe_step(_engine(), [_output("r", 1, "length")], 0.0, 0.5)
+    first.observe_step(_stats(), [_output("r", 1, "length")], 0.0, 0.5)
     assert _get(_samples(first), "jaxpaged:request_success_total", finished_reason="length") == 1
     assert _get(_samples(second), "jaxpaged:request_success_total", finished_reason="length") == 0
     assert 'model_name="b"' in second.render().decode()

@@ -109,3 +109,22 @@ def test_model_checks_name_the_limit():
     verify_for_model(
         SamplingParams(logprobs=5, stop_token_ids=[99]), vocab_size=100, max_logprobs=5
     )
+
+
+def test_bad_words_resolve_to_single_token_ids_or_are_refused(stories_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(stories_dir)
+    # SentencePiece writes the leading space itself: " time" (2 ids) is not a second variant.
+    (time,) = tokenizer.encode("time", add_special_tokens=False)
+    params = SamplingParams(bad_words=[" time", "time"])
+    assert params.uses_logits_state and params.bad_words_token_ids is None
+    params.update_from_tokenizer(tokenizer)
+    assert params.bad_words_token_ids == [time]
+    with pytest.raises(SamplingParamsError, match="bad_words must each be one token") as info:
+        SamplingParams(bad_words=["cat"]).update_from_tokenizer(tokenizer)
+    assert info.value.parameter == "bad_words"
+    with pytest.raises(SamplingParamsError, match="bad_words needs a tokenizer"):
+        SamplingParams(bad_words=["cat"]).update_from_tokenizer(None)
+    with pytest.raises(SamplingParamsError, match="bad_words must be a list of non-blank"):
+        SamplingParams(bad_words=[" "])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import time
 from collections import deque
 
 from jaxpaged.core.beam_search import advance_beams
@@ -27,9 +28,10 @@ from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus, derive_se
 
 logger = logging.getLogger(__name__)
 
-_PREEMPTION_MODES = (None, "recompute", "swap")
+# How a request gives its blocks back when they run out (None: vLLM's rule, see `_preempt`).
+PREEMPTION_MODES = (None, "recompute", "swap")
 
-__all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput"]
+__all__ = ["PREEMPTION_MODES", "ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -69,9 +71,9 @@ class Scheduler:
             getattr(config, "long_prefill_token_threshold", 0) or 0
         )
         self.preemption_mode: str | None = getattr(config, "preemption_mode", None)
-        if self.preemption_mode not in _PREEMPTION_MODES:
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
-                f"preemption_mode must be one of {list(_PREEMPTION_MODES)}, "
+                f"preemption_mode must be one of {list(PREEMPTION_MODES)}, "
                 f"got {self.preemption_mode!r}"
             )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -332,6 +334,7 @@ class Scheduler:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += hits[seq.seq_id]
         if group.num_cached_tokens is None:
+            group.first_scheduled_time = time.monotonic()
             group.num_cached_tokens = hits[group.request_id]
             group.seqs[0].num_cached_tokens = group.num_cached_tokens
         return [self._scheduled(seq, n) for seq, n in plan]
@@ -498,7 +501,9 @@ class Scheduler:
         logger.warning(
             "Request %s has %d sequences that need more KV-cache blocks than the %d the cache "
             "holds; it is finished early (finish_reason 'length').",
-            group.request_id, len(group.unfinished_seqs), self.kv_cache_manager.num_blocks,
+            group.request_id,
+            len(group.unfinished_seqs),
+            self.kv_cache_manager.num_blocks,
         )
         self._finish_group(group, SequenceStatus.FINISHED_IGNORED, queue_removed=queue_removed)
 

@@ -213,7 +213,9 @@ class AsyncLLMEngine:
                 self.num_steps += 1
                 self._deliver(outputs)
                 if self.metrics is not None:
-                    self.metrics.observe_step(engine, outputs, step_start, time.monotonic())
+                    self.metrics.observe_step(
+                        engine.get_stats(), outputs, step_start, time.monotonic()
+                    )
         except BaseException as error:  # any failure kills the loop; report it to every caller
             logger.exception("engine loop died")
             self._die(error)
@@ -254,7 +256,7 @@ class AsyncLLMEngine:
         if self.metrics is not None:
             for output in aborted:
                 self.metrics.observe_aborted(output.request_id)
-            self.metrics.observe_engine_state(engine)
+            self.metrics.observe_engine_state(engine.get_stats())
         self._loop.call_soon_threadsafe(_resolve_all, resolutions)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

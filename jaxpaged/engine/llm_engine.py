@@ -7,15 +7,12 @@ detokenizes, applies stop strings and emits outputs.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 
-import jax
-import jax.numpy as jnp
 from transformers import AutoTokenizer
 
 from jaxpaged.beam_search import BeamSearchParams
@@ -29,23 +26,8 @@ from jaxpaged.outputs import RequestOutput
 from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
 from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus
-from jaxpaged.worker.distributed import agree_on_min, initialize_distributed, is_driver
-from jaxpaged.worker.kv_cache import (
-    DEFAULT_CPU_KV_CACHE_BYTES,
-    KVCacheSpec,
-    MemoryBudget,
-    allocate_kv_caches,
-    bytes_in_use,
-    kv_cache_shapes,
-    measure_kv_budget,
-    num_blocks_for_budget,
-)
-from jaxpaged.worker.model_runner import ModelRunner, PendingStep
-from jaxpaged.worker.swap import BlockMover
-from models.sharded_weights import load_sharded_model
-from models.sharding import kv_cache_sharding, make_mesh
-from models.tp_layout import TPLayout
-from models.weights import load_model
+from jaxpaged.worker.model_runner import PendingStep
+from jaxpaged.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -62,100 +44,27 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, *, show_progress: bool = True):
         self.config = config
-        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
-        tp = config.parallel_config.tensor_parallel_size
-        initialize_distributed(config.parallel_config)  # before any device is touched
-        self.mesh = make_mesh(tp) if tp > 1 else None
-        kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
-        show_progress = show_progress and is_driver()
-        on_gpu = jax.default_backend() == "gpu"
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "pallas" if on_gpu else "reference"
-        self.attention_backend = backend
-        self.dtype = _resolve_dtype(mc.dtype, mc.hf_config_json)
-
+        mc, cc = config.model_config, config.cache_config
         # skip_tokenizer_init (vLLM's name): prompts are token ids and outputs carry empty text,
         # so a config-only directory with dummy weights is enough (benchmarks).
         self.tokenizer = (
             None if mc.skip_tokenizer_init else AutoTokenizer.from_pretrained(mc.tokenizer)
         )
-        load = (
-            load_model
-            if self.mesh is None
-            else functools.partial(load_sharded_model, mesh=self.mesh)
-        )
-        model, self.hf_config = load(
-            mc.model,
-            dtype=self.dtype,
-            load_format=mc.load_format,
-            attention_backend=backend,
-            interpret=backend == "pallas" and not on_gpu,
-            seed=mc.seed,
-        )
-        self.vocab_size = int(self.hf_config.vocab_size)
-        self.eos_token_id = _first_eos(self.hf_config, self.tokenizer)
-        spec = KVCacheSpec(
-            num_layers=int(self.hf_config.num_hidden_layers),
-            # Hkv * r when tensor parallelism repeats KV heads (models.sharding)
-            num_kv_heads=TPLayout.from_hf_config(self.hf_config, tp).num_kv_heads_physical,
-            head_dim=_head_dim(self.hf_config),
-            block_size=cc.block_size,
-            dtype=self.dtype,
-        )
-        self.kv_cache_spec = spec
-        max_blocks_per_seq = -(-sc.max_model_len // cc.block_size)
-        runner_kwargs = dict(
-            block_size=cc.block_size,
-            max_model_len=sc.max_model_len,
-            max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=sc.max_num_batched_tokens,
-            mesh=self.mesh,
-            vocab_size=self.vocab_size,
-            max_logprobs=mc.max_logprobs,
-        )
-        # Budgets are per device; the cache splits evenly over the tp devices.
-        self.memory_budget: MemoryBudget | None = None
-        if cc.num_gpu_blocks_override is not None:
-            num_blocks = cc.num_gpu_blocks_override
-        elif cc.kv_cache_memory_bytes is not None:
-            num_blocks = num_blocks_for_budget(spec, cc.kv_cache_memory_bytes * tp, cap=2**31 - 1)
-        else:
-            self.memory_budget = self._profile_memory(model, spec, runner_kwargs, kv_sharding)
-            if self.memory_budget is None:  # no device memory statistics (CPU): fixed budget
-                cap = sc.max_num_seqs * max_blocks_per_seq + 1
-                num_blocks = num_blocks_for_budget(spec, DEFAULT_CPU_KV_CACHE_BYTES * tp, cap=cap)
-            else:
-                per_device = self.memory_budget.kv_bytes
-                num_blocks = num_blocks_for_budget(spec, per_device * tp, cap=2**31 - 1)
-        # Every process must hold the same number of blocks, or their schedules diverge.
-        num_blocks = agree_on_min(num_blocks)
-        self.num_blocks = num_blocks
-        enforce_eager = config.enforce_eager
-        if enforce_eager is None:
-            # XLA:CPU takes seconds per bucket and CPU runs are short: compile what is used.
-            enforce_eager = not on_gpu
-        # Buckets compile against the cache's shapes before it is allocated, so that XLA's
-        # autotuning scratch and rematerialization limit see the memory the cache will take.
-        self.model_runner = ModelRunner(
-            model, kv_cache_shapes(spec, num_blocks, sharding=kv_sharding), **runner_kwargs
-        )
-        compile_start = time.perf_counter()
-        if not enforce_eager:
-            self.model_runner.compile_all(show_progress=show_progress)
-        # Seconds spent compiling step buckets at start-up (0 with lazy compilation).
-        self.compile_seconds = time.perf_counter() - compile_start
-        self.model_runner.kv_caches = allocate_kv_caches(spec, num_blocks, sharding=kv_sharding)
-        num_cpu_blocks = cc.swap_space_bytes // spec.bytes_per_block
-        self.block_mover = BlockMover(spec, num_cpu_blocks, cache_sharding=kv_sharding)
+        # The worker owns the device: weights, memory profiling, KV cache, compiled buckets.
+        self.worker = Worker(config, show_progress=show_progress)
+        self.worker.load_model()
+        self.num_blocks = self.worker.determine_num_blocks()
+        self.worker.initialize_cache(self.num_blocks)
+        self.vocab_size = self.worker.vocab_size
+        self.eos_token_id = _first_eos(self.worker.hf_config, self.tokenizer)
+
         self.kv_cache_manager = KVCacheManager(
-            num_blocks,
+            self.num_blocks,
             cc.block_size,
             enable_caching=cc.enable_prefix_caching,
-            num_cpu_blocks=num_cpu_blocks,
+            num_cpu_blocks=self.worker.num_cpu_blocks,
         )
-        self.scheduler = Scheduler(sc, self.kv_cache_manager)
-
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         # Async scheduling: the dispatched step whose tokens are not yet on the host. The flag
         # may be switched between runs (benchmarks compare both); a step in flight drains first.
@@ -163,55 +72,9 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._seed_counter = itertools.count()
 
-    def _profile_memory(
-        self, model, spec: KVCacheSpec, runner_kwargs: dict, kv_sharding
-    ) -> MemoryBudget | None:
-        """Per-device memory left for KV blocks after one profiling step at the full token
-        budget (vLLM's rule), or None when the device reports no memory statistics (CPU). With
-        tensor parallelism the tightest of this process's mesh devices sets the budget."""
-        devices = (
-            [jax.local_devices()[0]]
-            if self.mesh is None
-            else [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
-        )
-        weights = [bytes_in_use(d) for d in devices]
-        if weights[0] is None:
-            return None
-        sc = self.config.scheduler_config
-        probe_blocks = -(-sc.max_num_batched_tokens // spec.block_size) + 1
-        probe_caches = allocate_kv_caches(spec, probe_blocks, sharding=kv_sharding)
-        probe = ModelRunner(model, probe_caches, **runner_kwargs)
-        probe.profile_run()
-        del probe, probe_caches
-        utilization = self.config.cache_config.gpu_memory_utilization
-        budgets = [
-            measure_kv_budget(utilization, d, weights_bytes=w)
-            for d, w in zip(devices, weights, strict=True)
-        ]
-        return min(budgets, key=lambda budget: budget.kv_bytes)
-
     def kv_cache_report(self) -> str:
-        """One line: KV blocks, tokens and GiB, and (after profiling) their share of the memory
-        left after weights and activations (per device)."""
-        block_size = self.config.cache_config.block_size
-        tp = self.config.parallel_config.tensor_parallel_size
-        kv_bytes = self.num_blocks * self.kv_cache_spec.bytes_per_block // tp
-        line = (
-            f"KV cache: {kv_bytes / 2**30:.2f} GiB per device, {self.num_blocks} blocks of "
-            f"{block_size} tokens = {self.num_blocks * block_size} tokens"
-        )
-        budget = self.memory_budget
-        if budget is not None:
-            left = budget.left_after_weights_and_activations
-            line += (
-                f"; device {budget.total / 2**30:.1f} GiB, gpu_memory_utilization "
-                f"{self.config.cache_config.gpu_memory_utilization} -> usable "
-                f"{budget.usable / 2**30:.2f} GiB (JAX pool {budget.pool / 2**30:.2f} GiB), "
-                f"weights {budget.weights / 2**30:.2f} GiB, peak after profiling "
-                f"{budget.peak / 2**30:.2f} GiB, left {left / 2**30:.2f} GiB, of which the KV "
-                f"cache takes {100 * kv_bytes / max(left, 1):.1f}%"
-            )
-        return line
+        """One line on the KV cache's size and memory share (``Worker.kv_cache_report``)."""
+        return self.worker.kv_cache_report()
 
     def fragmentation_report(self) -> str:
         """One line: tokens stored / slots held by the running sequences (internal
@@ -258,6 +121,7 @@ class LLMEngine:
                 f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}"
             )
         if isinstance(params, SamplingParams):
+            params.update_from_tokenizer(self.tokenizer)  # bad_words -> token ids
             verify_for_model(
                 params,
                 vocab_size=self.vocab_size,
@@ -400,8 +264,8 @@ class LLMEngine:
             return outputs + self._commit(scheduler_output, self._run_sync(scheduler_output))
         pending = PendingStep([], None)
         if not scheduler_output.is_empty:
-            self.model_runner.execute_block_ops(scheduler_output, self.block_mover)
-            pending = self.model_runner.dispatch(scheduler_output)
+            self.worker.execute_block_ops(scheduler_output)
+            pending = self.worker.dispatch(scheduler_output)
         outputs = [] if in_flight is None else self._resolve(in_flight)
         self._in_flight = commit_with_placeholders(self.scheduler, scheduler_output, pending)
         if not pending.scheduled and not self._in_flight.updated:
@@ -409,15 +273,15 @@ class LLMEngine:
         return outputs
 
     def _resolve(self, in_flight: InFlightStep) -> list[RequestOutput]:
-        runner_output = self.model_runner.collect(in_flight.pending)
+        runner_output = self.worker.collect(in_flight.pending)
         updated = resolve(self.scheduler, in_flight, runner_output)
         return self.output_processor.process(runner_output, updated, time.monotonic())
 
     def _run_sync(self, scheduler_output) -> ModelRunnerOutput:
         if scheduler_output.is_empty:
             return ModelRunnerOutput({})
-        self.model_runner.execute_block_ops(scheduler_output, self.block_mover)
-        return self.model_runner.execute_model(scheduler_output)
+        self.worker.execute_block_ops(scheduler_output)
+        return self.worker.execute_model(scheduler_output)
 
     def _commit(self, scheduler_output, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         # Also commits what finished while scheduling (ignored groups) when nothing ran.
@@ -425,37 +289,13 @@ class LLMEngine:
             scheduler_output,
             runner_output.sampled_token_ids,
             runner_output.sampled_logprobs,
-            beam_candidates=self.model_runner.beam_candidates,
+            beam_candidates=self.worker.beam_candidates,
         )
         return self.output_processor.process(runner_output, updated, time.monotonic())
 
     def _step_sync(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         return self._commit(scheduler_output, self._run_sync(scheduler_output))
-
-
-_DTYPE_NAMES = {
-    "float32": jnp.float32,
-    "float": jnp.float32,
-    "bfloat16": jnp.bfloat16,
-    "float16": jnp.float16,
-    "half": jnp.float16,
-}
-
-
-def _resolve_dtype(dtype: str, hf_config_json: dict):
-    """``auto`` keeps the checkpoint's dtype (departure from vLLM, which maps float32
-    checkpoints to float16: we keep float32 so CPU results match HF exactly)."""
-    if dtype == "auto":
-        dtype = hf_config_json.get("torch_dtype") or hf_config_json.get("dtype") or "float32"
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of {list(_DTYPE_NAMES)} or auto, got {dtype!r}")
-    return _DTYPE_NAMES[dtype]
-
-
-def _head_dim(hf_config) -> int:
-    head_dim = getattr(hf_config, "head_dim", None)
-    return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
 
 
 def _first_eos(hf_config, tokenizer) -> int | None:

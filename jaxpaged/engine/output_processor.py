@@ -230,6 +230,7 @@ class OutputProcessor:
             num_cached_tokens=group.num_cached_tokens or 0,
             metrics={
                 "arrival_time": group.arrival_time,
+                "first_scheduled_time": group.first_scheduled_time,
                 "first_token_time": state.first_token_time,
                 "finished_time": state.finished_time,
             },

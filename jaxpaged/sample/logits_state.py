@@ -36,7 +36,8 @@ class LogitsState:
     output_counts: jax.Array  # i32[S, vocab_size]: times each token was generated.
     prompt_mask: jax.Array  # bool[S, vocab_size]: token occurs in the prompt.
     stop_mask: jax.Array  # bool[S, vocab_size]: EOS (unless ignore_eos) and stop_token_ids.
-    logit_bias: jax.Array  # f32[S, vocab_size]: logit_bias, -inf outside allowed_token_ids.
+    # f32[S, vocab_size]: logit_bias, -inf outside allowed_token_ids and on bad_words' tokens.
+    logit_bias: jax.Array
 
     @property
     def neutral_slot(self) -> int:
@@ -82,6 +83,8 @@ def host_rows(seqs: list, vocab_size: int) -> LogitsState:
             bias[i, params.allowed_token_ids] = 0.0
         for token_id, value in (params.logit_bias or {}).items():
             bias[i, token_id] += value
+        if params.bad_words_token_ids:
+            bias[i, params.bad_words_token_ids] = -np.inf
     return LogitsState(counts, prompt, stop, bias)
 
 

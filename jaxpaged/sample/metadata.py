@@ -1,8 +1,8 @@
-"""Per-row sampling parameters: built on the host in numpy, read on the device as a pytree.
+"""Per-row sampling parameters as the device reads them, and the sampler stages a step needs.
 
-Every field travels inside the model runner's single packed int32 buffer (floats and unsigned
-seeds as bit patterns), so changing any request's parameters changes only data, never a shape:
-one compiled step per bucket serves every mix of parameters.
+Every field travels inside the step's packed int32 buffer (``worker/step_buffer.py``: order,
+padding values, dtypes; floats and unsigned seeds as bit patterns), so changing any request's
+parameters changes only data, never a shape: one compiled step per bucket serves every mix.
 """
 
 from __future__ import annotations
@@ -13,25 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Per-row fields in packed order with their dtype; padding rows take the neutral value (greedy,
-# no filter, no penalty, no logprobs), except ``state_slot`` which the builder sets.
-_ROW_FIELDS: tuple[tuple[str, type, float], ...] = (
-    ("temperature", np.float32, 0.0),
-    ("top_k", np.int32, 0),
-    ("top_p", np.float32, 1.0),
-    ("min_p", np.float32, 0.0),
-    ("seed_lo", np.uint32, 0),
-    ("seed_hi", np.uint32, 0),
-    ("step", np.int32, 0),
-    ("presence_penalty", np.float32, 0.0),
-    ("frequency_penalty", np.float32, 0.0),
-    ("repetition_penalty", np.float32, 1.0),
-    ("state_slot", np.int32, 0),
-    ("suppress_stop", np.int32, 0),
-    ("count_sampled", np.int32, 0),
-    ("num_logprobs", np.int32, -1),
-    ("processed_logprobs", np.int32, 0),
-)
+from jaxpaged.worker.step_buffer import SAMPLING_COLUMNS
+
 _JNP = {np.float32: jnp.float32, np.int32: jnp.int32, np.uint32: jnp.uint32}
 
 
@@ -63,9 +46,10 @@ class SamplingMetadata:
 
     @classmethod
     def from_packed(cls, arrays: dict[str, jax.Array]) -> SamplingMetadata:
-        """Reinterpret the int32 sections named by ``packed_sections`` with their real dtypes."""
+        """Reinterpret the int32 sampling sections of the step buffer with their real dtypes
+        (``step_buffer.SAMPLING_COLUMNS``)."""
         values = {}
-        for name, dtype, _ in _ROW_FIELDS:
+        for name, dtype in SAMPLING_COLUMNS.items():
             x = arrays[name]
             values[name] = x if dtype is np.int32 else jax.lax.bitcast_convert_type(x, _JNP[dtype])
         return cls(**values, prompt_target=arrays["prompt_target"])
@@ -103,59 +87,3 @@ class SamplerVariant:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
-
-
-def packed_sections(num_tokens: int, num_seqs: int) -> list[tuple[str, int]]:
-    """(name, int32 length) of every sampling section of the packed buffer, in order."""
-    return [(name, num_seqs) for name, _, _ in _ROW_FIELDS] + [("prompt_target", num_tokens)]
-
-
-class SamplingArrays:
-    """Host numpy arrays for one step, padded to ``num_seqs`` rows and ``num_tokens`` tokens.
-
-    Args:
-        neutral_slot: the LogitsState row that holds no request's data (its last row).
-    """
-
-    def __init__(self, num_tokens: int, num_seqs: int, neutral_slot: int):
-        self.rows = {name: np.full(num_seqs, value, dtype) for name, dtype, value in _ROW_FIELDS}
-        self.rows["state_slot"][:] = neutral_slot
-        self.prompt_target = np.full(num_tokens, -1, np.int32)
-
-    def set_row(self, i: int, seq, *, seed: int, do_sample: bool, state_slot: int | None) -> None:
-        """Fill row ``i`` from ``seq`` (a ``Sequence``); ``state_slot`` None: no LogitsState."""
-        params, rows = seq.sampling_params, self.rows
-        rows["temperature"][i] = params.effective_temperature
-        rows["top_k"][i] = params.top_k
-        rows["top_p"][i] = params.top_p
-        rows["min_p"][i] = params.min_p
-        rows["seed_lo"][i] = seed & 0xFFFFFFFF
-        rows["seed_hi"][i] = seed >> 32
-        rows["step"][i] = seq.num_output_tokens
-        rows["presence_penalty"][i] = params.presence_penalty
-        rows["frequency_penalty"][i] = params.frequency_penalty
-        rows["repetition_penalty"][i] = params.repetition_penalty
-        if state_slot is not None:
-            rows["state_slot"][i] = state_slot
-            rows["suppress_stop"][i] = seq.num_output_tokens < params.min_tokens
-            rows["count_sampled"][i] = do_sample
-        if do_sample and params.logprobs is not None:
-            rows["num_logprobs"][i] = params.logprobs
-            rows["processed_logprobs"][i] = params.logprobs_mode == "processed_logprobs"
-
-    def set_prompt_targets(self, t: int, seq, num_computed_tokens: int, num_new_tokens: int):
-        """Tokens ``t .. t + num_new_tokens - 1`` of the step are ``seq``'s positions from
-        ``num_computed_tokens``; mark those whose next position is still in the prompt."""
-        if seq.sampling_params.prompt_logprobs is None:
-            return
-        first_next = num_computed_tokens + 1
-        last_next = min(num_computed_tokens + num_new_tokens, seq.num_prompt_tokens - 1)
-        if last_next >= first_next:
-            n = last_next - first_next + 1
-            self.prompt_target[t : t + n] = seq.prompt_token_ids[first_next : last_next + 1]
-
-    def packed(self) -> dict[str, np.ndarray]:
-        """Every section as int32 (bit patterns for float and unsigned fields)."""
-        out = {name: array.view(np.int32) for name, array in self.rows.items()}
-        out["prompt_target"] = self.prompt_target
-        return out

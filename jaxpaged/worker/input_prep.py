@@ -11,8 +11,8 @@ pass per step only gathers a few scalars per sequence; everything else is array 
   converted to their packed bit patterns once;
 - padding comes from a per-layout template holding every section's neutral values.
 
-The buffer is byte-for-byte the one ``ModelRunner``'s section layout defines
-(``tests/worker/test_prepare_inputs_fast.py`` checks it against the original per-sequence
+The buffer is byte-for-byte the one ``step_buffer.PackedLayout`` defines
+(``tests/worker/test_prepare_inputs_fast.py`` checks it against a straightforward per-sequence
 builder).
 """
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxpaged.sample.metadata import SamplingArrays
 from jaxpaged.sequence import PLACEHOLDER_TOKEN_ID
 
 # Per-sequence constants, in column order of the builder's constant rows: the first nine are
@@ -57,7 +56,7 @@ class _SeqEntry:
 
 def _sampling_constants(params, seed: int, out: np.ndarray) -> None:
     """Fill ``out`` (i32[13]): the nine constant packed fields (floats and seed halves as bit
-    patterns, converted as ``SamplingArrays.set_row`` converts them), then min_tokens, the
+    patterns, as ``step_buffer.SECTIONS`` gives their dtypes), then min_tokens, the
     logprobs asked for (-1: none), whether they are processed ones, and whether prompt logprobs
     are asked for."""
     floats = np.array(
@@ -253,35 +252,17 @@ class PackedInputBuilder:
         view["count_sampled"][:n] = has_slot & sampling
 
     def _template(self, layout) -> tuple[np.ndarray, dict[str, slice]]:
-        """The buffer of an empty step (every section at its padding value) and each section's
-        span, built once per layout."""
+        """The buffer of an empty step (``PackedLayout.template``) and each section's span,
+        built once per layout."""
         cached = self._templates.get(layout)
-        if cached is not None:
-            return cached
-        t, b = layout.num_tokens, layout.num_seqs
-        parts = {
-            "input_ids": np.zeros(t, np.int32),
-            "positions": np.zeros(t, np.int32),
-            "slot_mapping": np.full(t, -1, np.int32),
-            "block_tables": np.zeros(b * layout.max_blocks, np.int32),
-            "seq_lens": np.zeros(b, np.int32),
-            "cu_q_lens": np.zeros(b + 1, np.int32),
-            "logits_indices": np.zeros(b, np.int32),
-            "prev_index": np.full(t, -1, np.int32),
-            **SamplingArrays(t, b, self.neutral_slot).packed(),
-        }
-        spans, offset = {}, 0
-        for name, size in layout.sections():
-            spans[name] = slice(offset, offset + size)
-            offset += size
-        template = np.concatenate([parts[name] for name, _ in layout.sections()])
-        self._templates[layout] = (template, spans)
-        return template, spans
+        if cached is None:
+            cached = self._templates[layout] = (layout.template(self.neutral_slot), layout.spans())
+        return cached
 
 
 def _set_prompt_targets(prompt_target, t: int, seq, num_computed: int, num_new: int) -> None:
     """Tokens ``t .. t + num_new - 1`` are ``seq``'s positions from ``num_computed``: each whose
-    next position is still in the prompt targets that prompt token (``SamplingArrays``' rule)."""
+    next position is still in the prompt targets that prompt token."""
     first_next = num_computed + 1
     last_next = min(num_computed + num_new, seq.num_prompt_tokens - 1)
     if last_next >= first_next:

@@ -30,11 +30,12 @@ from jaxpaged.sample.logprobs import (
     sampled_logprobs,
     step_prompt_logprobs,
 )
-from jaxpaged.sample.metadata import SamplerVariant, SamplingMetadata, packed_sections
+from jaxpaged.sample.metadata import SamplerVariant, SamplingMetadata
 from jaxpaged.sample.sampler import sample
 from jaxpaged.worker.beam_candidates import top_logprobs
 from jaxpaged.worker.buckets import make_buckets, round_up_to_bucket
 from jaxpaged.worker.input_prep import PackedInputBuilder
+from jaxpaged.worker.step_buffer import PackedLayout
 from jaxpaged.worker.step_timeline import StepTimeline
 from models.attention_metadata import AttentionMetadata
 
@@ -68,42 +69,6 @@ class PendingStep:
 
     scheduled: list
     out: dict | None
-
-
-@dataclasses.dataclass(frozen=True)
-class _PackedLayout:
-    """Offsets of each array inside the packed int32 buffer of one bucket."""
-
-    num_tokens: int
-    num_seqs: int
-    max_blocks: int
-
-    def sections(self) -> list[tuple[str, int]]:
-        t, b = self.num_tokens, self.num_seqs
-        return [
-            ("input_ids", t),
-            ("positions", t),
-            ("slot_mapping", t),
-            ("block_tables", b * self.max_blocks),
-            ("seq_lens", b),
-            ("cu_q_lens", b + 1),
-            ("logits_indices", b),
-            # Per token: the row of the previous step's sampled tokens that holds this token's
-            # id (async scheduling's placeholders), or -1 to use ``input_ids``.
-            ("prev_index", t),
-            *packed_sections(t, b),
-        ]
-
-    @property
-    def size(self) -> int:
-        return sum(n for _, n in self.sections())
-
-    def unpack(self, packed: jax.Array) -> dict[str, jax.Array]:
-        out, offset = {}, 0
-        for name, n in self.sections():
-            out[name] = packed[offset : offset + n]
-            offset += n
-        return out
 
 
 class ModelRunner:
@@ -196,6 +161,22 @@ class ModelRunner:
         self.num_scheduled_tokens = 0
         self.num_bucket_tokens = 0
 
+    def set_kv_caches(self, kv_caches: list) -> None:
+        """Run the steps on ``kv_caches`` from now on (the worker allocates them after
+        compiling against their shapes); they are donated to each step.
+
+        Raises:
+            ValueError: a layer count, shape or dtype other than the ones compiled for.
+        """
+        have = [(c.shape, c.dtype) for kv in self.kv_caches for c in kv]
+        got = [(c.shape, c.dtype) for kv in kv_caches for c in kv]
+        if have != got:
+            raise ValueError(
+                f"kv_caches must be {len(self.kv_caches)} (k, v) pairs of shape and dtype "
+                f"{have[:1]}, got {len(kv_caches)} pairs starting {got[:1]}"
+            )
+        self.kv_caches = kv_caches
+
     @property
     def model_state(self) -> nnx.State:
         """The model's parameters as an NNX state (the arrays the steps run on, not copies)."""
@@ -254,7 +235,7 @@ class ModelRunner:
         self.logits_state = ls.write_rows(self.logits_state, padding, empty)
 
     def _compile(self, key: BucketKey) -> jax.stages.Compiled:
-        layout = _PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
+        layout = PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         compiled = self._jitted_step.lower(
             self._weights,
@@ -280,7 +261,7 @@ class ModelRunner:
         # variant's buffers and the logits chunks count in the peak.
         everything = SamplerVariant(True, True, True, True)
         key = dataclasses.replace(key, variant=everything)
-        layout = _PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
+        layout = PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
         packed = self._prepare_inputs([], layout, [], profile=True)
         out, self.kv_caches, self.logits_state = self._compile(key)(
             self._weights,
@@ -300,7 +281,7 @@ class ModelRunner:
         prev_tokens,
         packed,
         *,
-        layout: _PackedLayout,
+        layout: PackedLayout,
         decode_only: bool,
         num_beam_candidates: int = 0,
         variant: SamplerVariant = _DEFAULT_VARIANT,
@@ -375,7 +356,7 @@ class ModelRunner:
             key = dataclasses.replace(key, num_beam_candidates=padded)
         slots = self._assign_logits_state_slots(scheduled)
         key = dataclasses.replace(key, variant=SamplerVariant.for_step(scheduled, slots))
-        layout = _PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
+        layout = PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
         packed = self._prepare_inputs(scheduled, layout, slots)
         self.num_scheduled_tokens += scheduler_output.num_batched_tokens
         self.num_bucket_tokens += key.num_tokens
@@ -454,7 +435,7 @@ class ModelRunner:
         return result
 
     def _prepare_inputs(
-        self, scheduled, layout: _PackedLayout, slots: list, *, profile: bool = False
+        self, scheduled, layout: PackedLayout, slots: list, *, profile: bool = False
     ) -> np.ndarray:
         return self._input_builder.build(
             scheduled, layout, slots, profile=profile, prev_scheduled=self._prev_scheduled

@@ -61,10 +61,7 @@ def _greedy(llm, prompts, max_tokens=MAX_TOKENS):
 
 
 def _poison_kv_cache_with_nan(llm):
-    runner = llm.llm_engine.model_runner
-    runner.kv_caches = [
-        (jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan)) for k, v in runner.kv_caches
-    ]
+    llm.llm_engine.worker.reset_kv_caches(fill_value=jnp.nan)
     llm.reset_prefix_cache()  # the cached prefixes' K/V are gone
 
 
@@ -121,7 +118,7 @@ PLAIN = dict(num_beam_candidates=0, variant=SamplerVariant())
 
 
 def test_compilations_stay_within_bucket_count_and_steady_state_never_traces(stories_llm):
-    runner = stories_llm.llm_engine.model_runner
+    runner = stories_llm.llm_engine.worker.model_runner
     num_buckets = len(runner.all_bucket_keys())
     runner.compile_all(show_progress=False)  # start-up compilation (lazy on CPU by default)
     # The engine is shared: other tests may have compiled sampler variants or beam steps too.

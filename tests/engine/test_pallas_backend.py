@@ -9,7 +9,7 @@ from tests.conftest import SMALL_ENGINE
 
 def test_pallas_backend_reproduces_golden_greedy_outputs(golden):
     llm = LLM(dtype="float32", attention_backend="pallas", **SMALL_ENGINE)
-    assert llm.llm_engine.attention_backend == "pallas"
+    assert llm.llm_engine.worker.attention_backend == "pallas"
     cases = golden["cases"]
     params = SamplingParams(temperature=0.0, max_tokens=golden["max_new_tokens"])
     outputs = llm.generate(

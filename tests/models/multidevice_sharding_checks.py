@@ -73,7 +73,7 @@ def _prefill_logits(model, prompts, *, num_kv_heads, head_dim, num_layers, mesh=
 
 
 def _engine_model(llm):
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.worker.model_runner
     return runner.model()
 
 
@@ -95,18 +95,18 @@ def test_tensor_parallel_engine_matches_golden_and_one_device_logits(tp, golden,
 
     engine = llm.llm_engine
     logits = _prefill_logits(
-        _engine_model(llm), PROMPTS, num_kv_heads=4, head_dim=8, num_layers=5, mesh=engine.mesh
+        _engine_model(llm), PROMPTS, num_kv_heads=4, head_dim=8, num_layers=5, mesh=engine.worker.mesh
     )
     assert relative_diff(logits, stories_logits) < LOGITS_RTOL
 
     # The KV cache is split over its 4 KV heads: each device holds 4 / tp of them.
-    for k_cache, v_cache in engine.model_runner.kv_caches:
+    for k_cache, v_cache in engine.worker.model_runner.kv_caches:
         for cache in (k_cache, v_cache):
             assert cache.shape == pallas_kernels.kv_cache_shape(engine.num_blocks, 16, 4, 8)
             local = pallas_kernels.kv_cache_shape(engine.num_blocks, 16, 4 // tp, 8)
             assert [s.data.shape for s in cache.addressable_shards] == [local] * tp
-    _check_stories_param_shardings(_flat(engine.model_runner.model_state), engine.mesh, tp)
-    _check_step_updates_cache_shards_in_place(engine.model_runner, num_seqs=len(cases))
+    _check_stories_param_shardings(_flat(engine.worker.model_runner.model_state), engine.worker.mesh, tp)
+    _check_step_updates_cache_shards_in_place(engine.worker.model_runner, num_seqs=len(cases))
 
 
 def _check_step_updates_cache_shards_in_place(runner, num_seqs):
@@ -193,16 +193,16 @@ def test_replicated_kv_heads_qwen2_matches_one_device(tmp_path, stories_dir):
         num_kv_heads=4,
         head_dim=16,
         num_layers=2,
-        mesh=engine.mesh,
+        mesh=engine.worker.mesh,
     )
     assert relative_diff(logits, ref) < LOGITS_RTOL
 
-    assert engine.kv_cache_spec.num_kv_heads == 4
+    assert engine.worker.kv_cache_spec.num_kv_heads == 4
     local = pallas_kernels.kv_cache_shape(engine.num_blocks, 16, 1, 16)
-    assert [s.data.shape for s in engine.model_runner.kv_caches[0][0].addressable_shards] == [
+    assert [s.data.shape for s in engine.worker.model_runner.kv_caches[0][0].addressable_shards] == [
         local
     ] * 4
-    params = _flat(engine.model_runner.model_state)
+    params = _flat(engine.worker.model_runner.model_state)
     for name, local_shape in [("qkv_proj.bias", (3 * 16,)), ("qkv_proj.kernel", (64, 3 * 16))]:
         value = params[f"model.layers.0.self_attn.{name}"]
         assert [s.data.shape for s in value.addressable_shards] == [local_shape] * 4
@@ -215,7 +215,7 @@ def test_replicated_kv_heads_qwen2_matches_one_device(tmp_path, stories_dir):
     checkpoint = np.asarray(_flat(one)["model.layers.0.self_attn.qkv_proj.bias"])
     q, k, v = checkpoint[:64].reshape(4, 16), checkpoint[64:96].reshape(2, 16), checkpoint[96:]
     v = v.reshape(2, 16)
-    for rank, device in enumerate(engine.mesh.devices.flat):
+    for rank, device in enumerate(engine.worker.mesh.devices.flat):
         np.testing.assert_array_equal(
             qkv_bias[device.id], np.concatenate([q[rank], k[rank // 2], v[rank // 2]])
         )

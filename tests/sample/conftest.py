@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.sample.metadata import _ROW_FIELDS, SamplingMetadata
+from jaxpaged.sample.metadata import SamplingMetadata
+from jaxpaged.worker.step_buffer import NEUTRAL_SLOT, SAMPLING_COLUMNS, SECTIONS
 
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play with her"
 
@@ -35,8 +36,10 @@ def flat_logits(hf_story_logits) -> np.ndarray:
 def make_metadata(n: int, num_tokens: int = 1, neutral_slot: int = 0, **fields) -> SamplingMetadata:
     """SamplingMetadata for ``n`` rows: neutral defaults, overridden by scalars or arrays."""
     values = {}
-    for name, dtype, default in _ROW_FIELDS:
-        value = fields.pop(name, neutral_slot if name == "state_slot" else default)
+    for name, _, dtype, padding in SECTIONS:
+        if name not in SAMPLING_COLUMNS:
+            continue
+        value = fields.pop(name, neutral_slot if padding == NEUTRAL_SLOT else padding)
         values[name] = jnp.asarray(np.broadcast_to(np.asarray(value, dtype), (n,)))
     values["prompt_target"] = jnp.asarray(
         fields.pop("prompt_target", -np.ones(num_tokens, np.int32))

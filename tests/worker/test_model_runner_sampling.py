@@ -246,7 +246,7 @@ def test_changing_sampling_parameter_values_never_traces_again(stories_llm):
     """Which sampler stages a step compiles is static (``SamplerVariant``): a run with every
     feature on compiles the variants it needs; the same schedule with other parameter values
     then runs without tracing anything. Plain parameters need only the default variant."""
-    runner = stories_llm.llm_engine.model_runner
+    runner = stories_llm.llm_engine.worker.model_runner
     prompts = [{"prompt_token_ids": _random_prompt(n, seed=n)} for n in (3, 70, 17, 40)]
     common = dict(max_tokens=6, ignore_eos=True)  # same steps, so the same buckets, every time
     plain = [SamplingParams(temperature=0.0, **common)] * 4
@@ -264,7 +264,7 @@ def test_changing_sampling_parameter_values_never_traces_again(stories_llm):
 @pytest.mark.parametrize("num_seqs, decode_only", [(1, True), (16, False)])
 def test_step_never_copies_the_logits_state(stories_llm, num_seqs, decode_only):
     """The donated LogitsState is updated in place: a copy would cost [S, vocab] per step."""
-    runner = stories_llm.llm_engine.model_runner
+    runner = stories_llm.llm_engine.worker.model_runner
     key = runner.bucket_for(num_seqs, num_seqs, decode_only)
     executable = runner._executables.get(key) or runner._compile(key)
     rows = "{},{}".format(*runner.logits_state.output_counts.shape)
@@ -317,7 +317,7 @@ def test_prompt_logprobs_of_one_token_chunks_in_decode_only_buckets(stories_llm,
     from jaxpaged.sequence import Sequence
 
     engine = stories_llm.llm_engine
-    runner = engine.model_runner
+    runner = engine.worker.model_runner
     prompt = _random_prompt(20, seed=20)
     seq = Sequence("chunks", prompt, SamplingParams(prompt_logprobs=2, max_tokens=1), 2)
     seq.sampling_seed = 0

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 
 from jaxpaged.core.scheduler_output import ScheduledSequence
-from jaxpaged.sample.metadata import SamplingArrays
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sequence import Sequence
 from jaxpaged.worker.input_prep import PackedInputBuilder
-from jaxpaged.worker.model_runner import _PackedLayout
+from jaxpaged.worker.step_buffer import SAMPLING_COLUMNS, PackedLayout
 
 BLOCK_SIZE = 4
 MAX_BLOCKS = 12  # max_model_len 48
@@ -21,8 +20,55 @@ NEUTRAL_SLOT = 64
 NUM_BLOCKS = 200
 
 
+class _SamplingRows:
+    """Sampling columns filled one sequence at a time (the original builder's way)."""
+
+    def __init__(self, num_tokens: int, num_seqs: int):
+        neutral = dict(top_p=1.0, repetition_penalty=1.0, num_logprobs=-1, state_slot=NEUTRAL_SLOT)
+        self.rows = {
+            name: np.full(num_seqs, neutral.get(name, 0), dtype)
+            for name, dtype in SAMPLING_COLUMNS.items()
+        }
+        self.prompt_target = np.full(num_tokens, -1, np.int32)
+
+    def set_row(self, i, seq, *, seed, do_sample, state_slot):
+        params, rows = seq.sampling_params, self.rows
+        rows["temperature"][i] = params.effective_temperature
+        rows["top_k"][i] = params.top_k
+        rows["top_p"][i] = params.top_p
+        rows["min_p"][i] = params.min_p
+        rows["seed_lo"][i] = seed & 0xFFFFFFFF
+        rows["seed_hi"][i] = seed >> 32
+        rows["step"][i] = seq.num_output_tokens
+        rows["presence_penalty"][i] = params.presence_penalty
+        rows["frequency_penalty"][i] = params.frequency_penalty
+        rows["repetition_penalty"][i] = params.repetition_penalty
+        if state_slot is not None:
+            rows["state_slot"][i] = state_slot
+            rows["suppress_stop"][i] = seq.num_output_tokens < params.min_tokens
+            rows["count_sampled"][i] = do_sample
+        if do_sample and params.logprobs is not None:
+            rows["num_logprobs"][i] = params.logprobs
+            rows["processed_logprobs"][i] = params.logprobs_mode == "processed_logprobs"
+
+    def set_prompt_targets(self, t, seq, num_computed_tokens, num_new_tokens):
+        if seq.sampling_params.prompt_logprobs is None:
+            return
+        first_next = num_computed_tokens + 1
+        last_next = min(num_computed_tokens + num_new_tokens, seq.num_prompt_tokens - 1)
+        if last_next >= first_next:
+            n = last_next - first_next + 1
+            self.prompt_target[t : t + n] = seq.prompt_token_ids[first_next : last_next + 1]
+
+    def packed(self) -> dict[str, np.ndarray]:
+        out = {name: array.view(np.int32) for name, array in self.rows.items()}
+        out["prompt_target"] = self.prompt_target
+        return out
+
+
 def reference_packed(scheduled, layout, slots, *, profile=False) -> np.ndarray:
-    """The original ``ModelRunner._prepare_inputs``, kept verbatim as the reference."""
+    """The original ``ModelRunner._prepare_inputs``, kept as the reference: its own padding
+    values and conversions; only the section order comes from ``PackedLayout``."""
     t_pad, b_pad, bs = layout.num_tokens, layout.num_seqs, BLOCK_SIZE
     input_ids = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
@@ -31,7 +77,7 @@ def reference_packed(scheduled, layout, slots, *, profile=False) -> np.ndarray:
     seq_lens = np.zeros(b_pad, np.int32)
     cu_q_lens = np.zeros(b_pad + 1, np.int32)
     logits_indices = np.zeros(b_pad, np.int32)
-    sampling = SamplingArrays(t_pad, b_pad, NEUTRAL_SLOT)
+    sampling = _SamplingRows(t_pad, b_pad)
     if profile:
         sampling.prompt_target[:] = 0
 
@@ -192,7 +238,7 @@ def test_packed_buffer_equals_reference_over_random_schedules(seed):
         num_tokens = sum(item.num_new_tokens for item in items)
         decode_only = all(item.num_new_tokens == 1 for item in items)
         pad_seqs = len(items) + int(rng.integers(0, 4))
-        layout = _PackedLayout(
+        layout = PackedLayout(
             num_tokens=pad_seqs if decode_only else num_tokens + int(rng.integers(0, 9)),
             num_seqs=pad_seqs,
             max_blocks=MAX_BLOCKS,
@@ -219,7 +265,7 @@ def test_decode_only_batch_equals_reference():
             items.append(
                 ScheduledSequence(entry.seq, entry.seq.num_tokens - 1, 1, entry.table, True)
             )
-        layout = _PackedLayout(32, 32, MAX_BLOCKS)
+        layout = PackedLayout(32, 32, MAX_BLOCKS)
         slots = _slots(rng, items)
         np.testing.assert_array_equal(
             builder.build(items, layout, slots), reference_packed(items, layout, slots)
@@ -229,7 +275,7 @@ def test_decode_only_batch_equals_reference():
 
 @pytest.mark.parametrize("profile", [False, True])
 def test_empty_step_is_the_padding_template(profile):
-    layout = _PackedLayout(16, 8, MAX_BLOCKS)
+    layout = PackedLayout(16, 8, MAX_BLOCKS)
     np.testing.assert_array_equal(
         _builder().build([], layout, [], profile=profile),
         reference_packed([], layout, [], profile=profile),
@@ -239,7 +285,7 @@ def test_empty_step_is_the_padding_template(profile):
 def test_builder_forgets_sequences_beyond_its_cache_size():
     rng = np.random.default_rng(3)
     builder = _builder(max_cached_seqs=4)
-    layout = _PackedLayout(64, 8, MAX_BLOCKS)
+    layout = PackedLayout(64, 8, MAX_BLOCKS)
     for step in range(6):
         live = [_Live(rng, f"s{step}-{i}") for i in range(3)]
         items = _schedule(rng, live, 3)
@@ -251,7 +297,7 @@ def test_builder_forgets_sequences_beyond_its_cache_size():
 def test_changed_seed_or_params_of_a_known_sequence_are_read_again():
     rng = np.random.default_rng(5)
     builder = _builder()
-    layout = _PackedLayout(64, 8, MAX_BLOCKS)
+    layout = PackedLayout(64, 8, MAX_BLOCKS)
     live = [_Live(rng, f"r{i}") for i in range(4)]
     for change in range(3):
         items = _schedule(rng, live, 4, every_seq=True)

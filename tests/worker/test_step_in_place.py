@@ -15,7 +15,7 @@ NUM_BLOCKS = 96
 @pytest.fixture(scope="module")
 def runner():
     llm = LLM(dtype="float32", num_gpu_blocks_override=NUM_BLOCKS, **SMALL_ENGINE)
-    return llm.llm_engine.model_runner
+    return llm.llm_engine.worker.model_runner
 
 
 @pytest.mark.parametrize("num_seqs, decode_only", [(1, True), (2, True), (16, False)])

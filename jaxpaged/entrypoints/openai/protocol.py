@@ -2,20 +2,63 @@
 
 Field names, defaults and shapes follow the OpenAI API and vLLM's
 ``vllm/entrypoints/openai/protocol.py``: vLLM-only sampling knobs (``top_k``, ``min_p``,
-``ignore_eos``, ``stop_token_ids``, ...) ride in the request body, and unknown fields are
-accepted and ignored (``extra="allow"``), as vLLM does.
+``ignore_eos``, ``stop_token_ids``, ...) ride in the request body. Every field of vLLM's
+completion and chat requests is declared here; the handlers honour it or, for a value other
+than its neutral one, answer 400 naming it (``serving_engine.UNSUPPORTED_FIELDS``). Fields vLLM
+does not know are accepted and logged as ignored (``extra="allow"``), as vLLM does.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+logger = logging.getLogger(__name__)
+
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class OpenAIRequest(OpenAIBaseModel):
+    """A request body: its strings must be valid Unicode, and fields this protocol does not
+    declare are logged as ignored (vLLM's behaviour)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        # JSON may escape a lone surrogate ("\\ud800"): valid JSON, but no UTF-8 encodes it, so
+        # the tokenizer (or the error response echoing it) would fail later with a 500.
+        _check_unicode(data, "")
+        if isinstance(data, dict):
+            unknown = sorted(k for k in data if k not in cls.model_fields)
+            if unknown:
+                logger.warning("request fields ignored (not in the protocol): %s", unknown)
+        return data
+
+
+def _check_unicode(value, path: str) -> None:
+    """Raise ValueError naming the first string under ``value`` holding a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            code = ord(value[error.start])
+            where = path or "the request body"
+            raise ValueError(
+                f"{where} holds a lone surrogate U+{code:04X} at character {error.start}, "
+                "which is not valid Unicode"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, path or "the request body")
+            _check_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{path}[{i}]")
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -46,8 +89,10 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
-class _SamplingFields(OpenAIBaseModel):
-    """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
+class _SamplingFields(OpenAIRequest):
+    """Fields shared by completions and chat: OpenAI's, then vLLM's extras (sampling, then
+    request options). Unsupported ones are declared with vLLM's defaults so that a non-neutral
+    value is refused by name (``serving_engine.UNSUPPORTED_FIELDS``)."""
 
     model: str | None = None
     n: int = 1
@@ -70,11 +115,42 @@ class _SamplingFields(OpenAIBaseModel):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    """Keep only the prompt's last k tokens (left truncation), before the length check."""
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
+    """Words never generated; each must be one token (``SamplingParams.bad_words``)."""
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = None
+    """With logprobs: tokens are written ``token_id:<id>`` (for tokens JSON cannot carry)."""
+    request_id: str | None = None
+    """The response's id becomes ``<cmpl|chatcmpl>-<request_id>``; None: a random one."""
+    # Refused unless neutral (serving_engine.UNSUPPORTED_FIELDS):
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    priority: int = 0
+    logits_processors: list[Any] | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
+        if self.stream and self.prompt_logprobs is not None:
+            # vLLM's rule: prompt logprobs come with the whole response only.
+            raise ValueError("prompt_logprobs are not available when stream is true")
         return self
 
 
@@ -86,8 +162,10 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
-    prompt_logprobs: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True
+    """Add the tokenizer's special tokens (BOS) to text prompts."""
+    prompt_embeds: Any = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -117,12 +195,26 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """One entry of ``prompt_logprobs`` (vLLM's ``Logprob``, serialized)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token: {token id: PromptLogprob} with the prompt token and the top k; the first
+# token has none (null). JSON object keys are the ids as strings.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -170,9 +262,17 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = False
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+    echo: bool = False
+    """Prepend the last message's content to the reply when it is the assistant's."""
+    add_special_tokens: bool = False
+    """Add the tokenizer's special tokens on top of what the chat template writes."""
+    documents: list[dict[str, str]] | None = None
+    """Passed to the chat template (retrieval-augmented generation templates use it)."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -222,6 +322,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -279,7 +380,7 @@ class ModelList(OpenAIBaseModel):
 
 
 # ------------------------------------------------------------------------- (de)tokenization
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(OpenAIRequest):
     """``POST /tokenize``: either ``prompt`` (text) or chat ``messages``."""
 
     model: str | None = None
@@ -307,7 +408,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
     tokens: list[StrictInt]
 

@@ -33,7 +33,6 @@ from jaxpaged.entrypoints.openai.protocol import (
 from jaxpaged.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIServing,
-    random_id,
     sse,
     sse_error,
     stable_text,
@@ -75,6 +74,7 @@ class OpenAIServingChat(OpenAIServing):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        documents: list[dict] | None = None,
     ) -> str:
         """The prompt text for ``messages``.
 
@@ -99,6 +99,7 @@ class OpenAIServingChat(OpenAIServing):
                 chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                documents=documents,
                 tokenize=False,
                 **(chat_template_kwargs or {}),
             )
@@ -119,22 +120,20 @@ class OpenAIServingChat(OpenAIServing):
         """
         arrival_time = time.monotonic()
         self.check_model(request.model)
-        if request.tools:
-            raise BadRequestError("tools are not supported by this server", param="tools")
-        response_type = (request.response_format or {}).get("type", "text")
-        if response_type != "text":
-            raise BadRequestError(
-                f"response_format type {response_type!r} is not supported; only 'text'",
-                param="response_format",
-            )
+        self.check_supported(request)
         prompt_text = self.render_messages(
             request.messages,
             chat_template=request.chat_template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             chat_template_kwargs=request.chat_template_kwargs,
+            documents=request.documents,
         )
-        ids = list(self.tokenizer.encode(prompt_text, add_special_tokens=False))
+        # The template writes the special tokens; add_special_tokens adds the tokenizer's too.
+        prompt_text, ids = self.truncate(
+            (prompt_text, self.encode(prompt_text, add_special_tokens=request.add_special_tokens)),
+            request.truncate_prompt_tokens,
+        )
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
@@ -144,8 +143,10 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens if max_tokens is not None else self.max_model_len - len(ids)
         )
         values["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
+        if request.echo and request.prompt_logprobs is None and request.logprobs:
+            values["prompt_logprobs"] = request.top_logprobs or 0  # vLLM's rule
         params = self.sampling_params(values)
-        request_id = random_id("chatcmpl")
+        request_id = self.response_id("chatcmpl", request)
         (stream,) = await self.add_requests(
             request_id, [(prompt_text, ids)], [params], arrival_time
         )
@@ -159,8 +160,22 @@ class OpenAIServingChat(OpenAIServing):
         if not request.logprobs or completion.logprobs is None:
             return None
         return self.chat_logprobs(
-            completion.token_ids[start:], completion.logprobs[start:], request.top_logprobs or 0
+            completion.token_ids[start:],
+            completion.logprobs[start:],
+            request.top_logprobs or 0,
+            bool(request.return_tokens_as_token_ids),
         )
+
+    @staticmethod
+    def _echo(request: ChatCompletionRequest) -> str:
+        """With ``echo``: the last message's text when it is the assistant's (the reply
+        continues it; vLLM's rule), else ""."""
+        if not request.echo or not request.messages:
+            return ""
+        last = request.messages[-1]
+        if last.role != "assistant":
+            return ""
+        return _message_dict(last, len(request.messages) - 1)["content"]
 
     async def _full(
         self, request: ChatCompletionRequest, request_id: str, stream: RequestStream
@@ -171,10 +186,11 @@ class OpenAIServingChat(OpenAIServing):
                 final = output
         finally:
             stream.close()
+        echo = self._echo(request)
         choices = [
             ChatCompletionResponseChoice(
                 index=completion.index,
-                message=ChatMessage(role="assistant", content=completion.text),
+                message=ChatMessage(role="assistant", content=echo + completion.text),
                 logprobs=self._logprobs(request, completion, 0),
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
@@ -182,7 +198,11 @@ class OpenAIServingChat(OpenAIServing):
             for completion in final.outputs
         ]
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=usage_of([final])
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=usage_of([final]),
+            prompt_logprobs=self.prompt_logprobs(final),
         )
 
     async def _stream(
@@ -209,6 +229,8 @@ class OpenAIServingChat(OpenAIServing):
 
         sent_text: dict[int, str] = {}
         sent_tokens: dict[int, int] = {}
+        done: set[int] = set()  # choices whose finish_reason was sent (once each)
+        echo = self._echo(request)
         final = None
         try:
             for index in range(request.n):
@@ -223,8 +245,11 @@ class OpenAIServingChat(OpenAIServing):
                 final = output
                 for completion in output.outputs:
                     index = completion.index
+                    if index in done:
+                        continue
                     finished = completion.finish_reason is not None
                     text = stable_text(completion.text, finished)
+                    first = index not in sent_text
                     previous = sent_text.get(index, "")
                     delta = text[len(previous) :]
                     if not delta and not finished:
@@ -232,9 +257,11 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = self._logprobs(request, completion, sent_tokens.get(index, 0))
                     sent_text[index] = text
                     sent_tokens[index] = len(completion.token_ids)
+                    if finished:
+                        done.add(index)
                     choice = ChatCompletionResponseStreamChoice(
                         index=index,
-                        delta=DeltaMessage(content=delta),
+                        delta=DeltaMessage(content=(echo if first else "") + delta),
                         logprobs=logprobs,
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,

@@ -28,7 +28,6 @@ from jaxpaged.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIServing,
     merge_streams,
-    random_id,
     sse,
     sse_error,
     stable_text,
@@ -52,9 +51,11 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         arrival_time = time.monotonic()
         self.check_model(request.model)
-        if request.suffix is not None:
-            raise BadRequestError("suffix is not supported", param="suffix")
-        prompts = self._prompts(request.prompt)
+        self.check_supported(request)
+        prompts = [
+            self.truncate(p, request.truncate_prompt_tokens)
+            for p in self._prompts(request.prompt, request.add_special_tokens)
+        ]
         params = []
         for _, ids in prompts:
             self.check_length(len(ids), request.max_tokens, "prompt")
@@ -70,7 +71,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_logprobs = request.logprobs  # echoed prompt tokens get logprobs too
             values["prompt_logprobs"] = prompt_logprobs
             params.append(self.sampling_params(values))
-        request_id = random_id("cmpl")
+        request_id = self.response_id("cmpl", request)
         streams = await self.add_requests(request_id, prompts, params, arrival_time)
         if request.stream:
             return StreamingResponse(
@@ -79,9 +80,9 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         return await self._full(request, request_id, streams)
 
-    def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
-        """(text or None, token ids) per prompt; text prompts get the tokenizer's BOS as in
-        ``LLM.generate``."""
+    def _prompts(self, prompt, add_special_tokens: bool) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) per prompt; ``add_special_tokens`` (default): text prompts
+        get the tokenizer's BOS, as in ``LLM.generate``."""
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
@@ -89,7 +90,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if not prompt:
             raise BadRequestError("prompt must not be empty", param="prompt")
         return [
-            (p, list(self.tokenizer.encode(p))) if isinstance(p, str) else (None, list(p))
+            (p, self.encode(p, add_special_tokens=add_special_tokens))
+            if isinstance(p, str)
+            else (None, list(p))
             for p in prompt
         ]
 
@@ -108,7 +111,9 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_steps = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
             token_ids = list(output.prompt_token_ids) + token_ids
             steps = list(prompt_steps) + steps
-        return self.completion_logprobs(token_ids, steps, text_offset)
+        return self.completion_logprobs(
+            token_ids, steps, text_offset, bool(request.return_tokens_as_token_ids)
+        )
 
     async def _full(
         self, request: CompletionRequest, request_id: str, streams: list[RequestStream]
@@ -131,6 +136,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=self._logprobs(request, output, completion, 0, 0, request.echo),
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
+                        prompt_logprobs=self.prompt_logprobs(output),
                     )
                 )
         return CompletionResponse(
@@ -149,12 +155,17 @@ class OpenAIServingCompletion(OpenAIServing):
         continuous_usage = include_usage and bool(options.continuous_usage_stats)
         sent_text: dict[int, str] = {}  # choice index -> text streamed so far
         sent_tokens: dict[int, int] = {}
+        # Choices whose finish_reason was sent: with n > 1, a choice that stopped early stays
+        # in later outputs, and must not be sent again.
+        done: set[int] = set()
         latest: list[RequestOutput | None] = [None] * len(streams)
         try:
             async for prompt_index, output in merge_streams(streams):
                 latest[prompt_index] = output
                 for completion in output.outputs:
                     index = prompt_index * request.n + completion.index
+                    if index in done:
+                        continue
                     finished = completion.finish_reason is not None
                     text = stable_text(completion.text, finished)
                     first = index not in sent_text
@@ -170,6 +181,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                     sent_text[index] = text
                     sent_tokens[index] = len(completion.token_ids)
+                    if finished:
+                        done.add(index)
                     chunk = CompletionStreamResponse(
                         id=request_id,
                         created=created,

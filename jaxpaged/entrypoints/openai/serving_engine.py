@@ -9,9 +9,10 @@ Request rules follow vLLM's ``vllm/entrypoints/openai/serving_engine.py``:
   is N tokens" (client libraries match that prefix);
 - an unset ``max_tokens`` means ``max_model_len - prompt_len``.
 
-Request fields the engine's ``SamplingParams`` does not accept yet (stop strings, logprobs,
-penalties, ... until their branches land) are passed through when its constructor takes them;
-a non-neutral value for one it does not take is a 400 naming the field, never silently dropped.
+Every field of vLLM's requests is honoured or refused: ``UNSUPPORTED_FIELDS`` lists those this
+server does not implement (beam search through the server, structured outputs, priorities,
+logits processors, ...) with their neutral values; any other value is a 400 naming the field,
+never silently dropped (``check_supported``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionLogProbsContent,
     CompletionLogProbs,
     ErrorResponse,
+    PromptLogprob,
     UsageInfo,
 )
 from jaxpaged.outputs import RequestOutput
@@ -51,6 +53,35 @@ _NEUTRAL_VALUES = {
     "stop": [],
     "stop_token_ids": [],
 }
+
+# vLLM request fields this server does not implement -> the values that mean "not used".
+# Anything else is refused by name (check_supported).
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "use_beam_search": (False,),  # LLM.beam_search serves beam search offline
+    "length_penalty": (1.0,),  # only beam search reads it
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structural_tag": (None,),
+    "priority": (0,),  # the scheduler is first-come first-served
+    "logits_processors": (None, []),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None, {}),
+    "vllm_xargs": (None, {}),
+    "mm_processor_kwargs": (None, {}),
+    "prompt_embeds": (None,),
+    "suffix": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),  # without tools, "auto" calls none
+    "parallel_tool_calls": (None, False),
+    "reasoning_effort": (None,),
+    "include_reasoning": (True,),  # no reasoning parser: all output is content
+}
+# Structured outputs: one message for the family.
+_GUIDED = {name for name in UNSUPPORTED_FIELDS if name.startswith("guided_")} | {"structural_tag"}
 
 # OpenAI clamps -inf logprobs to this for JSON (vLLM does the same).
 _MIN_LOGPROB = -9999.0
@@ -126,6 +157,54 @@ class OpenAIServing:
                 param=input_name,
             )
 
+    def check_supported(self, request) -> None:
+        """Refuse every field of ``UNSUPPORTED_FIELDS`` the request sets to a value other than
+        a neutral one, and a ``response_format`` other than text.
+
+        Raises:
+            BadRequestError: naming the field and the value.
+        """
+        for name, neutral in UNSUPPORTED_FIELDS.items():
+            if name not in type(request).model_fields:
+                continue
+            value = getattr(request, name)
+            if any(value == n and type(value) is type(n) for n in neutral) or value is None:
+                continue
+            what = "structured outputs (guided decoding) are" if name in _GUIDED else f"{name} is"
+            raise BadRequestError(
+                f"{what} not supported by this server: {name} must be one of "
+                f"{list(neutral)}, got {_short(value)}",
+                param=name,
+            )
+        response_type = (request.response_format or {}).get("type", "text")
+        if response_type != "text":
+            raise BadRequestError(
+                f"response_format type {response_type!r} is not supported; only 'text' "
+                "(structured outputs are not implemented)",
+                param="response_format",
+            )
+
+    def response_id(self, prefix: str, request) -> str:
+        """``<prefix>-<request_id>`` when the request names one, else a random id."""
+        if request.request_id:
+            return f"{prefix}-{request.request_id}"
+        return random_id(prefix)
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text`` (``add_special_tokens``: the tokenizer's BOS and the like)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    @staticmethod
+    def truncate(
+        prompt: tuple[str | None, list[int]], truncate_prompt_tokens: int | None
+    ) -> tuple[str | None, list[int]]:
+        """Keep the last ``truncate_prompt_tokens`` ids (vLLM's left truncation); a truncated
+        prompt loses its text (echo and outputs decode the ids kept)."""
+        text, ids = prompt
+        if truncate_prompt_tokens is None or len(ids) <= truncate_prompt_tokens:
+            return text, ids
+        return None, ids[-truncate_prompt_tokens:]
+
     def sampling_params(self, values: dict) -> SamplingParams:
         """``SamplingParams`` from request fields; None values take the engine's defaults.
 
@@ -171,7 +250,11 @@ class OpenAIServing:
             stop_token_ids=request.stop_token_ids,
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
             logit_bias=request.logit_bias,
+            allowed_token_ids=request.allowed_token_ids,
+            bad_words=request.bad_words or None,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
     async def add_requests(
@@ -202,19 +285,45 @@ class OpenAIServing:
         return streams
 
     # ---------------------------------------------------------------------------- logprobs
-    def _token_text(self, token_id: int, logprob) -> str:
+    def _token_text(self, token_id: int, logprob, as_token_ids: bool = False) -> str:
+        if as_token_ids:  # return_tokens_as_token_ids: vLLM's "token_id:<id>"
+            return f"token_id:{token_id}"
         decoded = getattr(logprob, "decoded_token", None)
         return decoded if decoded is not None else self.tokenizer.decode([token_id])
 
+    def prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
+        """vLLM's ``prompt_logprobs`` of a response: per prompt token (the first: None),
+        ``{token id: {logprob, rank, decoded_token}}`` with -inf clamped for JSON."""
+        if output.prompt_logprobs is None:
+            return None
+        return [
+            None
+            if step is None
+            else {
+                token_id: PromptLogprob(
+                    logprob=_logprob_value(lp),
+                    rank=lp.rank,
+                    decoded_token=self._token_text(token_id, lp),
+                )
+                for token_id, lp in step.items()
+            }
+            for step in output.prompt_logprobs
+        ]
+
     def completion_logprobs(
-        self, token_ids: Sequence[int], steps: Sequence[dict | None], text_offset: int
+        self,
+        token_ids: Sequence[int],
+        steps: Sequence[dict | None],
+        text_offset: int,
+        as_token_ids: bool = False,
     ) -> CompletionLogProbs:
         """OpenAI completions ``logprobs`` for ``token_ids``; ``steps[i]`` maps token id ->
         ``Logprob`` (vLLM's shape; the sampled token and the top-k), None where there are none
-        (the first prompt token). ``text_offset``: where the first token starts in the text."""
+        (the first prompt token). ``text_offset``: where the first token starts in the text.
+        ``as_token_ids``: tokens written ``token_id:<id>``."""
         out = CompletionLogProbs()
         for token_id, step in zip(token_ids, steps, strict=True):
-            token = self._token_text(token_id, step.get(token_id) if step else None)
+            token = self._token_text(token_id, step.get(token_id) if step else None, as_token_ids)
             out.tokens.append(token)
             out.text_offset.append(text_offset)
             text_offset += len(token)
@@ -225,21 +334,29 @@ class OpenAIServing:
             sampled = step.get(token_id)
             out.token_logprobs.append(None if sampled is None else _logprob_value(sampled))
             out.top_logprobs.append(
-                {self._token_text(t, lp): _logprob_value(lp) for t, lp in _ranked(step)}
+                {
+                    self._token_text(t, lp, as_token_ids): _logprob_value(lp)
+                    for t, lp in _ranked(step)
+                }
             )
         return out
 
     def chat_logprobs(
-        self, token_ids: Sequence[int], steps: Sequence[dict | None], num_top: int
+        self,
+        token_ids: Sequence[int],
+        steps: Sequence[dict | None],
+        num_top: int,
+        as_token_ids: bool = False,
     ) -> ChatCompletionLogProbs:
-        """OpenAI chat ``logprobs.content`` for ``token_ids`` with ``num_top`` alternatives."""
+        """OpenAI chat ``logprobs.content`` for ``token_ids`` with ``num_top`` alternatives;
+        ``as_token_ids``: tokens written ``token_id:<id>``."""
         content = []
         for token_id, step in zip(token_ids, steps, strict=True):
             step = step or {}
-            token = self._token_text(token_id, step.get(token_id))
+            token = self._token_text(token_id, step.get(token_id), as_token_ids)
             top = [
                 ChatCompletionLogProb(
-                    token=(text := self._token_text(t, lp)),
+                    token=(text := self._token_text(t, lp, as_token_ids)),
                     logprob=_logprob_value(lp),
                     bytes=list(text.encode("utf-8", errors="replace")),
                 )
@@ -255,6 +372,11 @@ class OpenAIServing:
                 )
             )
         return ChatCompletionLogProbs(content=content)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 100 else text[:100] + "..."
 
 
 def _logprob_value(logprob) -> float:

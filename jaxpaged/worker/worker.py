@@ -1,0 +1,285 @@
+"""``Worker``: the one object that owns the device(s) (vLLM's engine -> worker -> model runner).
+
+Start-up, in vLLM's order (``vllm/v1/worker/gpu_worker.py``: ``load_model``,
+``determine_available_memory``, ``initialize_from_config``, ``compile_or_warm_up_model``):
+
+1. ``Worker(config)``: joins the other processes (multi-host), builds the ``("tp",)`` mesh and
+   resolves the attention backend.
+2. ``load_model()``: weights (or dummies) onto the device(s); the KV cache's geometry follows.
+3. ``determine_num_blocks()``: profiles one step at the full token budget and sizes the KV cache
+   (DESIGN.md §3), or takes the forced count / byte budget of the config.
+4. ``initialize_cache(num_blocks)``: builds the ``ModelRunner``, compiles every step bucket
+   against the cache's shapes (before allocating it, so XLA's autotuner sees the memory the
+   cache will take), allocates the cache and the host swap space (``BlockMover``).
+
+Then, per step, the engine hands it a ``SchedulerOutput``: ``execute_block_ops`` (swaps and
+copy-on-write), then ``execute_model`` or, with async scheduling, ``dispatch`` / ``collect``.
+Nothing outside the worker writes the runner's fields.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+
+from jaxpaged.config import EngineConfig
+from jaxpaged.core.scheduler_output import SchedulerOutput
+from jaxpaged.sample.logprobs import ModelRunnerOutput
+from jaxpaged.worker.distributed import agree_on_min, initialize_distributed, is_driver
+from jaxpaged.worker.kv_cache import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    KVCacheSpec,
+    MemoryBudget,
+    allocate_kv_caches,
+    bytes_in_use,
+    kv_cache_shapes,
+    measure_kv_budget,
+    num_blocks_for_budget,
+)
+from jaxpaged.worker.model_runner import ModelRunner, PendingStep
+from jaxpaged.worker.step_timeline import StepTimeline
+from jaxpaged.worker.swap import BlockMover
+from models.attention_backends import resolve_attention_backend
+from models.sharded_weights import load_sharded_model
+from models.sharding import kv_cache_sharding, make_mesh
+from models.tp_layout import TPLayout
+from models.weights import load_model, resolve_dtype
+
+# Block counts are int32 ids on the device.
+_MAX_NUM_BLOCKS = 2**31 - 1
+
+
+class Worker:
+    """Owns the mesh, the model's weights, the KV cache (device and host swap space) and the
+    ``ModelRunner`` that steps on them.
+
+    Args:
+        config: the validated engine configuration (``EngineArgs.create_engine_config()``).
+        show_progress: show the bucket-compilation progress bar (process 0 only).
+    """
+
+    def __init__(self, config: EngineConfig, *, show_progress: bool = True):
+        self.config = config
+        self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
+        initialize_distributed(config.parallel_config)  # before any device is touched
+        tp = self.tensor_parallel_size
+        self.mesh = make_mesh(tp) if tp > 1 else None
+        self._kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
+        self.show_progress = show_progress and is_driver()
+        self.platform = jax.default_backend()
+        # "auto": Pallas kernels on GPU, the plain-JAX references elsewhere.
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.platform)
+        # Set by load_model:
+        self.hf_config = None
+        self.dtype = None
+        self.kv_cache_spec: KVCacheSpec | None = None
+        self._model = None
+        # Set by determine_num_blocks (None without device memory statistics, e.g. on CPU):
+        self.memory_budget: MemoryBudget | None = None
+        # Set by initialize_cache:
+        self.num_gpu_blocks = 0
+        self.num_cpu_blocks = 0
+        self.model_runner: ModelRunner | None = None
+        self.block_mover: BlockMover | None = None
+        # Seconds spent compiling step buckets at start-up (0 with lazy compilation).
+        self.compile_seconds = 0.0
+
+    # ----------------------------------------------------------------------------- start-up
+    def load_model(self) -> None:
+        """Load the weights (``load_format``) onto the device(s), sharded over the mesh.
+
+        Raises:
+            ValueError: from ``models.weights.load_model`` (missing files, unknown dtype,
+                unsupported architecture, a missing or misshapen tensor).
+        """
+        mc = self.config.model_config
+        load = (
+            load_model
+            if self.mesh is None
+            else functools.partial(load_sharded_model, mesh=self.mesh)
+        )
+        self._model, self.hf_config = load(
+            mc.model,
+            dtype=mc.dtype,
+            load_format=mc.load_format,
+            attention_backend=self.attention_backend,
+            interpret=self.attention_backend == "pallas" and self.platform != "gpu",
+            seed=mc.seed,
+        )
+        self.dtype = resolve_dtype(mc.dtype, self.hf_config)
+        self.kv_cache_spec = KVCacheSpec(
+            num_layers=int(self.hf_config.num_hidden_layers),
+            # Hkv * r when tensor parallelism repeats KV heads (models.sharding)
+            num_kv_heads=TPLayout.from_hf_config(
+                self.hf_config, self.tensor_parallel_size
+            ).num_kv_heads_physical,
+            head_dim=_head_dim(self.hf_config),
+            block_size=self.config.cache_config.block_size,
+            dtype=self.dtype,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head (the checkpoint's ``vocab_size``); valid after ``load_model``."""
+        return int(self.hf_config.vocab_size)
+
+    def determine_num_blocks(self) -> int:
+        """Device KV blocks for this engine: ``num_gpu_blocks_override``, else what
+        ``kv_cache_memory_bytes`` holds, else what profiling leaves under
+        ``gpu_memory_utilization`` (CPU, which reports no memory statistics: a fixed budget,
+        capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use). Every
+        process of a multi-host engine returns the same count (the smallest).
+
+        Raises:
+            ValueError: not even one block fits the budget.
+        """
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        spec, tp = self.kv_cache_spec, self.tensor_parallel_size
+        # Budgets are per device; the cache splits evenly over the tp devices.
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+        elif cc.kv_cache_memory_bytes is not None:
+            num_blocks = num_blocks_for_budget(
+                spec, cc.kv_cache_memory_bytes * tp, cap=_MAX_NUM_BLOCKS
+            )
+        else:
+            self.memory_budget = self._profile_memory()
+            if self.memory_budget is None:
+                max_blocks_per_seq = -(-sc.max_model_len // cc.block_size)
+                cap = sc.max_num_seqs * max_blocks_per_seq + 1
+                num_blocks = num_blocks_for_budget(spec, DEFAULT_CPU_KV_CACHE_BYTES * tp, cap=cap)
+            else:
+                per_device = self.memory_budget.kv_bytes
+                num_blocks = num_blocks_for_budget(spec, per_device * tp, cap=_MAX_NUM_BLOCKS)
+        # Every process must hold the same number of blocks, or their schedules diverge.
+        return agree_on_min(num_blocks)
+
+    def _profile_memory(self) -> MemoryBudget | None:
+        """Per-device memory left for KV blocks after one profiling step at the full token
+        budget (vLLM's rule), or None when the device reports no memory statistics (CPU). With
+        tensor parallelism the tightest of this process's mesh devices sets the budget."""
+        devices = (
+            [jax.local_devices()[0]]
+            if self.mesh is None
+            else [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        )
+        weights = [bytes_in_use(d) for d in devices]
+        if weights[0] is None:
+            return None
+        spec = self.kv_cache_spec
+        sc = self.config.scheduler_config
+        probe_blocks = -(-sc.max_num_batched_tokens // spec.block_size) + 1
+        probe_caches = allocate_kv_caches(spec, probe_blocks, sharding=self._kv_sharding)
+        probe = self._make_runner(probe_caches)
+        probe.profile_run()
+        del probe, probe_caches
+        utilization = self.config.cache_config.gpu_memory_utilization
+        budgets = [
+            measure_kv_budget(utilization, d, weights_bytes=w)
+            for d, w in zip(devices, weights, strict=True)
+        ]
+        return min(budgets, key=lambda budget: budget.kv_bytes)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Build the model runner over ``num_blocks`` device blocks, compile its buckets (unless
+        ``enforce_eager``; default: eager off GPU, where XLA:CPU takes seconds per bucket and
+        runs are short), then allocate the cache and ``swap_space`` of host blocks."""
+        spec = self.kv_cache_spec
+        self.num_gpu_blocks = num_blocks
+        self.num_cpu_blocks = self.config.cache_config.swap_space_bytes // spec.bytes_per_block
+        enforce_eager = self.config.enforce_eager
+        if enforce_eager is None:
+            enforce_eager = self.platform != "gpu"
+        # Buckets compile against the cache's shapes before it is allocated, so that XLA's
+        # autotuning scratch and rematerialization limit see the memory the cache will take.
+        self.model_runner = self._make_runner(
+            kv_cache_shapes(spec, num_blocks, sharding=self._kv_sharding)
+        )
+        compile_start = time.perf_counter()
+        if not enforce_eager:
+            self.model_runner.compile_all(show_progress=self.show_progress)
+        self.compile_seconds = time.perf_counter() - compile_start
+        self.reset_kv_caches()
+        self.block_mover = BlockMover(spec, self.num_cpu_blocks, cache_sharding=self._kv_sharding)
+
+    def _make_runner(self, kv_caches: list) -> ModelRunner:
+        sc = self.config.scheduler_config
+        return ModelRunner(
+            self._model,
+            kv_caches,
+            block_size=self.config.cache_config.block_size,
+            max_model_len=sc.max_model_len,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            mesh=self.mesh,
+            vocab_size=self.vocab_size,
+            max_logprobs=self.config.model_config.max_logprobs,
+        )
+
+    def reset_kv_caches(self, fill_value: float = 0.0) -> None:
+        """Allocate a fresh device cache filled with ``fill_value`` (tests pass NaN to prove
+        that no kernel reads a stale slot); every block's K/V is lost, so the caller must also
+        forget cached prefixes (``KVCacheManager.reset_prefix_cache``)."""
+        caches = allocate_kv_caches(
+            self.kv_cache_spec,
+            self.num_gpu_blocks,
+            fill_value=fill_value,
+            sharding=self._kv_sharding,
+        )
+        self.model_runner.set_kv_caches(caches)
+
+    def kv_cache_report(self) -> str:
+        """One line: KV blocks, tokens and GiB, and (after profiling) their share of the memory
+        left after weights and activations (per device)."""
+        block_size = self.config.cache_config.block_size
+        num_blocks = self.num_gpu_blocks
+        kv_bytes = num_blocks * self.kv_cache_spec.bytes_per_block // self.tensor_parallel_size
+        line = (
+            f"KV cache: {kv_bytes / 2**30:.2f} GiB per device, {num_blocks} blocks of "
+            f"{block_size} tokens = {num_blocks * block_size} tokens"
+        )
+        budget = self.memory_budget
+        if budget is not None:
+            left = budget.left_after_weights_and_activations
+            line += (
+                f"; device {budget.total / 2**30:.1f} GiB, gpu_memory_utilization "
+                f"{self.config.cache_config.gpu_memory_utilization} -> usable "
+                f"{budget.usable / 2**30:.2f} GiB (JAX pool {budget.pool / 2**30:.2f} GiB), "
+                f"weights {budget.weights / 2**30:.2f} GiB, peak after profiling "
+                f"{budget.peak / 2**30:.2f} GiB, left {left / 2**30:.2f} GiB, of which the KV "
+                f"cache takes {100 * kv_bytes / max(left, 1):.1f}%"
+            )
+        return line
+
+    def set_step_timeline(self, timeline: StepTimeline | None) -> None:
+        """Time every dispatched step on the device (benchmarks); None stops."""
+        self.model_runner.timeline = timeline
+
+    # ----------------------------------------------------------------------------- per step
+    def execute_block_ops(self, scheduler_output: SchedulerOutput) -> None:
+        """Swap-out, swap-in and copy-on-write block moves of the step, in that order."""
+        self.model_runner.execute_block_ops(scheduler_output, self.block_mover)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled tokens (``ModelRunner.execute_model``)."""
+        return self.model_runner.execute_model(scheduler_output)
+
+    def dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Launch one step and return at once (async scheduling; ``ModelRunner.dispatch``)."""
+        return self.model_runner.dispatch(scheduler_output)
+
+    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
+        """Wait for a dispatched step and read its outputs (``ModelRunner.collect``)."""
+        return self.model_runner.collect(pending)
+
+    @property
+    def beam_candidates(self) -> dict:
+        """Beam candidates of the last collected step (``ModelRunner.beam_candidates``)."""
+        return self.model_runner.beam_candidates
+
+
+def _head_dim(hf_config) -> int:
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
