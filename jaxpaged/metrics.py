@@ -230,6 +230,53 @@ class ServerMetrics:
             self.prefix_cache_hits.inc(max(0, prefix_stats[1] - last[1]))
             self._last_prefix_stats = prefix_stats
 
+    def observe_core_step(self, outputs, stats: dict, now: float) -> None:
+        """``observe_step`` for an engine core in another process (``engine/core_client.py``).
+
+        Args:
+            outputs: the step's cumulative ``RequestOutput``s as the API process built them.
+            stats: the core's step stats: ``SchedulerStats`` fields plus ``scheduled`` (ids
+                that entered the running batch) and ``step_start`` (``time.monotonic()``).
+            now: when the outputs arrived.
+        """
+        for request_id in stats["scheduled"]:
+            times = self._requests.get(request_id)
+            if times is not None and times.scheduled is None:
+                times.scheduled = stats["step_start"]
+        for output in outputs:
+            times = self._requests.get(output.request_id)
+            if times is None:
+                continue
+            if times.scheduled is None:
+                times.scheduled = stats["step_start"]
+            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            new_tokens = num_tokens - times.num_output_tokens
+            if new_tokens > 0:
+                self.generation_tokens.inc(new_tokens)
+                if times.first_token is None:
+                    times.first_token = now
+                    self.time_to_first_token.observe(now - times.arrival)
+                    self.prompt_tokens.inc(len(output.prompt_token_ids))
+                else:
+                    self.inter_token_latency.observe(now - times.last_token)
+                    self.time_per_output_token.observe(now - times.last_token)
+                times.last_token = now
+                times.num_output_tokens = num_tokens
+            if output.finished:
+                self._observe_finished(output, times, now)
+        self.num_requests_running.set(stats["num_requests_running"])
+        self.num_requests_waiting.set(stats["num_requests_waiting"])
+        self.num_requests_swapped.set(stats["num_requests_swapped"])
+        self.kv_cache_usage_perc.set(stats["kv_cache_usage_perc"])
+        self.gpu_cache_usage_perc.set(stats["kv_cache_usage_perc"])
+        last_preemptions = self._last_num_preemptions
+        self.num_preemptions.inc(max(0, stats["num_preemptions"] - last_preemptions))
+        self._last_num_preemptions = stats["num_preemptions"]
+        last = self._last_prefix_stats or (0, 0)
+        self.prefix_cache_queries.inc(max(0, stats["prefix_cache_queries"] - last[0]))
+        self.prefix_cache_hits.inc(max(0, stats["prefix_cache_hits"] - last[1]))
+        self._last_prefix_stats = (stats["prefix_cache_queries"], stats["prefix_cache_hits"])
+
 
 def _prefix_cache_stats(engine) -> tuple[int, int] | None:
     """Cumulative (queries, hits) in tokens from ``engine.get_stats()``, if the engine offers

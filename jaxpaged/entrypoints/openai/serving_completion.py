@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from jaxpaged.engine.async_llm_engine import RequestStream
+from jaxpaged.engine.core_client import RequestStream
 from jaxpaged.entrypoints.openai.errors import BadRequestError, error_from_exception
 from jaxpaged.entrypoints.openai.protocol import (
     CompletionRequest,
@@ -38,7 +38,7 @@ from jaxpaged.outputs import RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    """The completions endpoint over an ``AsyncLLMEngine`` (see ``OpenAIServing``)."""
+    """The completions endpoint over the engine core (see ``OpenAIServing``)."""
 
     async def create_completion(
         self, request: CompletionRequest
@@ -54,7 +54,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.model)
         if request.suffix is not None:
             raise BadRequestError("suffix is not supported", param="suffix")
-        prompts = self._prompts(request.prompt)
+        prompts = await self._prompts(request.prompt)
         params = []
         for _, ids in prompts:
             self.check_length(len(ids), request.max_tokens, "prompt")
@@ -79,7 +79,7 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         return await self._full(request, request_id, streams)
 
-    def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
         """(text or None, token ids) per prompt; text prompts get the tokenizer's BOS as in
         ``LLM.generate``."""
         if isinstance(prompt, str):
@@ -89,13 +89,14 @@ class OpenAIServingCompletion(OpenAIServing):
         if not prompt:
             raise BadRequestError("prompt must not be empty", param="prompt")
         return [
-            (p, list(self.tokenizer.encode(p))) if isinstance(p, str) else (None, list(p))
-            for p in prompt
+            (p, await self.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompt
         ]
 
     def _prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
             return output.prompt
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=True)
 
     def _logprobs(self, request, output, completion, start: int, text_offset: int, echo: bool):

@@ -1,5 +1,5 @@
 """What completions and chat share: model check, prompt length rule, sampling parameters,
-submitting requests to the ``AsyncLLMEngine``, streaming deltas and logprob formatting.
+submitting requests to the engine core, tokenizing off the event loop, streaming deltas and logprob formatting.
 
 Request rules follow vLLM's ``vllm/entrypoints/openai/serving_engine.py``:
 
@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from pydantic import BaseModel
 
-from jaxpaged.engine.async_llm_engine import AsyncLLMEngine, RequestStream
+from jaxpaged.engine.core_client import EngineCoreClient, RequestStream
 from jaxpaged.entrypoints.openai.errors import BadRequestError, NotFoundError
 from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -52,6 +52,10 @@ _NEUTRAL_VALUES = {
     "stop_token_ids": [],
 }
 
+# Texts longer than this (characters) are tokenized in a worker thread, so that a multi-MB
+# prompt never stalls the event loop (tokenizers releases the GIL while it encodes).
+_THREAD_TOKENIZE_CHARS = 4096
+
 # OpenAI clamps -inf logprobs to this for JSON (vLLM does the same).
 _MIN_LOGPROB = -9999.0
 
@@ -78,15 +82,15 @@ class OpenAIServing:
     """Base of the completion and chat handlers.
 
     Args:
-        engine: the started ``AsyncLLMEngine``.
-        tokenizer: the frontend's own tokenizer instance (not the engine thread's).
+        engine: the ``EngineCoreClient``.
+        tokenizer: the API process's tokenizer; None with ``--skip-tokenizer-init``.
         served_model_names: accepted ``model`` values; the first is echoed in responses.
         max_model_len: the engine's context limit in tokens.
     """
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: EngineCoreClient,
         tokenizer,
         served_model_names: Sequence[str],
         max_model_len: int,
@@ -105,6 +109,29 @@ class OpenAIServing:
         """Raises NotFoundError for a ``model`` that is not served (None means the default)."""
         if model is not None and model not in self.served_model_names:
             raise NotFoundError(f"The model `{model}` does not exist.", param="model")
+
+    def require_tokenizer(self, what: str) -> None:
+        """Raises BadRequestError when the server runs without a tokenizer."""
+        if self.tokenizer is None:
+            raise BadRequestError(
+                f"{what} needs a tokenizer, but the server was started with "
+                "--skip-tokenizer-init: send prompts as token ids",
+                param="prompt",
+            )
+
+    async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; long texts are encoded in a worker thread.
+
+        Raises:
+            BadRequestError: there is no tokenizer (``--skip-tokenizer-init``).
+        """
+        self.require_tokenizer("a text prompt")
+        if len(text) <= _THREAD_TOKENIZE_CHARS:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        ids = await asyncio.to_thread(
+            self.tokenizer.encode, text, add_special_tokens=add_special_tokens
+        )
+        return list(ids)
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, input_name: str):
         """vLLM's context-length rule; ``input_name`` is "prompt" or "messages"."""
@@ -183,7 +210,7 @@ class OpenAIServing:
     ) -> list[RequestStream]:
         """Submit one engine request per prompt (ids ``<request_id>-<i>``); all or none.
 
-        Raises whatever ``AsyncLLMEngine.add_request`` raises, after closing the streams
+        Raises whatever ``EngineCoreClient.add_request`` raises, after closing the streams
         already opened.
         """
         streams: list[RequestStream] = []
@@ -204,7 +231,9 @@ class OpenAIServing:
     # ---------------------------------------------------------------------------- logprobs
     def _token_text(self, token_id: int, logprob) -> str:
         decoded = getattr(logprob, "decoded_token", None)
-        return decoded if decoded is not None else self.tokenizer.decode([token_id])
+        if decoded is not None:
+            return decoded
+        return "" if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def completion_logprobs(
         self, token_ids: Sequence[int], steps: Sequence[dict | None], text_offset: int
