@@ -34,6 +34,7 @@ class HookedEngineCore(EngineCore):
         "set_step_delay",
         "set_max_num_queued_requests",
         "die_when_unfinished",
+        "pause_steps",
     )
 
     def __init__(self, engine, **kwargs):
@@ -52,6 +53,10 @@ class HookedEngineCore(EngineCore):
     def die_when_unfinished(self, count: int, message: str) -> None:
         """Raise ``RuntimeError(message)`` from the first step with ``count`` requests."""
         self._die_at = (count, message)
+
+    def pause_steps(self) -> None:
+        """From now on steps run no model: requests stay unfinished (and nothing compiles)."""
+        self._die_at = (2**31, "")
 
     def step(self) -> list:
         if self._die_at is not None:

@@ -181,7 +181,6 @@ def test_metrics_parse_and_move_across_a_request(http, server, stories_llm):
 
 def test_disconnect_mid_stream_aborts_within_two_steps_and_frees_blocks(http, server, slow_steps):
     slow_steps(0.05)
-    engine = server.engine
     aborted_before = _value(
         _metrics(http), "jaxpaged:request_success_total", finished_reason="abort"
     )
@@ -280,7 +279,7 @@ def test_full_waiting_queue_answers_429_and_others_are_unaffected(
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
 
 
-def test_engine_death_fails_in_flight_requests_with_500_and_health_with_503():
+def test_engine_death_fails_in_flight_requests_and_health_and_new_requests_with_503():
     """The core's step raises once a whole response and a stream (chat sends its role chunk
     before any step) are both in flight: the core reports its death and exits."""
     running = start_server(chat_template="{{ 'x' }}")
@@ -297,16 +296,16 @@ def test_engine_death_fails_in_flight_requests_with_500_and_health_with_503():
 
     try:
         whole, stream = asyncio.run(both())
-        assert _error(whole, 500, match="device lost")["type"] == "InternalServerError"
+        assert _error(whole, 503, match="device lost")["type"] == "ServiceUnavailableError"
         assert stream.status_code == 200
         events = [line for line in stream.text.splitlines() if line]
         assert '"role": "assistant"' in events[0]
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2].removeprefix("data: "))["error"]
-        assert error["code"] == 500 and "device lost" in error["message"]
+        assert error["code"] == 503 and "device lost" in error["message"]
         with httpx.Client(base_url=running.url, timeout=60) as http_client:
             health = _error(http_client.get("/health"), 503, match="device lost")
             assert health["type"] == "ServiceUnavailableError"
-            _error(http_client.post("/v1/completions", json=completion), 500, match="has died")
+            _error(http_client.post("/v1/completions", json=completion), 503, match="has died")
     finally:
         running.stop()
