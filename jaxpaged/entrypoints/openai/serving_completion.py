@@ -161,8 +161,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     first = index not in sent_text
                     previous = sent_text.get(index, "")
                     delta = text[len(previous) :]
-                    if not delta and not finished:
-                        continue  # nothing new to show (held-back bytes, prefill chunk)
+                    new_tokens = len(completion.token_ids) > sent_tokens.get(index, 0)
+                    if not delta and not finished and (self.tokenizer is not None or not new_tokens):
+                        # Nothing new to show (held-back bytes, prefill chunk). Without a
+                        # tokenizer there is no text: each new token is a chunk of "" text.
+                        continue
                     echo = request.echo and first
                     prefix = self._prompt_text(output) if echo else ""
                     start = sent_tokens.get(index, 0)
