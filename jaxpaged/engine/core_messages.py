@@ -142,14 +142,14 @@ def _logprobs_from_wire(steps):
 def encode_output(output: RequestOutput) -> list:
     """One request's delta: ``[request_id, finished, num_cached_tokens, [arrival,
     first_token, finished] times, completions, prompt_logprobs]``; each completion is
-    ``[index, new token ids i32[n], cumulative_logprob, new logprobs, finish_reason,
+    ``[index, new token ids (list of int), cumulative_logprob, new logprobs, finish_reason,
     stop_reason]``; a logprobs position is ``[[token_id, logprob, rank], ...]`` or None.
     Text and the prompt stay behind: the API process has them."""
     metrics = output.metrics or {}
     completions = [
         [
             c.index,
-            np.asarray(c.token_ids, dtype=np.int32),
+            list(c.token_ids),  # one or two ids per step: a list packs faster than an array
             c.cumulative_logprob,
             _logprobs_to_wire(c.logprobs),
             c.finish_reason,
@@ -190,7 +190,7 @@ def decode_output(wire: list) -> EngineCoreOutput:
             CompletionOutput(
                 index=index,
                 text="",
-                token_ids=token_ids.tolist(),
+                token_ids=list(token_ids),
                 cumulative_logprob=cumulative,
                 logprobs=_logprobs_from_wire(logprobs),
                 finish_reason=finish_reason,

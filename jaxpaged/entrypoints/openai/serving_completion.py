@@ -162,7 +162,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     previous = sent_text.get(index, "")
                     delta = text[len(previous) :]
                     new_tokens = len(completion.token_ids) > sent_tokens.get(index, 0)
-                    if not delta and not finished and (self.tokenizer is not None or not new_tokens):
+                    if (
+                        not delta
+                        and not finished
+                        and (self.tokenizer is not None or not new_tokens)
+                    ):
                         # Nothing new to show (held-back bytes, prefill chunk). Without a
                         # tokenizer there is no text: each new token is a chunk of "" text.
                         continue
