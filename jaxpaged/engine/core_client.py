@@ -261,7 +261,7 @@ class EngineCoreClient:
             if process.is_alive():
                 process.kill()
                 await asyncio.to_thread(process.join, 5)
-        self._die("the engine core was shut down")
+        self._die("the engine core was shut down", expected=True)
         for task in self._tasks:
             task.cancel()
         self.core.input_socket.close()
@@ -415,11 +415,12 @@ class EngineCoreClient:
                 self._die(f"the engine core did not answer for {self.heartbeat_timeout_s} s")
                 process.kill()
 
-    def _die(self, message: str) -> None:
+    def _die(self, message: str, *, expected: bool = False) -> None:
         if self.dead_error is not None:
             return
         self.dead_error = message
-        logger.error("engine core died: %s", message)
+        if not expected:
+            logger.error("engine core died: %s", message)
         dead = EngineDeadError(f"the engine core has died: {message}")
         for future in [*self._acks.values(), *self._utility.values()]:
             if not future.done():

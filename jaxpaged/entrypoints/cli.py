@@ -200,7 +200,10 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
 def _serve(args: argparse.Namespace) -> int:
     from jaxpaged.entrypoints.openai.api_server import run_server
 
-    run_server(**serve_options(args))
+    options = serve_options(args)
+    # The engine core (a child process) inherits the variable; this process never uses JAX.
+    set_jax_memory_fraction(options["engine_args"].gpu_memory_utilization)
+    run_server(**options)
     return 0
 
 
