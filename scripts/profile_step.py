@@ -52,15 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def traced_pass(
-    engine,
-    prompts: list[list[int]],
-    output_lens: list[int],
-    *,
-    trace_dir: str,
-    start: int,
-    num_steps: int,
-) -> pathlib.Path:
+def traced_pass(engine, prompts: list[list[int]], output_lens: list[int], *, trace_dir: str,
+                start: int, num_steps: int) -> pathlib.Path:
     """Run the requests to completion, tracing engine steps ``[start, start + num_steps)``;
     returns the trace file this pass wrote.
 
@@ -115,10 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.trace_start < 0 or args.trace_steps < 1:
-        parser.error(
-            f"--trace-start must be >= 0 and --trace-steps >= 1, got "
-            f"{args.trace_start} and {args.trace_steps}"
-        )
+        parser.error(f"--trace-start must be >= 0 and --trace-steps >= 1, got "
+                     f"{args.trace_start} and {args.trace_steps}")
     from jaxpaged.worker import model_runner
 
     if args.seq_bucket_gap:
@@ -134,39 +125,21 @@ def main(argv: list[str] | None = None) -> int:
         "num_buckets": len(engine.model_runner.all_bucket_keys()),
     }
     print(engine.kv_cache_report(), flush=True)
-    print(
-        f"start-up {result['startup_seconds']:.1f} s, compiling {result['num_buckets']} "
-        f"buckets {result['compile_seconds']:.1f} s",
-        flush=True,
-    )
+    print(f"start-up {result['startup_seconds']:.1f} s, compiling {result['num_buckets']} "
+          f"buckets {result['compile_seconds']:.1f} s", flush=True)
     if args.workload == "latency":
         timing = benchmark_latency.run_latency(
-            llm,
-            batch_size=1,
-            input_len=args.input_len,
-            output_len=args.output_len,
-            num_iters_warmup=1,
-            num_iters=args.latency_iters,
-            seed=args.seed,
+            llm, batch_size=1, input_len=args.input_len, output_len=args.output_len,
+            num_iters_warmup=1, num_iters=args.latency_iters, seed=args.seed,
         )
         lines = benchmark_latency.result_lines(timing)[-1:]
-        requests = make_requests(
-            "random",
-            num_prompts=1,
-            input_len=args.input_len,
-            output_len=args.output_len,
-            vocab_size=engine.vocab_size,
-            seed=args.seed + 1,
-        )
+        requests = make_requests("random", num_prompts=1, input_len=args.input_len,
+                                 output_len=args.output_len, vocab_size=engine.vocab_size,
+                                 seed=args.seed + 1)
     else:
-        requests = make_requests(
-            args.workload,
-            num_prompts=args.num_prompts,
-            input_len=args.input_len,
-            output_len=args.output_len,
-            vocab_size=engine.vocab_size,
-            seed=args.seed,
-        )
+        requests = make_requests(args.workload, num_prompts=args.num_prompts,
+                                 input_len=args.input_len, output_len=args.output_len,
+                                 vocab_size=engine.vocab_size, seed=args.seed)
         timing = benchmark_throughput.run_throughput(llm, requests)
         lines = benchmark_throughput.result_lines(timing)
     result["timing"] = timing
@@ -174,12 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
     if args.trace_dir:
         trace = traced_pass(
-            engine,
-            [r.prompt_token_ids for r in requests],
-            [r.output_len for r in requests],
-            trace_dir=args.trace_dir,
-            start=args.trace_start,
-            num_steps=args.trace_steps,
+            engine, [r.prompt_token_ids for r in requests], [r.output_len for r in requests],
+            trace_dir=args.trace_dir, start=args.trace_start, num_steps=args.trace_steps,
         )
         events = trace_summary.load_events(trace)
         steps = trace_summary.gpu_steps(events)
