@@ -16,6 +16,7 @@ Times are ``time.monotonic()`` seconds.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -158,14 +159,24 @@ class ServerMetrics:
             self.request_success["abort"].inc()
 
     def observe_step(
-        self, stats: SchedulerStats, outputs: list[RequestOutput], step_start: float, now: float
+        self,
+        stats: SchedulerStats,
+        outputs: list[RequestOutput],
+        step_start: float,
+        now: float,
+        scheduled: Iterable[str] = (),
     ) -> None:
         """Token counters and latencies from one step's outputs, then the engine's gauges and
         counters from ``stats`` (``LLMEngine.get_stats()`` after the step).
 
-        A request counts as scheduled at its output's ``metrics["first_scheduled_time"]``, or
-        at ``step_start`` of its first output when the output carries none.
+        A request counts as scheduled at ``step_start`` when its id is in ``scheduled`` (the
+        engine core reports the ids that entered the running batch), else at its output's
+        ``metrics["first_scheduled_time"]``, else at ``step_start`` of its first output.
         """
+        for request_id in scheduled:
+            times = self._requests.get(request_id)
+            if times is not None and times.scheduled is None:
+                times.scheduled = step_start
         for output in outputs:
             times = self._requests.get(output.request_id)
             if times is None:

@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from scripts.benchmark_dataset import (  # noqa: E402
+from jaxpaged.benchmarks.dataset import (  # noqa: E402
     BenchmarkRequest,
     random_requests,
     sharegpt_synthetic_requests,

@@ -1,15 +1,19 @@
-"""A real jaxpaged server on loopback (uvicorn in a background thread) for the tests.
+"""A real jaxpaged server on loopback for the tests: uvicorn in a background thread, its engine
+core in its own process (``jaxpaged/engine/core.py``), as ``jaxpaged serve`` runs them.
 
 ``tests/conftest.py`` builds one per session and worker (the ``server`` fixture). Its engine has
 the same arguments as the session's ``stories_llm`` (the reference for greedy outputs) but is
-its own ``LLMEngine``, so nothing is shared between the two paths.
+its own engine, in its own process, so nothing is shared between the two paths. The core is a
+``HookedEngineCore``: tests slow its steps, bound its queue or make it die through utility calls.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
+from jaxpaged.engine.core import EngineCore
 from tests.conftest import SMALL_ENGINE
 
 API_KEY = "test-key"
@@ -19,6 +23,51 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+HOOKED_CORE = "tests.live_server:HookedEngineCore"
+
+
+class HookedEngineCore(EngineCore):
+    """An ``EngineCore`` with test controls, called by name from the API process."""
+
+    UTILITY_METHODS = (
+        *EngineCore.UTILITY_METHODS,
+        "set_step_delay",
+        "set_max_num_queued_requests",
+        "die_when_unfinished",
+        "pause_steps",
+    )
+
+    def __init__(self, engine, **kwargs):
+        super().__init__(engine, **kwargs)
+        self._delay = 0.0
+        self._die_at: tuple[int, str] | None = None
+
+    def set_step_delay(self, seconds: float) -> None:
+        """Make each step last at least ``seconds``: step counts then measure reaction times
+        well above the server's own latency."""
+        self._delay = seconds
+
+    def set_max_num_queued_requests(self, limit: int | None) -> None:
+        self.max_num_queued_requests = limit
+
+    def die_when_unfinished(self, count: int, message: str) -> None:
+        """Raise ``RuntimeError(message)`` from the first step with ``count`` requests."""
+        self._die_at = (count, message)
+
+    def pause_steps(self) -> None:
+        """From now on steps run no model: requests stay unfinished (and nothing compiles)."""
+        self._die_at = (2**31, "")
+
+    def step(self) -> list:
+        if self._die_at is not None:
+            count, message = self._die_at
+            if self.engine.get_num_unfinished_requests() >= count:
+                raise RuntimeError(message)
+            time.sleep(0.001)
+            return [[], self.get_stats() | {"scheduled": [], "step_start": time.monotonic()}]
+        if self._delay:
+            time.sleep(self._delay)
+        return super().step()
 
 
 class RunningServer:
@@ -42,42 +91,71 @@ class RunningServer:
 
     @property
     def engine(self):
-        """The ``AsyncLLMEngine``."""
+        """The ``EngineCoreClient``."""
         return self.app.state.engine
 
-    @property
-    def llm_engine(self):
-        return self.app.state.engine.engine
+    def call(self, name: str, *args, timeout: float = 30.0):
+        """``EngineCore.<name>(*args)`` in the core process, from any thread."""
+        coroutine = self.engine.call_utility(name, *args, timeout=timeout)
+        return asyncio.run_coroutine_threadsafe(coroutine, self.engine.loop).result(timeout)
 
-    def wait_idle(self, timeout: float = 30.0) -> None:
-        """Until the engine has no unfinished request (aborts are applied between steps)."""
+    def stats(self) -> dict:
+        return self.call("get_stats")
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Until the core has no unfinished request; returns its stats after checking the
+        block pool's invariants."""
         deadline = time.monotonic() + timeout
-        while self.llm_engine.has_unfinished_requests():
+        while self.stats()["num_unfinished_requests"]:
             if time.monotonic() > deadline:
-                raise TimeoutError("the engine still has unfinished requests")
+                raise TimeoutError("the engine core still has unfinished requests")
             time.sleep(0.005)
+        return self.call("check_idle")
 
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(30)
 
 
-def make_engine(**overrides):
-    from jaxpaged.config import EngineArgs
-    from jaxpaged.engine.llm_engine import LLMEngine
+def spawn_client(**overrides):
+    """A spawned ``EngineCoreClient`` on stories260k (float32, the session's small engine)."""
+    from transformers import AutoTokenizer
 
-    args = dict(dtype="float32", **SMALL_ENGINE) | overrides
-    return LLMEngine.from_engine_args(EngineArgs(**args), show_progress=False)
+    from jaxpaged.config import EngineArgs, default_model_path
+    from jaxpaged.engine.core_client import EngineCoreClient
+
+    client_kwargs = {
+        key: overrides.pop(key)
+        for key in ("heartbeat_timeout_s", "max_num_queued_requests", "core_class")
+        if key in overrides
+    }
+    client_kwargs.setdefault("core_class", HOOKED_CORE)
+    args = EngineArgs(**(dict(dtype="float32", **SMALL_ENGINE) | overrides))
+    tokenizer = None
+    if not args.skip_tokenizer_init:
+        tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    return EngineCoreClient.spawn(args, tokenizer=tokenizer, **client_kwargs)
+
+
+def start_server(*, served_model_names=(MODEL_NAME,), api_key=None, chat_template=None, **kw):
+    """A ``RunningServer`` over a freshly spawned core (``spawn_client(**kw)``)."""
+    from jaxpaged.config import default_model_path
+    from jaxpaged.entrypoints.openai.api_server import build_app
+
+    client = spawn_client(**kw)
+    app = build_app(
+        client,
+        model=default_model_path(),
+        tokenizer=client.tokenizer,
+        served_model_names=list(served_model_names),
+        api_key=api_key,
+        chat_template=chat_template,
+    )
+    return RunningServer(app)
 
 
 def start_test_server() -> RunningServer:
     """The shared server: two model names, an API key and the test chat template."""
-    from jaxpaged.entrypoints.openai.api_server import build_app
-
-    app = build_app(
-        make_engine(),
-        served_model_names=[MODEL_NAME, "alias"],
-        api_key=API_KEY,
-        chat_template=CHAT_TEMPLATE,
+    return start_server(
+        served_model_names=[MODEL_NAME, "alias"], api_key=API_KEY, chat_template=CHAT_TEMPLATE
     )
-    return RunningServer(app)

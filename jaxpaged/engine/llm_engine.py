@@ -121,7 +121,8 @@ class LLMEngine:
                 f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}"
             )
         if isinstance(params, SamplingParams):
-            params.update_from_tokenizer(self.tokenizer)  # bad_words -> token ids
+            if params.bad_words_token_ids is None:  # not yet resolved by an API process
+                params.update_from_tokenizer(self.tokenizer)  # bad_words -> token ids
             verify_for_model(
                 params,
                 vocab_size=self.vocab_size,

@@ -1,4 +1,5 @@
-"""The ``jaxpaged`` command: ``jaxpaged generate "Once upon a time"``, ``jaxpaged serve``.
+"""The ``jaxpaged`` command: ``jaxpaged generate "Once upon a time"``, ``jaxpaged serve``,
+``jaxpaged bench throughput|latency|serve`` (vLLM's ``vllm bench``).
 
 Every ``EngineArgs`` field is a flag (``--max-model-len``, ``--block-size``, ...), as in vLLM.
 This is the only module that reads ``os.environ`` (``JAXPAGED_API_KEY`` for ``serve``).
@@ -94,7 +95,28 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="generate past the EOS token")
     add_engine_args(gen)
     _add_serve_parser(sub)
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark (vLLM's `vllm bench`); `jaxpaged bench KIND --help` lists its flags",
+        add_help=False,
+    )
+    bench.add_argument("bench_kind", choices=sorted(BENCHMARKS), help="which benchmark")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     return parser
+
+
+# `jaxpaged bench KIND` -> the module whose main() runs it (scripts/benchmark_*.py wrap them).
+BENCHMARKS = {
+    "throughput": "jaxpaged.benchmarks.throughput",
+    "latency": "jaxpaged.benchmarks.latency",
+    "serve": "jaxpaged.benchmarks.serving",
+}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    return importlib.import_module(BENCHMARKS[args.bench_kind]).main(args.bench_args)
 
 
 def _add_serve_parser(sub) -> None:
@@ -178,7 +200,10 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
 def _serve(args: argparse.Namespace) -> int:
     from jaxpaged.entrypoints.openai.api_server import run_server
 
-    run_server(**serve_options(args))
+    options = serve_options(args)
+    # The engine core (a child process) inherits the variable; this process never uses JAX.
+    set_jax_memory_fraction(options["engine_args"].gpu_memory_utilization)
+    run_server(**options)
     return 0
 
 
@@ -224,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "bench":
+            return _bench(args)
     except ValueError as error:
         print(f"jaxpaged: error: {error}", file=sys.stderr)
         return 2

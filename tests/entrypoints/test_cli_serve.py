@@ -57,9 +57,10 @@ def test_serve_rejects_conflicting_model_and_negative_queue_bound():
         serve_options(_serve_args("--max-num-queued-requests", "-1"), environ={})
 
 
-def test_jaxpaged_serve_builds_the_app_and_serves_it(monkeypatch):
-    """``main(["serve", ...])`` end to end, with uvicorn's blocking ``run`` replaced by a
-    recorder whose app is then served on loopback."""
+def test_jaxpaged_serve_without_a_tokenizer_serves_token_ids_and_refuses_text(monkeypatch):
+    """``main(["serve", ..., "--skip-tokenizer-init"])`` end to end (engine core process
+    included), with uvicorn's blocking ``run`` replaced by a recorder whose app is then served
+    on loopback."""
     import uvicorn
 
     from jaxpaged.entrypoints.cli import main
@@ -72,7 +73,8 @@ def test_jaxpaged_serve_builds_the_app_and_serves_it(monkeypatch):
 
     monkeypatch.setattr(uvicorn, "run", record)
     monkeypatch.setenv("JAXPAGED_API_KEY", "k")
-    assert main(["serve", "--port", "1234", "--max-model-len", "64"]) == 0
+    argv = ["serve", "--port", "1234", "--max-model-len", "64", "--skip-tokenizer-init"]
+    assert main([*argv, "--dtype", "float32"]) == 0
     assert (served["host"], served["port"]) == ("0.0.0.0", 1234)
     running = RunningServer(served["app"])
     try:
@@ -81,5 +83,43 @@ def test_jaxpaged_serve_builds_the_app_and_serves_it(monkeypatch):
         models = httpx.get(f"{running.url}/v1/models", headers={"Authorization": "Bearer k"})
         assert [m["id"] for m in models.json()["data"]] == ["stories260k"]
         assert models.json()["data"][0]["max_model_len"] == 64
+        auth = {"Authorization": "Bearer k"}
+        body = {"prompt": [1, 403, 407], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        ids = httpx.post(f"{running.url}/v1/completions", json=body, headers=auth, timeout=60)
+        assert ids.status_code == 200, ids.text
+        assert ids.json()["choices"][0]["text"] == ""  # no tokenizer, no text
+        assert ids.json()["usage"]["completion_tokens"] == 3
+        text = httpx.post(
+            f"{running.url}/v1/completions", json=body | {"prompt": "Once"}, headers=auth
+        )
+        assert text.status_code == 400 and "--skip-tokenizer-init" in text.text
+        tokenize = httpx.post(f"{running.url}/tokenize", json={"prompt": "Once"})
+        assert tokenize.status_code == 400 and "--skip-tokenizer-init" in tokenize.text
     finally:
         running.stop()
+
+
+def test_bench_dispatches_to_the_benchmark_modules(capsys):
+    from jaxpaged.entrypoints.cli import main
+
+    for kind, flag in (("serve", "--request-rate"), ("latency", "--batch-size")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", kind, "--help"])
+        assert exit_info.value.code == 0
+        assert flag in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "nonsense"])
+
+
+def test_api_server_module_runs_the_serve_command():
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxpaged.entrypoints.openai.api_server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--served-model-name" in result.stdout and "--skip-tokenizer-init" in result.stdout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scripts.benchmark_dataset import (
+from jaxpaged.benchmarks.dataset import (
     MAX_PROMPT_LEN,
     MAX_TOTAL_LEN,
     MIN_LEN,

@@ -8,8 +8,10 @@ import re
 
 import pytest
 
-from scripts import benchmark_hf_baseline, benchmark_latency, benchmark_throughput
-from scripts.benchmark_dataset import BenchmarkRequest
+from jaxpaged.benchmarks import latency as benchmark_latency
+from jaxpaged.benchmarks import throughput as benchmark_throughput
+from jaxpaged.benchmarks.dataset import BenchmarkRequest
+from scripts import benchmark_hf_baseline
 
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],

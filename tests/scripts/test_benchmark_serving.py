@@ -1,29 +1,21 @@
-"""scripts/benchmark_serving.py against the live test server: counts, datasets, result block."""
+"""jaxpaged/benchmarks/serving.py against the live test server: counts, datasets, result block."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
 from tests.live_server import API_KEY
 
-_PATH = pathlib.Path(__file__).parents[2] / "scripts" / "benchmark_serving.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_serving", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    from jaxpaged.benchmarks import serving
+
+    return serving
 
 
 def test_random_requests_follow_lengths_and_ratio(bench):

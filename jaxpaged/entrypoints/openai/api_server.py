@@ -1,10 +1,16 @@
-"""The OpenAI-compatible HTTP server: a FastAPI app over an ``AsyncLLMEngine``.
+"""The OpenAI-compatible HTTP server: a FastAPI app in the API process, over an engine core.
+
+This process does HTTP, tokenization, detokenization, stop strings and streaming; the engine
+core runs in its own process (``jaxpaged/engine/core.py``) and is reached through an
+``EngineCoreClient`` (vLLM v1's split). ``python -m jaxpaged.entrypoints.openai.api_server``
+takes the same flags as ``jaxpaged serve``.
 
 Routes (vLLM's, ``reference/vllm_surface.md`` section 2.2): ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (200, or 503 once the engine
-loop has died), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
+core has died), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
 (Prometheus text). With an API key, only ``/v1/*`` paths require
-``Authorization: Bearer <key>`` (401 otherwise), as in vLLM.
+``Authorization: Bearer <key>`` (401 otherwise), as in vLLM. With ``--skip-tokenizer-init``
+there is no tokenizer: prompts must be token ids and outputs carry no text.
 
 A client that disconnects has its engine requests aborted: streaming responses through
 Starlette's disconnect listener (which cancels the body iterator), whole responses through
@@ -22,10 +28,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
-from transformers import AutoTokenizer
 
 import jaxpaged
-from jaxpaged.engine.async_llm_engine import AsyncLLMEngine
+from jaxpaged.engine.core_client import EngineCoreClient
 from jaxpaged.entrypoints.openai.errors import error_response, install_error_handlers
 from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -44,40 +49,37 @@ from jaxpaged.metrics import ServerMetrics
 
 
 def build_app(
-    llm_engine,
+    client: EngineCoreClient,
     *,
+    model: str,
+    tokenizer,
     served_model_names: Sequence[str] | None = None,
     api_key: str | None = None,
     chat_template: str | None = None,
-    max_num_queued_requests: int | None = None,
 ) -> FastAPI:
-    """The server app over ``llm_engine`` (an ``LLMEngine``); its loop starts with the app's
-    lifespan and stops with it.
+    """The server app over ``client`` (a spawned ``EngineCoreClient``); the client's tasks
+    start with the app's lifespan, and the core is shut down with it.
 
     Args:
+        model: the model path, reported as ``root`` by ``/v1/models``.
+        tokenizer: the API process's tokenizer; None serves token-id prompts only.
         served_model_names: accepted ``model`` values; the first is echoed in responses and
-            is the ``model_name`` metric label. None: the model path.
+            is the ``model_name`` metric label. None: ``model``.
         api_key: required as ``Authorization: Bearer <key>`` on ``/v1/*``; None: no key.
         chat_template: a file path or inline Jinja template replacing the tokenizer's.
-        max_num_queued_requests: bound of the waiting queue (HTTP 429 beyond); None: unbounded.
 
-    ``app.state.engine`` is the ``AsyncLLMEngine``, ``app.state.metrics`` its ``ServerMetrics``.
+    ``app.state.engine`` is the client, ``app.state.metrics`` its ``ServerMetrics``.
 
     Raises:
-        ValueError: an empty served name list, a bad chat template or queue bound.
+        ValueError: an empty served name list or a bad chat template.
     """
-    model_config = llm_engine.config.model_config
-    names = list(served_model_names or [model_config.model])
+    names = list(served_model_names or [model])
     if not names or not all(names):
         raise ValueError(f"served_model_names must be non-empty names, got {names!r}")
     metrics = ServerMetrics(names[0])
-    engine = AsyncLLMEngine(
-        llm_engine, max_num_queued_requests=max_num_queued_requests, metrics=metrics
-    )
-    # The frontend tokenizes on the event loop while the engine thread decodes: separate
-    # instances, so no tokenizer is shared across threads.
-    tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
-    max_model_len = llm_engine.config.scheduler_config.max_model_len
+    client.metrics = metrics
+    engine = client
+    max_model_len = client.info["max_model_len"]
     common = dict(
         engine=engine,
         tokenizer=tokenizer,
@@ -89,11 +91,11 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        engine.start()
+        await engine.start()
         try:
             yield
         finally:
-            await asyncio.to_thread(engine.shutdown)
+            await engine.shutdown()
 
     app = FastAPI(title="jaxpaged OpenAI-compatible server", lifespan=lifespan)
     app.state.engine = engine
@@ -105,7 +107,7 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         if engine.is_dead:
-            return error_response(503, f"the engine loop has died: {engine.dead_error!r}")
+            return error_response(503, f"the engine core has died: {engine.dead_error}")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -118,7 +120,7 @@ def build_app(
             data=[
                 ModelCard(
                     id=name,
-                    root=model_config.model,
+                    root=model,
                     max_model_len=max_model_len,
                     permission=[ModelPermission(id=f"modelperm-{secrets.token_hex(16)}")],
                 )
@@ -137,6 +139,7 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         completion.check_model(request.model)
+        completion.require_tokenizer("/tokenize")
         if request.messages is not None:
             text = chat.render_messages(
                 request.messages,
@@ -149,7 +152,7 @@ def build_app(
         else:
             text = request.prompt
             add_special = request.add_special_tokens is not False
-        ids = list(tokenizer.encode(text, add_special_tokens=add_special))
+        ids = await completion.encode(text, add_special_tokens=add_special)
         strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(
             count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs
@@ -158,6 +161,7 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         completion.check_model(request.model)
+        completion.require_tokenizer("/detokenize")
         bad = [t for t in request.tokens if not 0 <= t < len(tokenizer)]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {len(tokenizer)})")
@@ -226,20 +230,40 @@ def run_server(
     max_num_queued_requests: int | None = None,
     uvicorn_log_level: str = "info",
 ) -> None:
-    """Build the engine from ``engine_args`` (``EngineArgs``) and serve until interrupted.
+    """Start the engine core for ``engine_args`` (``EngineArgs``) and serve until interrupted.
 
-    ``host`` None listens on all interfaces (vLLM's default).
+    ``host`` None listens on all interfaces (vLLM's default). The tokenizer is loaded here
+    (the API process) unless ``engine_args.skip_tokenizer_init``.
+
+    Raises:
+        ValueError: invalid engine arguments (checked before the core starts).
+        RuntimeError: the engine core failed to start.
     """
     import uvicorn
 
-    from jaxpaged.engine.llm_engine import LLMEngine
+    model_config = engine_args.create_engine_config().model_config
+    tokenizer = None
+    if not model_config.skip_tokenizer_init:
+        from transformers import AutoTokenizer
 
-    llm_engine = LLMEngine.from_engine_args(engine_args)
+        tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
+    client = EngineCoreClient.spawn(
+        engine_args, tokenizer=tokenizer, max_num_queued_requests=max_num_queued_requests
+    )
     app = build_app(
-        llm_engine,
+        client,
+        model=model_config.model,
+        tokenizer=tokenizer,
         served_model_names=served_model_names,
         api_key=api_key,
         chat_template=chat_template,
-        max_num_queued_requests=max_num_queued_requests,
     )
     uvicorn.run(app, host=host or "0.0.0.0", port=port, log_level=uvicorn_log_level)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from jaxpaged.entrypoints.cli import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))

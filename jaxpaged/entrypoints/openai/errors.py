@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxpaged.engine.async_llm_engine import EngineDeadError, QueueFullError
+from jaxpaged.engine.core_client import EngineDeadError, QueueFullError
 from jaxpaged.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def error_from_exception(error: BaseException) -> ErrorResponse:
         # SamplingParamsError (and similar) name the offending field in ``parameter``.
         return error_body(400, str(error), getattr(error, "parameter", None))
     if isinstance(error, EngineDeadError):
-        return error_body(500, str(error))
+        return error_body(503, str(error))
     return error_body(500, f"internal server error: {type(error).__name__}: {error}")
 
 

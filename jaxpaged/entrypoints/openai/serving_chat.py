@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 import jinja2
 from fastapi.responses import StreamingResponse
 
-from jaxpaged.engine.async_llm_engine import RequestStream
+from jaxpaged.engine.core_client import RequestStream
 from jaxpaged.entrypoints.openai.errors import BadRequestError, error_from_exception
 from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -81,6 +81,7 @@ class OpenAIServingChat(OpenAIServing):
         Raises:
             BadRequestError: no template anywhere, a non-text content part, or a template error.
         """
+        self.require_tokenizer("a chat request")
         # A request's template is inline Jinja only: reading a path a client names would let
         # it render any server file into a prompt.
         template = (
@@ -131,7 +132,10 @@ class OpenAIServingChat(OpenAIServing):
         )
         # The template writes the special tokens; add_special_tokens adds the tokenizer's too.
         prompt_text, ids = self.truncate(
-            (prompt_text, self.encode(prompt_text, add_special_tokens=request.add_special_tokens)),
+            (
+                prompt_text,
+                await self.encode(prompt_text, add_special_tokens=request.add_special_tokens),
+            ),
             request.truncate_prompt_tokens,
         )
         max_tokens = request.max_completion_tokens

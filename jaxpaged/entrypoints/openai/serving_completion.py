@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from jaxpaged.engine.async_llm_engine import RequestStream
+from jaxpaged.engine.core_client import RequestStream
 from jaxpaged.entrypoints.openai.errors import BadRequestError, error_from_exception
 from jaxpaged.entrypoints.openai.protocol import (
     CompletionRequest,
@@ -37,7 +37,7 @@ from jaxpaged.outputs import RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    """The completions endpoint over an ``AsyncLLMEngine`` (see ``OpenAIServing``)."""
+    """The completions endpoint over the engine core (see ``OpenAIServing``)."""
 
     async def create_completion(
         self, request: CompletionRequest
@@ -54,7 +54,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_supported(request)
         prompts = [
             self.truncate(p, request.truncate_prompt_tokens)
-            for p in self._prompts(request.prompt, request.add_special_tokens)
+            for p in await self._prompts(request.prompt, request.add_special_tokens)
         ]
         params = []
         for _, ids in prompts:
@@ -80,7 +80,9 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         return await self._full(request, request_id, streams)
 
-    def _prompts(self, prompt, add_special_tokens: bool) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(
+        self, prompt, add_special_tokens: bool
+    ) -> list[tuple[str | None, list[int]]]:
         """(text or None, token ids) per prompt; ``add_special_tokens`` (default): text prompts
         get the tokenizer's BOS, as in ``LLM.generate``."""
         if isinstance(prompt, str):
@@ -90,7 +92,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if not prompt:
             raise BadRequestError("prompt must not be empty", param="prompt")
         return [
-            (p, self.encode(p, add_special_tokens=add_special_tokens))
+            (p, await self.encode(p, add_special_tokens=add_special_tokens))
             if isinstance(p, str)
             else (None, list(p))
             for p in prompt
@@ -99,6 +101,8 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
             return output.prompt
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=True)
 
     def _logprobs(self, request, output, completion, start: int, text_offset: int, echo: bool):
@@ -171,8 +175,15 @@ class OpenAIServingCompletion(OpenAIServing):
                     first = index not in sent_text
                     previous = sent_text.get(index, "")
                     delta = text[len(previous) :]
-                    if not delta and not finished:
-                        continue  # nothing new to show (held-back bytes, prefill chunk)
+                    new_tokens = len(completion.token_ids) > sent_tokens.get(index, 0)
+                    if (
+                        not delta
+                        and not finished
+                        and (self.tokenizer is not None or not new_tokens)
+                    ):
+                        # Nothing new to show (held-back bytes, prefill chunk). Without a
+                        # tokenizer there is no text: each new token is a chunk of "" text.
+                        continue
                     echo = request.echo and first
                     prefix = self._prompt_text(output) if echo else ""
                     start = sent_tokens.get(index, 0)

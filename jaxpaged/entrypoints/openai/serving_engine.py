@@ -1,5 +1,5 @@
 """What completions and chat share: model check, prompt length rule, sampling parameters,
-submitting requests to the ``AsyncLLMEngine``, streaming deltas and logprob formatting.
+submitting requests to the engine core, tokenizing off the event loop, streaming deltas and logprob formatting.
 
 Request rules follow vLLM's ``vllm/entrypoints/openai/serving_engine.py``:
 
@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from pydantic import BaseModel
 
-from jaxpaged.engine.async_llm_engine import AsyncLLMEngine, RequestStream
+from jaxpaged.engine.core_client import EngineCoreClient, RequestStream
 from jaxpaged.entrypoints.openai.errors import BadRequestError, NotFoundError
 from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -82,6 +82,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 }
 # Structured outputs: one message for the family.
 _GUIDED = {name for name in UNSUPPORTED_FIELDS if name.startswith("guided_")} | {"structural_tag"}
+# Texts longer than this (characters) are tokenized in a worker thread, so that a multi-MB
+# prompt never stalls the event loop (tokenizers releases the GIL while it encodes).
+_THREAD_TOKENIZE_CHARS = 4096
 
 # OpenAI clamps -inf logprobs to this for JSON (vLLM does the same).
 _MIN_LOGPROB = -9999.0
@@ -109,15 +112,15 @@ class OpenAIServing:
     """Base of the completion and chat handlers.
 
     Args:
-        engine: the started ``AsyncLLMEngine``.
-        tokenizer: the frontend's own tokenizer instance (not the engine thread's).
+        engine: the ``EngineCoreClient``.
+        tokenizer: the API process's tokenizer; None with ``--skip-tokenizer-init``.
         served_model_names: accepted ``model`` values; the first is echoed in responses.
         max_model_len: the engine's context limit in tokens.
     """
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: EngineCoreClient,
         tokenizer,
         served_model_names: Sequence[str],
         max_model_len: int,
@@ -136,6 +139,29 @@ class OpenAIServing:
         """Raises NotFoundError for a ``model`` that is not served (None means the default)."""
         if model is not None and model not in self.served_model_names:
             raise NotFoundError(f"The model `{model}` does not exist.", param="model")
+
+    def require_tokenizer(self, what: str) -> None:
+        """Raises BadRequestError when the server runs without a tokenizer."""
+        if self.tokenizer is None:
+            raise BadRequestError(
+                f"{what} needs a tokenizer, but the server was started with "
+                "--skip-tokenizer-init: send prompts as token ids",
+                param="prompt",
+            )
+
+    async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; long texts are encoded in a worker thread.
+
+        Raises:
+            BadRequestError: there is no tokenizer (``--skip-tokenizer-init``).
+        """
+        self.require_tokenizer("a text prompt")
+        if len(text) <= _THREAD_TOKENIZE_CHARS:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        ids = await asyncio.to_thread(
+            self.tokenizer.encode, text, add_special_tokens=add_special_tokens
+        )
+        return list(ids)
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, input_name: str):
         """vLLM's context-length rule; ``input_name`` is "prompt" or "messages"."""
@@ -190,10 +216,6 @@ class OpenAIServing:
             return f"{prefix}-{request.request_id}"
         return random_id(prefix)
 
-    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text`` (``add_special_tokens``: the tokenizer's BOS and the like)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
     @staticmethod
     def truncate(
         prompt: tuple[str | None, list[int]], truncate_prompt_tokens: int | None
@@ -223,7 +245,10 @@ class OpenAIServing:
                     f"{name} is not supported by this server yet, got {value!r}", param=name
                 )
             kwargs[name] = value
-        return SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs)
+        # bad_words -> token ids here: the engine core has no tokenizer.
+        params.update_from_tokenizer(self.tokenizer)
+        return params
 
     def common_sampling_values(self, request) -> dict:
         """The sampling fields completions and chat share, by their SamplingParams names."""
@@ -266,7 +291,7 @@ class OpenAIServing:
     ) -> list[RequestStream]:
         """Submit one engine request per prompt (ids ``<request_id>-<i>``); all or none.
 
-        Raises whatever ``AsyncLLMEngine.add_request`` raises, after closing the streams
+        Raises whatever ``EngineCoreClient.add_request`` raises, after closing the streams
         already opened.
         """
         streams: list[RequestStream] = []
@@ -289,7 +314,9 @@ class OpenAIServing:
         if as_token_ids:  # return_tokens_as_token_ids: vLLM's "token_id:<id>"
             return f"token_id:{token_id}"
         decoded = getattr(logprob, "decoded_token", None)
-        return decoded if decoded is not None else self.tokenizer.decode([token_id])
+        if decoded is not None:
+            return decoded
+        return "" if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
         """vLLM's ``prompt_logprobs`` of a response: per prompt token (the first: None),

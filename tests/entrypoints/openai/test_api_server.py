@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.live_server import API_KEY, MODEL_NAME, RunningServer, make_engine
+from tests.live_server import API_KEY, MODEL_NAME, start_server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -23,20 +23,11 @@ def http(server):
 
 
 @pytest.fixture
-def slow_steps(server, monkeypatch):
+def slow_steps(server):
     """Make each engine step last at least ``delay`` seconds, so that step counts measure
     reaction times well above the server's own latency."""
-
-    def install(delay: float):
-        step = server.llm_engine.step
-
-        def slow_step():
-            time.sleep(delay)
-            return step()
-
-        monkeypatch.setattr(server.llm_engine, "step", slow_step)
-
-    return install
+    yield lambda delay: server.call("set_step_delay", delay)
+    server.call("set_step_delay", 0.0)
 
 
 def _complete(http, **body):
@@ -125,16 +116,15 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(http, serve
     ok = _complete(http, max_tokens=3, temperature=0)
     assert ok.status_code == 200
     assert ok.json()["usage"]["completion_tokens"] == 3
-    server.wait_idle()
-    kv = server.llm_engine.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_blocks
+    stats = server.wait_idle()
+    assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
 
 
 def test_unsupported_sampling_field_is_a_400_naming_it_unless_neutral(server):
     from jaxpaged.entrypoints.openai.errors import BadRequestError
     from jaxpaged.entrypoints.openai.serving_engine import OpenAIServing
 
-    serving = OpenAIServing(server.engine, server.llm_engine.tokenizer, [MODEL_NAME], 128)
+    serving = OpenAIServing(server.engine, server.engine.tokenizer, [MODEL_NAME], 128)
     serving._sampling_fields.discard("presence_penalty")  # as if the engine lacked it
     with pytest.raises(BadRequestError, match="presence_penalty is not supported") as info:
         serving.sampling_params({"presence_penalty": 0.5})
@@ -191,7 +181,6 @@ def test_metrics_parse_and_move_across_a_request(http, server, stories_llm):
 
 def test_disconnect_mid_stream_aborts_within_two_steps_and_frees_blocks(http, server, slow_steps):
     slow_steps(0.05)
-    engine, kv = server.engine, server.llm_engine.kv_cache_manager
     aborted_before = _value(
         _metrics(http), "jaxpaged:request_success_total", finished_reason="abort"
     )
@@ -210,20 +199,20 @@ def test_disconnect_mid_stream_aborts_within_two_steps_and_frees_blocks(http, se
             chunks = 0
             while chunks < 3:
                 chunks += next(lines).startswith("data: ")
-            assert server.llm_engine.has_unfinished_requests()
-            assert kv.num_free_blocks < kv.num_blocks
-            steps_at_close = engine.num_steps
-    server.wait_idle()
-    assert engine.num_steps - steps_at_close <= 2
-    assert kv.num_free_blocks == kv.num_blocks
-    kv.check_invariants()
+            stats = server.stats()
+            assert stats["num_unfinished_requests"] == 1
+            assert stats["num_free_blocks"] < stats["num_gpu_blocks"]
+            steps_at_close = stats["num_steps"]
+    stats = server.wait_idle()  # the core saw the abort
+    assert stats["num_steps"] - steps_at_close <= 2
+    assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
     aborted = _value(_metrics(http), "jaxpaged:request_success_total", finished_reason="abort")
     assert aborted == aborted_before + 1
 
 
 def test_disconnect_while_waiting_for_a_whole_response_aborts(server, slow_steps):
     slow_steps(0.05)
-    engine, kv = server.engine, server.llm_engine.kv_cache_manager
+    engine = server.engine
     body = {"model": MODEL_NAME, "prompt": "The cat", "max_tokens": 100, "ignore_eos": True}
 
     async def leave_early():
@@ -237,17 +226,24 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts(server, slow_steps
 
     start = engine.num_steps
     asyncio.run(leave_early())
-    steps_at_close = engine.num_steps
-    server.wait_idle()
-    assert engine.num_steps - steps_at_close <= 2
-    assert kv.num_free_blocks == kv.num_blocks
+    steps_at_close = server.stats()["num_steps"]
+    stats = server.wait_idle()
+    assert stats["num_steps"] - steps_at_close <= 2
+    assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
 
 
-def test_full_waiting_queue_answers_429_and_others_are_unaffected(server, slow_steps, monkeypatch):
+@pytest.fixture
+def queue_bound_of_one(server):
+    server.call("set_max_num_queued_requests", 1)
+    yield
+    server.call("set_max_num_queued_requests", None)
+
+
+def test_full_waiting_queue_answers_429_and_others_are_unaffected(
+    server, slow_steps, queue_bound_of_one
+):
     slow_steps(0.02)
-    monkeypatch.setattr(server.engine, "max_num_queued_requests", 1)
-    scheduler = server.llm_engine.scheduler
-    max_num_seqs = scheduler.max_num_seqs
+    max_num_seqs = 8  # SMALL_ENGINE
     body = {"model": MODEL_NAME, "max_tokens": 60, "ignore_eos": True, "stream": True}
 
     async def scenario():
@@ -264,7 +260,11 @@ def test_full_waiting_queue_answers_429_and_others_are_unaffected(server, slow_s
             # max_num_seqs requests fill the batch, one more waits: the queue is full.
             held = [await hold(i) for i in range(max_num_seqs + 1)]
             deadline = time.monotonic() + 30
-            while scheduler.num_running < max_num_seqs or scheduler.num_waiting < 1:
+            while True:
+                stats = await asyncio.to_thread(server.stats)
+                if stats["num_requests_running"] == max_num_seqs:
+                    if stats["num_requests_waiting"] >= 1:
+                        break
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
             rejected = await http_client.post("/v1/completions", json=body | {"prompt": "Late"})
@@ -275,27 +275,15 @@ def test_full_waiting_queue_answers_429_and_others_are_unaffected(server, slow_s
     rejected = asyncio.run(scenario())
     error = _error(rejected, 429, match="max_num_queued_requests is 1")
     assert error["type"] == "RateLimitError"
-    server.wait_idle()
-    kv = server.llm_engine.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_blocks
+    stats = server.wait_idle()
+    assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
 
 
-def test_engine_death_fails_in_flight_requests_with_500_and_health_with_503():
-    """The step dies once a whole response and a stream (chat sends its role chunk before any
-    step) are both in flight; no model step runs, so nothing compiles."""
-    from jaxpaged.entrypoints.openai.api_server import build_app
-
-    llm_engine = make_engine()
-
-    def dying_step():
-        if llm_engine.get_num_unfinished_requests() < 2:
-            time.sleep(0.001)
-            return []
-        raise RuntimeError("device lost")
-
-    llm_engine.step = dying_step
-    app = build_app(llm_engine, served_model_names=[MODEL_NAME], chat_template="{{ 'x' }}")
-    running = RunningServer(app)
+def test_engine_death_fails_in_flight_requests_and_health_and_new_requests_with_503():
+    """The core's step raises once a whole response and a stream (chat sends its role chunk
+    before any step) are both in flight: the core reports its death and exits."""
+    running = start_server(chat_template="{{ 'x' }}")
+    running.call("die_when_unfinished", 2, "device lost")
     completion = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 4}
     chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -308,16 +296,16 @@ def test_engine_death_fails_in_flight_requests_with_500_and_health_with_503():
 
     try:
         whole, stream = asyncio.run(both())
-        assert _error(whole, 500, match="device lost")["type"] == "InternalServerError"
+        assert _error(whole, 503, match="device lost")["type"] == "ServiceUnavailableError"
         assert stream.status_code == 200
         events = [line for line in stream.text.splitlines() if line]
         assert '"role": "assistant"' in events[0]
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2].removeprefix("data: "))["error"]
-        assert error["code"] == 500 and "device lost" in error["message"]
+        assert error["code"] == 503 and "device lost" in error["message"]
         with httpx.Client(base_url=running.url, timeout=60) as http_client:
             health = _error(http_client.get("/health"), 503, match="device lost")
             assert health["type"] == "ServiceUnavailableError"
-            _error(http_client.post("/v1/completions", json=completion), 500, match="has died")
+            _error(http_client.post("/v1/completions", json=completion), 503, match="has died")
     finally:
         running.stop()

@@ -10,20 +10,14 @@ import httpx
 import pytest
 
 from jaxpaged import SamplingParams
-from tests.live_server import API_KEY, MODEL_NAME, RunningServer, make_engine
+from tests.live_server import API_KEY, MODEL_NAME, start_server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
 def async_server():
-    from jaxpaged.entrypoints.openai.api_server import build_app
-
-    server = RunningServer(
-        build_app(
-            make_engine(async_scheduling=True), served_model_names=[MODEL_NAME], api_key=API_KEY
-        )
-    )
+    server = start_server(api_key=API_KEY, async_scheduling=True)
     yield server
     server.stop()
 
@@ -56,7 +50,5 @@ def test_disconnects_at_every_chunk_keep_the_engine_alive_and_free(async_server,
         "Once upon a time", SamplingParams(temperature=0, max_tokens=24), use_tqdm=False
     )
     assert text == offline.outputs[0].text
-    async_server.wait_idle()
-    manager = async_server.llm_engine.kv_cache_manager
-    assert manager.num_free_blocks == manager.num_blocks
-    manager.check_invariants()
+    stats = async_server.wait_idle()  # checks the block pool's invariants
+    assert stats["num_free_blocks"] == stats["num_gpu_blocks"]

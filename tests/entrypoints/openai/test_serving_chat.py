@@ -107,7 +107,7 @@ def test_model_without_any_chat_template_is_a_400(server):
     from jaxpaged.entrypoints.openai.protocol import ChatMessageParam
     from jaxpaged.entrypoints.openai.serving_chat import OpenAIServingChat
 
-    tokenizer = server.llm_engine.tokenizer
+    tokenizer = server.engine.tokenizer
     assert not getattr(tokenizer, "chat_template", None)
     chat = OpenAIServingChat(server.engine, tokenizer, [MODEL_NAME], 128, chat_template=None)
     with pytest.raises(BadRequestError, match="no chat template"):

@@ -1,0 +1,60 @@
+#!/bin/bash
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.
+# Issue 13's job: the same engine offline and behind `jaxpaged serve` (API process + engine-core
+# process), on one H200: Llama-3-8B shape, bf16, dummy weights, max_num_seqs 512, async
+# scheduling. Logs and JSON in $OUT; one table at the end (summarize.py).
+#   bash benchmarks/results/server-split/run.sh           # H200 (about 6-8 minutes)
+#   bash benchmarks/results/server-split/run.sh --smoke   # CPU, stories260k, tiny counts
+set -u
+export PYTHONPATH=${PYTHONPATH:-.}
+OUT=${OUT:-/tmp/server-split}
+mkdir -p "$OUT"
+HERE=benchmarks/results/server-split
+PORT=8011
+if [ "${1:-}" = "--smoke" ]; then
+    ENGINE="--skip-tokenizer-init --dtype float32 --max-model-len 256 --max-num-seqs 8
+        --max-num-batched-tokens 128 --async-scheduling"
+    N_SAT=16; IN_SAT=16; OUT_SAT=8; N_RATE=8; RATE=20; IN_RATE=32; OUT_RATE=8
+    N_CONC=8; CONC=4; IN_CONC=16; OUT_CONC=8; WAIT=300
+else
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+    ENGINE="--model benchmarks/configs/llama-3-8b --load-format dummy --skip-tokenizer-init
+        --dtype bfloat16 --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 4096
+        --gpu-memory-utilization 0.9 --async-scheduling"
+    N_SAT=1000; IN_SAT=128; OUT_SAT=128; N_RATE=400; RATE=20; IN_RATE=512; OUT_RATE=128
+    N_CONC=160; CONC=16; IN_CONC=50; OUT_CONC=128; WAIT=420
+fi
+CLI="python3 -m jaxpaged.entrypoints.cli"
+
+# 1. Offline: LLM.generate over the whole batch (the engine's ceiling).
+$CLI bench throughput $ENGINE --dataset-name random --input-len $IN_SAT --output-len $OUT_SAT \
+    --num-prompts $N_SAT --output-json "$OUT/offline.json" > "$OUT/offline.log" 2>&1
+grep -E "Throughput|KV cache" "$OUT/offline.log"
+
+# 2. The server on the same engine configuration.
+python3 -m jaxpaged.entrypoints.openai.api_server --host 127.0.0.1 --port $PORT $ENGINE \
+    --uvicorn-log-level warning > "$OUT/server.log" 2>&1 &
+SERVER=$!
+for _ in $(seq $WAIT); do
+    python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/health').status_code != 200)" \
+        2>/dev/null && break
+    kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -20 "$OUT/server.log"; exit 1; }
+    sleep 1
+done
+bench() {  # name, then benchmark flags
+    local name=$1; shift
+    $CLI bench serve --port $PORT --dataset-name random --ignore-eos --disable-tqdm \
+        --save-result --result-dir "$OUT" --result-filename "$name.json" "$@" \
+        > "$OUT/$name.log" 2>&1
+    grep -E "Output token throughput|P99 TTFT|Mean TPOT|P99 TPOT|Failed" "$OUT/$name.log"
+}
+bench warmup --num-prompts 64 --random-input-len $IN_SAT --random-output-len $OUT_SAT \
+    --request-rate inf
+bench saturation --num-prompts $N_SAT --random-input-len $IN_SAT --random-output-len $OUT_SAT \
+    --request-rate inf
+bench rate20 --num-prompts $N_RATE --random-input-len $IN_RATE --random-output-len $OUT_RATE \
+    --request-rate $RATE
+bench concurrent16 --num-prompts $N_CONC --random-input-len $IN_CONC \
+    --random-output-len $OUT_CONC --request-rate inf --max-concurrency $CONC
+kill -INT $SERVER; wait $SERVER
+python3 $HERE/summarize.py "$OUT" | tee "$OUT/summary.txt"

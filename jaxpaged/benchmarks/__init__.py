@@ -1,0 +1,1 @@
+"""The benchmarks behind ``jaxpaged bench`` (vLLM's ``vllm bench``): throughput, latency, serving."""

@@ -1,0 +1,457 @@
+"""Online serving benchmark against an OpenAI-compatible server (vLLM's ``benchmark_serving.py``).
+
+Sends ``--num-prompts`` streaming requests at ``--request-rate`` (Poisson arrivals, or all at
+once for ``inf``; ``--burstiness`` is the gamma shape of the gaps) with at most
+``--max-concurrency`` in flight, then prints vLLM's result block. Per request: TTFT is the time
+to the first streamed chunk, ITL every gap between chunks, TPOT ``(latency - TTFT) /
+(output_tokens - 1)``, E2EL the whole request; output tokens come from the server's usage.
+
+Datasets: ``random`` sends token-id prompts (no tokenizer needed), lengths drawn around
+``--random-input-len`` / ``--random-output-len`` by ``--random-range-ratio``;
+``sharegpt`` reads a ShareGPT-format JSON (``[{"conversations": [{"from": "human", "value":
+...}, {"from": "gpt", "value": ...}]}]``) and counts tokens with the server's ``/tokenize``.
+
+    jaxpaged serve --max-model-len 512 &
+    python scripts/benchmark_serving.py --dataset-name random --random-input-len 64 \\
+        --random-output-len 32 --num-prompts 200 --request-rate 20 --ignore-eos
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from datetime import datetime
+
+import httpx
+import numpy as np
+
+try:
+    from tqdm.asyncio import tqdm
+except ImportError:  # tqdm is a dependency of jaxpaged, but keep the script standalone
+    tqdm = None
+
+
+@dataclasses.dataclass
+class SampleRequest:
+    prompt: str | list[int]
+    prompt_len: int
+    expected_output_len: int
+
+
+@dataclasses.dataclass
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    generated_text: str = ""
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = dataclasses.field(default_factory=list)
+    error: str = ""
+
+
+# --------------------------------------------------------------------------------- datasets
+def sample_random_requests(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    prefix_len: int,
+    vocab_size: int,
+    rng: np.random.Generator,
+) -> list[SampleRequest]:
+    """Token-id prompts of ``prefix_len`` shared ids plus a length drawn uniformly in
+    ``[input_len * (1 - r), input_len * (1 + r)]``; output lengths likewise (vLLM's rule)."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    low_in, high_in = int(input_len * (1 - range_ratio)), int(input_len * (1 + range_ratio))
+    low_out, high_out = int(output_len * (1 - range_ratio)), int(output_len * (1 + range_ratio))
+    input_lens = rng.integers(max(low_in, 1), max(high_in, 1) + 1, size=num_prompts)
+    output_lens = rng.integers(max(low_out, 1), max(high_out, 1) + 1, size=num_prompts)
+    prefix = rng.integers(0, vocab_size, size=prefix_len).tolist()
+    requests = []
+    for n_in, n_out in zip(input_lens, output_lens, strict=True):
+        ids = prefix + rng.integers(0, vocab_size, size=int(n_in)).tolist()
+        requests.append(SampleRequest(ids, len(ids), int(n_out)))
+    return requests
+
+
+async def sample_sharegpt_requests(
+    path: str,
+    num_prompts: int,
+    fixed_output_len: int | None,
+    http: httpx.AsyncClient,
+    model: str,
+    rng: random.Random,
+) -> list[SampleRequest]:
+    """First human turn as prompt, first reply's token count as output length; drops pairs
+    under 4 tokens, prompts over 1024 and totals over 2048 tokens (vLLM's filter)."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    pairs = [
+        (d["conversations"][0]["value"], d["conversations"][1]["value"])
+        for d in data
+        if len(d.get("conversations", [])) >= 2
+    ]
+    rng.shuffle(pairs)
+
+    async def count(text: str) -> int:
+        response = await http.post("/tokenize", json={"model": model, "prompt": text})
+        response.raise_for_status()
+        return response.json()["count"]
+
+    requests = []
+    for prompt, reply in pairs:
+        if len(requests) == num_prompts:
+            break
+        prompt_len = await count(prompt)
+        output_len = fixed_output_len if fixed_output_len is not None else await count(reply)
+        if prompt_len < 4 or (fixed_output_len is None and output_len < 4):
+            continue
+        if prompt_len > 1024 or prompt_len + output_len > 2048:
+            continue
+        requests.append(SampleRequest(prompt, prompt_len, output_len))
+    if len(requests) < num_prompts:
+        raise ValueError(f"{path} has only {len(requests)} usable conversations")
+    return requests
+
+
+# ---------------------------------------------------------------------------------- traffic
+async def request_arrivals(
+    requests: Sequence[SampleRequest], request_rate: float, burstiness: float, seed: int
+):
+    """Yield requests at Poisson (gamma, for burstiness != 1) intervals; inf: all at once."""
+    rng = np.random.default_rng(seed)
+    for request in requests:
+        yield request
+        if request_rate == float("inf"):
+            continue
+        # Gamma with shape k and scale 1/(rate k) keeps the mean gap at 1/rate; k = 1 is
+        # Poisson, k < 1 burstier (vLLM's --burstiness).
+        await asyncio.sleep(rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness)))
+
+
+async def send_request(
+    http: httpx.AsyncClient,
+    endpoint: str,
+    chat: bool,
+    model: str,
+    request: SampleRequest,
+    args: argparse.Namespace,
+) -> RequestResult:
+    body = {
+        "model": model,
+        "max_tokens": request.expected_output_len,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": args.ignore_eos,
+    }
+    if args.top_p is not None:
+        body["top_p"] = args.top_p
+    if args.top_k is not None:
+        body["top_k"] = args.top_k
+    if chat:
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+        body["max_completion_tokens"] = body.pop("max_tokens")
+    else:
+        body["prompt"] = request.prompt
+    result = RequestResult(prompt_len=request.prompt_len)
+    start = last = time.perf_counter()
+    num_chunks = 0
+    try:
+        async with http.stream("POST", endpoint, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line.removeprefix("data: ")
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", str(chunk["error"]))
+                    return result
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    choice = chunk["choices"][0]
+                    text = (
+                        (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    )
+                    if num_chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    num_chunks += 1
+                    result.generated_text += text or ""
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+        result.latency = time.perf_counter() - start
+        if not result.output_tokens:
+            result.output_tokens = num_chunks  # no usage: about one token per chunk
+        result.success = True
+    except (httpx.HTTPError, json.JSONDecodeError) as error:
+        result.error = f"{type(error).__name__}: {error}"
+    return result
+
+
+# ---------------------------------------------------------------------------------- results
+def calculate_metrics(
+    results: Sequence[RequestResult],
+    duration: float,
+    percentiles: Sequence[float],
+) -> dict:
+    """vLLM's result dictionary (times in ms)."""
+    done = [r for r in results if r.success]
+    ttfts = [r.ttft for r in done]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    itls = [gap for r in done for gap in r.itl]
+    e2els = [r.latency for r in done]
+    total_input = sum(r.prompt_len for r in done)
+    total_output = sum(r.output_tokens for r in done)
+    metrics = {
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(done) / duration,
+        "output_throughput": total_output / duration,
+        "total_token_throughput": (total_input + total_output) / duration,
+    }
+    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
+        ms = np.asarray(values or [0.0]) * 1000.0
+        metrics[f"mean_{name}_ms"] = float(np.mean(ms))
+        metrics[f"median_{name}_ms"] = float(np.median(ms))
+        metrics[f"std_{name}_ms"] = float(np.std(ms))
+        for p in percentiles:
+            metrics[f"p{_pct(p)}_{name}_ms"] = float(np.percentile(ms, p))
+    metrics["input_lens"] = [r.prompt_len for r in results]
+    metrics["output_lens"] = [r.output_tokens for r in results]
+    metrics["ttfts"] = [r.ttft for r in results]
+    metrics["itls"] = [r.itl for r in results]
+    metrics["generated_texts"] = [r.generated_text for r in results]
+    metrics["errors"] = [r.error for r in results]
+    return metrics
+
+
+def _pct(p: float) -> str:
+    return str(int(p)) if float(p).is_integer() else str(p)
+
+
+_SECTIONS = {
+    "ttft": ("Time to First Token", "TTFT"),
+    "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+    "itl": ("Inter-token Latency", "ITL"),
+    "e2el": ("End-to-end Latency", "E2EL"),
+}
+
+
+def format_result(
+    metrics: dict, percentile_metrics: Sequence[str], percentiles: Sequence[float]
+) -> str:
+    """vLLM's printed block: a label column of 40 characters, then the value."""
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
+    lines.append("{:<40} {:<10}".format("Successful requests:", metrics["completed"]))
+    lines.append("{:<40} {:<10}".format("Failed requests:", metrics["failed"]))
+    lines.append("{:<40} {:<10.2f}".format("Benchmark duration (s):", metrics["duration"]))
+    lines.append("{:<40} {:<10}".format("Total input tokens:", metrics["total_input_tokens"]))
+    lines.append("{:<40} {:<10}".format("Total generated tokens:", metrics["total_output_tokens"]))
+    lines.append(
+        "{:<40} {:<10.2f}".format("Request throughput (req/s):", metrics["request_throughput"])
+    )
+    lines.append(
+        "{:<40} {:<10.2f}".format("Output token throughput (tok/s):", metrics["output_throughput"])
+    )
+    lines.append(
+        "{:<40} {:<10.2f}".format(
+            "Total Token throughput (tok/s):", metrics["total_token_throughput"]
+        )
+    )
+    for name in percentile_metrics:
+        title, short = _SECTIONS[name]
+        lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
+        lines.append("{:<40} {:<10.2f}".format(f"Mean {short} (ms):", metrics[f"mean_{name}_ms"]))
+        lines.append(
+            "{:<40} {:<10.2f}".format(f"Median {short} (ms):", metrics[f"median_{name}_ms"])
+        )
+        for p in percentiles:
+            key = f"p{_pct(p)}_{name}_ms"
+            lines.append("{:<40} {:<10.2f}".format(f"P{_pct(p)} {short} (ms):", metrics[key]))
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------- main
+async def benchmark(args: argparse.Namespace) -> dict:
+    """Run the whole benchmark; returns vLLM's result dictionary (plus run settings)."""
+    percentile_metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    unknown = set(percentile_metrics) - set(_SECTIONS)
+    if unknown:
+        raise ValueError(f"--percentile-metrics: unknown {sorted(unknown)}; use {list(_SECTIONS)}")
+    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    chat = args.backend == "openai-chat" or args.endpoint.endswith("/chat/completions")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, timeout=httpx.Timeout(None), limits=limits
+    ) as http:
+        model = args.served_model_name or args.model
+        if model is None:
+            models = (await http.get("/v1/models")).raise_for_status().json()
+            model = models["data"][0]["id"]
+        requests = await _load_requests(args, http, model)
+        if chat:
+            requests = [await _as_text(http, model, r) for r in requests]
+
+        print("Starting initial single prompt test run...")
+        warmup = await send_request(http, args.endpoint, chat, model, requests[0], args)
+        if not warmup.success:
+            raise RuntimeError(f"the warm-up request failed: {warmup.error}")
+        print("Initial test run completed. Starting main benchmark run...")
+        print(f"Traffic request rate: {args.request_rate}, burstiness: {args.burstiness}")
+        print(f"Maximum request concurrency: {args.max_concurrency}")
+
+        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        bar = None if args.disable_tqdm or tqdm is None else tqdm(total=len(requests))
+
+        async def limited(request: SampleRequest) -> RequestResult:
+            if semaphore is None:
+                result = await send_request(http, args.endpoint, chat, model, request, args)
+            else:
+                async with semaphore:
+                    result = await send_request(http, args.endpoint, chat, model, request, args)
+            if bar is not None:
+                bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        async for request in request_arrivals(
+            requests, args.request_rate, args.burstiness, args.seed
+        ):
+            tasks.append(asyncio.create_task(limited(request)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        if bar is not None:
+            bar.close()
+
+    metrics = calculate_metrics(results, duration, percentiles)
+    print(format_result(metrics, percentile_metrics, percentiles))
+    metrics.update(
+        date=datetime.now().strftime("%Y%m%d-%H%M%S"),
+        backend=args.backend,
+        model_id=model,
+        num_prompts=len(requests),
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+    )
+    if args.save_result:
+        name = args.result_filename or (
+            f"{args.backend}-{args.request_rate}qps-{model.replace('/', '_')}-{metrics['date']}.json"
+        )
+        path = f"{args.result_dir.rstrip('/')}/{name}" if args.result_dir else name
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(metrics, f)
+    return metrics
+
+
+async def _load_requests(args, http: httpx.AsyncClient, model: str) -> list[SampleRequest]:
+    if args.dataset_name == "random":
+        return sample_random_requests(
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.random_prefix_len,
+            args.random_vocab_size,
+            np.random.default_rng(args.seed),
+        )
+    if args.dataset_path is None:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path")
+    return await sample_sharegpt_requests(
+        args.dataset_path,
+        args.num_prompts,
+        args.sharegpt_output_len,
+        http,
+        model,
+        random.Random(args.seed),
+    )
+
+
+async def _as_text(http: httpx.AsyncClient, model: str, request: SampleRequest) -> SampleRequest:
+    """Chat needs text: token-id prompts are decoded by the server's ``/detokenize``."""
+    if isinstance(request.prompt, str):
+        return request
+    response = await http.post("/detokenize", json={"model": model, "tokens": request.prompt})
+    text = response.raise_for_status().json()["prompt"]
+    return dataclasses.replace(request, prompt=text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--backend", default="openai", choices=["vllm", "openai", "openai-chat"],
+        help="request format: completions (vllm, openai) or chat (openai-chat)",
+    )  # fmt: skip
+    parser.add_argument("--base-url", default=None, help="server URL; overrides --host/--port")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    parser.add_argument("--model", default=None, help="model name (default: the server's first)")
+    parser.add_argument("--served-model-name", default=None, help="`model` sent in requests")
+    parser.add_argument("--dataset-name", default="random", choices=["random", "sharegpt"])
+    parser.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--sharegpt-output-len", type=int, default=None)
+    parser.add_argument("--random-input-len", type=int, default=1024)
+    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument("--random-prefix-len", type=int, default=0)
+    parser.add_argument(
+        "--random-vocab-size", type=int, default=500,
+        help="random prompt ids are drawn from [0, N); keep N <= the model's vocabulary",
+    )  # fmt: skip
+    parser.add_argument(
+        "--request-rate", type=float, default=float("inf"),
+        help="requests per second (Poisson arrivals); inf sends all at once",
+    )  # fmt: skip
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    parser.add_argument("--metric-percentiles", default="99")
+    parser.add_argument("--save-result", action="store_true")
+    parser.add_argument("--result-dir", default=None)
+    parser.add_argument("--result-filename", default=None)
+    parser.add_argument("--disable-tqdm", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.request_rate <= 0 or args.burstiness <= 0:
+        print("--request-rate and --burstiness must be positive", file=sys.stderr)
+        return 2
+    asyncio.run(benchmark(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

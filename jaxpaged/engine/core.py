@@ -1,0 +1,252 @@
+"""The engine-core process: an ``LLMEngine`` stepped without pause, fed and drained over ZMQ.
+
+vLLM v1's ``EngineCoreProc`` (``vllm/v1/engine/core.py``) in our terms. The loop::
+
+    while True:
+        take every waiting message (block only while no request is unfinished)
+        apply adds (each acked: accepted, or the error that refused it), aborts, utility calls
+        step the engine once, send the step's outputs and the engine's stats
+
+Requests arrive tokenized and outputs leave as token ids (``core_messages``): the core never
+detokenizes and never looks for stop strings, so its engine is built without a tokenizer.
+Every request runs in DELTA mode (``best_of > n`` in FINAL_ONLY: its ranking is only final).
+
+Liveness: a thread sends a heartbeat every ``HEARTBEAT_INTERVAL_S`` and ends the process when
+its parent is gone. An exception in the loop is sent as a ``dead`` message, then the process
+exits with status 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+import threading
+import time
+
+import zmq
+
+from jaxpaged.engine.core_messages import (
+    HEARTBEAT_INTERVAL_S,
+    Kind,
+    decode,
+    encode,
+    encode_output,
+    params_from_wire,
+)
+from jaxpaged.sampling_params import RequestOutputKind
+
+logger = logging.getLogger(__name__)
+
+# How long an idle core waits for a message before looking again (milliseconds).
+_IDLE_POLL_MS = 100
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue already holds ``max_num_queued_requests`` requests (HTTP 429)."""
+
+
+class EngineCore:
+    """One ``LLMEngine`` and the bookkeeping of the core loop (no sockets: testable in-process).
+
+    Args:
+        engine: a built ``LLMEngine`` (its tokenizer is unused: requests come tokenized).
+        max_num_queued_requests: most requests that may wait in the scheduler's queue; an add
+            beyond it is refused with ``QueueFullError`` (HTTP 429). None: unbounded (vLLM).
+    """
+
+    # Methods the API process may call by name (``utility`` messages); subclasses may add.
+    UTILITY_METHODS = ("get_stats", "reset_prefix_cache", "check_idle")
+
+    def __init__(self, engine, *, max_num_queued_requests: int | None = None):
+        self.engine = engine
+        self.max_num_queued_requests = max_num_queued_requests
+        self.num_steps = 0
+        self._seen_running: set[str] = set()
+
+    def info(self) -> dict:
+        """What the API process needs to know about this engine (sent once, when ready)."""
+        engine = self.engine
+        return {
+            "max_model_len": engine.config.scheduler_config.max_model_len,
+            "vocab_size": engine.vocab_size,
+            "max_logprobs": engine.config.model_config.max_logprobs,
+            "num_blocks": engine.num_blocks,
+            "eos_token_id": engine.eos_token_id,
+            "pid": os.getpid(),
+        }
+
+    def add_request(self, request_id: str, prompt_token_ids, params: dict, arrival_time: float):
+        """Admit one tokenized request; returns None, or ``[class name, message, parameter]``
+        of the error that refused it (the API process re-raises it)."""
+        try:
+            limit = self.max_num_queued_requests
+            waiting = self.engine.scheduler.num_waiting
+            if limit is not None and waiting >= limit:
+                raise QueueFullError(
+                    f"the waiting queue is full: {waiting} requests wait and "
+                    f"max_num_queued_requests is {limit}; retry later"
+                )
+            sampling = params_from_wire(params)
+            kind = RequestOutputKind.DELTA
+            if (sampling.best_of or sampling.n) > sampling.n:
+                kind = RequestOutputKind.FINAL_ONLY  # best-of ranking is only final
+            # Stop strings are the API process's (it has the text).
+            sampling = dataclasses.replace(sampling, stop=[], output_kind=kind)
+            self.engine.add_request(
+                request_id,
+                {"prompt_token_ids": [int(t) for t in prompt_token_ids]},
+                sampling,
+                arrival_time=arrival_time,
+            )
+        except (ValueError, QueueFullError) as error:
+            return [type(error).__name__, str(error), getattr(error, "parameter", None)]
+        return None
+
+    def abort_requests(self, request_ids) -> None:
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+            self._seen_running.discard(request_id)
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> list:
+        """One engine step: ``[encoded outputs, stats]`` (``core_messages`` ``outputs``)."""
+        step_start = time.monotonic()
+        outputs = self.engine.step()
+        self.num_steps += 1
+        scheduled = []
+        for group in self.engine.scheduler.running:
+            if group.request_id not in self._seen_running:
+                self._seen_running.add(group.request_id)
+                scheduled.append(group.request_id)
+        for output in outputs:
+            if output.finished:
+                self._seen_running.discard(output.request_id)
+        stats = self.get_stats()
+        stats["scheduled"] = scheduled
+        stats["step_start"] = step_start
+        return [[encode_output(o) for o in outputs], stats]
+
+    # ------------------------------------------------------------------------ utilities
+    def get_stats(self) -> dict:
+        """``LLMEngine.get_stats()`` as a dict, plus ``num_steps``, ``num_unfinished_requests``
+        and ``num_free_blocks`` (device blocks neither referenced nor cached-evictable-in-use)."""
+        stats = dataclasses.asdict(self.engine.get_stats())
+        stats["num_steps"] = self.num_steps
+        stats["num_unfinished_requests"] = self.engine.get_num_unfinished_requests()
+        stats["num_free_blocks"] = self.engine.kv_cache_manager.num_free_blocks
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def check_idle(self) -> dict:
+        """Stats after checking the block pool's invariants (raises if one is broken)."""
+        self.engine.kv_cache_manager.check_invariants()
+        return self.get_stats()
+
+    def call_utility(self, name: str, args: list):
+        if name not in self.UTILITY_METHODS:
+            raise ValueError(f"{name!r} is not a utility of {type(self).__name__}")
+        return getattr(self, name)(*args)
+
+
+def run_engine_core(
+    engine_args,
+    input_address: str,
+    output_address: str,
+    ready_pipe,
+    *,
+    core_class: str = "jaxpaged.engine.core:EngineCore",
+    max_num_queued_requests: int | None = None,
+) -> None:
+    """The core process's target: build the engine, report ready, loop until shutdown.
+
+    Args:
+        engine_args: ``EngineArgs`` of the engine (its tokenizer is not loaded here).
+        input_address / output_address: ZMQ addresses the API process binds (PUSH to us /
+            PULL from us).
+        ready_pipe: a ``multiprocessing`` connection; receives the msgpack of
+            ``EngineCore.info()``, or of ``{"error": message}`` if building failed.
+        core_class: ``module:Class`` of the ``EngineCore`` (tests give a subclass).
+    """
+    logging.basicConfig(level=logging.INFO)
+    parent = os.getppid()
+    try:
+        from jaxpaged.engine.llm_engine import LLMEngine
+
+        config = dataclasses.replace(engine_args, skip_tokenizer_init=True).create_engine_config()
+        engine = LLMEngine(config)
+        module, _, name = core_class.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        core = cls(engine, max_num_queued_requests=max_num_queued_requests)
+    except BaseException as error:
+        logger.exception("engine core failed to start")
+        ready_pipe.send_bytes(encode(Kind.DEAD, f"{type(error).__name__}: {error}"))
+        raise SystemExit(1) from error
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(output_address)
+    threading.Thread(target=_heartbeat, args=(context, output_address, parent), daemon=True).start()
+    ready_pipe.send_bytes(encode(Kind.ACKS, core.info()))
+    ready_pipe.close()
+    try:
+        _loop(core, inputs, outputs)
+    except BaseException as error:
+        logger.exception("engine core loop died")
+        outputs.send(encode(Kind.DEAD, f"{type(error).__name__}: {error}"))
+        outputs.close(linger=2000)
+        os._exit(1)
+    outputs.close(linger=2000)
+    os._exit(0)  # the heartbeat thread holds a socket: no context.term()
+
+
+def _loop(core: EngineCore, inputs, outputs) -> None:
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    while True:
+        timeout = 0 if core.has_work() else _IDLE_POLL_MS
+        acks, aborts = [], []
+        if poller.poll(timeout):
+            while True:
+                try:
+                    kind, payload = decode(inputs.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if kind is Kind.ADD:
+                    request_id = payload[0]
+                    acks.append([request_id, core.add_request(*payload)])
+                elif kind is Kind.ABORT:
+                    aborts.extend(payload)
+                elif kind is Kind.UTILITY:
+                    call_id, name, args = payload
+                    try:
+                        result, error = core.call_utility(name, args), None
+                    except Exception as failure:  # answered to the caller, the core lives on
+                        result, error = None, f"{type(failure).__name__}: {failure}"
+                    outputs.send(encode(Kind.UTILITY, [call_id, result, error]))
+                elif kind is Kind.SHUTDOWN:
+                    return
+        if aborts:
+            core.abort_requests(aborts)
+        if acks:
+            outputs.send(encode(Kind.ACKS, acks))
+        if core.has_work():
+            outputs.send(encode(Kind.OUTPUTS, core.step()))
+
+
+def _heartbeat(context, address: str, parent: int) -> None:
+    """Tell the API process we live; leave when it is gone (we would be orphaned)."""
+    socket = context.socket(zmq.PUSH)
+    socket.connect(address)
+    frame = encode(Kind.HEARTBEAT, None)
+    while True:
+        if os.getppid() != parent:
+            os._exit(0)
+        socket.send(frame)
+        time.sleep(HEARTBEAT_INTERVAL_S)

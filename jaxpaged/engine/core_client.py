@@ -1,0 +1,451 @@
+"""The API process's side of the split: start the engine core, send requests, stream outputs.
+
+vLLM v1's ``AsyncMPClient`` and ``AsyncLLM`` (``vllm/v1/engine/core_client.py``,
+``async_llm.py``) in our terms. ``EngineCoreClient.spawn`` starts the core process
+(``core.run_engine_core``) and waits until its engine is built; ``start()`` (on the server's
+event loop) starts a receive task, which routes the core's deltas through each request's
+``ClientRequestState`` (detokenization, stop strings) into its ``RequestStream``, and a watch
+task. Lifecycle of a request::
+
+    stream = await client.add_request(request_id, prompt, params)  # acked by the core
+    try:
+        async for output in stream:       # cumulative RequestOutputs, the last one finished
+            ...
+    finally:
+        stream.close()                    # aborts the request in the core unless finished
+
+Core death: the process exits, sends ``dead`` (its loop raised), or sends nothing (not even
+its heartbeat) for ``heartbeat_timeout_s``. Then every open stream and pending call fails with
+``EngineDeadError``, later calls raise it at once, and ``is_dead`` turns True (``/health`` 503).
+
+One core is one ``CoreConnection`` with its count of outstanding requests, so that several
+cores behind one client (``--data-parallel-size``) need only a choice of connection per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+
+import zmq
+import zmq.asyncio
+
+from jaxpaged.engine.client_outputs import ClientRequestState
+from jaxpaged.engine.core import QueueFullError, run_engine_core
+from jaxpaged.engine.core_messages import (
+    Kind,
+    decode,
+    decode_output,
+    encode,
+    params_to_wire,
+    scheduler_stats,
+)
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EngineCoreClient", "EngineDeadError", "QueueFullError", "RequestStream"]
+
+# How often the watch task looks at the core process (seconds).
+_WATCH_INTERVAL_S = 0.1
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core has died; no request can be served any more."""
+
+
+class RequestStream:
+    """The outputs of one request as an async iterator (consumed on the event loop)."""
+
+    def __init__(self, request_id: str, client: EngineCoreClient):
+        self.request_id = request_id
+        self._client = client
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+        self._closed = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it has finished; idempotent."""
+        if not self._closed:
+            self._closed = True
+            if not self.finished:
+                self._client.abort(self.request_id)
+
+
+class CoreConnection:
+    """One engine-core process: its sockets, its info, and its outstanding requests.
+
+    Args:
+        index: the core's position among the client's cores.
+        process: the ``multiprocessing.Process`` running ``run_engine_core``.
+        input_socket: sync PUSH socket bound by the client (never blocks: no high-water mark).
+        info: ``EngineCore.info()`` from the core's ready message.
+    """
+
+    def __init__(self, index: int, process, input_socket, info: dict):
+        self.index = index
+        self.process = process
+        self.input_socket = input_socket
+        self.info = info
+        self.outstanding: set[str] = set()
+        self.last_seen = time.monotonic()
+
+    @property
+    def num_outstanding(self) -> int:
+        """Requests sent to this core and not finished (what a balancer compares)."""
+        return len(self.outstanding)
+
+    def send(self, kind: Kind, payload) -> None:
+        self.input_socket.send(encode(kind, payload), copy=False)
+
+
+class EngineCoreClient:
+    """Requests in, ``RequestStream``s out, over one engine-core process (see module doc).
+
+    Build it with ``EngineCoreClient.spawn``; call ``await start()`` on the serving loop.
+
+    Args:
+        connection: the started core.
+        context / output_socket / ipc_dir: what ``spawn`` made (the client closes them).
+        tokenizer: the API process's tokenizer, or None (``skip_tokenizer_init``).
+        heartbeat_timeout_s: silence after which the core counts as dead (it is then killed).
+        metrics: optional ``jaxpaged.metrics.ServerMetrics`` fed from each step's outputs.
+    """
+
+    def __init__(
+        self,
+        connection: CoreConnection,
+        *,
+        context,
+        output_socket,
+        ipc_dir: str,
+        tokenizer,
+        heartbeat_timeout_s: float,
+        metrics=None,
+    ):
+        self.core = connection
+        self.tokenizer = tokenizer
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.metrics = metrics
+        self.dead_error: str | None = None
+        self.num_steps = 0  # steps whose outputs arrived
+        self._context = context
+        self._output = output_socket
+        self._ipc_dir = ipc_dir
+        self._requests: dict[str, tuple[ClientRequestState, RequestStream]] = {}
+        self._acks: dict[str, asyncio.Future] = {}
+        self._utility: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------------- lifecycle
+    @classmethod
+    def spawn(
+        cls,
+        engine_args,
+        *,
+        tokenizer=None,
+        max_num_queued_requests: int | None = None,
+        core_class: str = "jaxpaged.engine.core:EngineCore",
+        heartbeat_timeout_s: float = 10.0,
+        metrics=None,
+    ) -> EngineCoreClient:
+        """Start the core process and wait (blocking) until its engine is built.
+
+        Args:
+            engine_args: ``EngineArgs`` of the engine the core builds.
+            max_num_queued_requests: the core's bound on waiting requests (429 beyond).
+            core_class: ``module:Class`` of the core (tests give an ``EngineCore`` subclass).
+
+        Raises:
+            ValueError: ``max_num_queued_requests`` or ``heartbeat_timeout_s`` out of range.
+            RuntimeError: the core failed to build its engine (its message) or exited.
+        """
+        if max_num_queued_requests is not None and max_num_queued_requests < 0:
+            raise ValueError(
+                f"max_num_queued_requests must be >= 0 or None, got {max_num_queued_requests}"
+            )
+        if not heartbeat_timeout_s > 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
+        ipc_dir = tempfile.mkdtemp(prefix="jaxpaged-core-")
+        input_address = f"ipc://{os.path.join(ipc_dir, 'input')}"
+        output_address = f"ipc://{os.path.join(ipc_dir, 'output')}"
+        context = zmq.asyncio.Context()
+        input_socket = zmq.Context.instance().socket(zmq.PUSH)
+        input_socket.setsockopt(zmq.SNDHWM, 0)
+        input_socket.setsockopt(zmq.LINGER, 0)
+        input_socket.bind(input_address)
+        output_socket = context.socket(zmq.PULL)
+        output_socket.setsockopt(zmq.RCVHWM, 0)
+        output_socket.setsockopt(zmq.LINGER, 0)
+        output_socket.bind(output_address)
+        spawn = multiprocessing.get_context("spawn")
+        reader, writer = spawn.Pipe(duplex=False)
+        process = spawn.Process(
+            target=run_engine_core,
+            args=(engine_args, input_address, output_address, writer),
+            kwargs=dict(core_class=core_class, max_num_queued_requests=max_num_queued_requests),
+            name="jaxpaged-engine-core",
+            daemon=True,
+        )
+        process.start()
+        writer.close()
+        try:
+            frame = reader.recv_bytes()  # EOFError if the process dies before answering
+            kind, payload = decode(frame)
+        except EOFError:
+            process.join(5)
+            kind, payload = Kind.DEAD, f"the engine core exited with code {process.exitcode}"
+        if kind is Kind.DEAD:
+            input_socket.close()
+            output_socket.close()
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+            raise RuntimeError(f"the engine core failed to start: {payload}")
+        connection = CoreConnection(0, process, input_socket, payload)
+        return cls(
+            connection,
+            context=context,
+            output_socket=output_socket,
+            ipc_dir=ipc_dir,
+            tokenizer=tokenizer,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            metrics=metrics,
+        )
+
+    @property
+    def info(self) -> dict:
+        """``EngineCore.info()``: max_model_len, vocab_size, max_logprobs, num_blocks, ..."""
+        return self.core.info
+
+    async def start(self) -> None:
+        """Start the receive and watch tasks on the running loop (``self.loop``)."""
+        self.loop = asyncio.get_running_loop()
+        self.core.last_seen = time.monotonic()
+        self._tasks = [
+            asyncio.create_task(self._receive(), name="jaxpaged-core-receive"),
+            asyncio.create_task(self._watch(), name="jaxpaged-core-watch"),
+        ]
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the core (after its current step) and the tasks; open streams fail."""
+        process = self.core.process
+        if process.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                self.core.send(Kind.SHUTDOWN, None)
+            await asyncio.to_thread(process.join, timeout)
+            if process.is_alive():
+                process.kill()
+                await asyncio.to_thread(process.join, 5)
+        self._die("the engine core was shut down", expected=True)
+        for task in self._tasks:
+            task.cancel()
+        self.core.input_socket.close()
+        self._output.close()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    # ------------------------------------------------------------------------- requests
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: dict,
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Send a tokenized request to the core; return its stream once the core accepted it.
+
+        Args:
+            prompt: ``{"prompt_token_ids": [...], "prompt": text or None}``.
+
+        Raises:
+            ValueError: the core refused the prompt or parameters (400).
+            QueueFullError: the core's waiting queue is at ``max_num_queued_requests`` (429).
+            EngineDeadError: the core is dead (or dies before answering).
+        """
+        self._check_alive()
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = list(prompt["prompt_token_ids"])
+        state = ClientRequestState(request_id, prompt.get("prompt"), ids, params, self.tokenizer)
+        stream = RequestStream(request_id, self)
+        accepted = asyncio.get_running_loop().create_future()
+        self._acks[request_id] = accepted
+        self._requests[request_id] = (state, stream)
+        self.core.outstanding.add(request_id)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        wire = [request_id, ids, params_to_wire(params), arrival_time]
+        self.core.send(Kind.ADD, wire)
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the add is ahead of the abort in the core's queue
+            raise
+        except BaseException:
+            self._forget(request_id)
+            raise
+        if self.metrics is not None:
+            self.metrics.observe_added(request_id, arrival_time)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Forget the request here and abort it in the core (no-op if unknown)."""
+        if self._forget(request_id) is None or self.is_dead:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            self.core.send(Kind.ABORT, [request_id])
+        if self.metrics is not None:
+            self.metrics.observe_aborted(request_id)
+
+    def _forget(self, request_id: str):
+        self.core.outstanding.discard(request_id)
+        self._acks.pop(request_id, None)
+        return self._requests.pop(request_id, None)
+
+    async def call_utility(self, name: str, *args, timeout: float = 30.0):
+        """Call ``EngineCore.<name>(*args)`` in the core (between steps) and return the result.
+
+        Raises:
+            RuntimeError: the call failed in the core (its message).
+            EngineDeadError: the core is dead.
+            TimeoutError: no answer within ``timeout`` seconds.
+        """
+        self._check_alive()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._utility[call_id] = future
+        self.core.send(Kind.UTILITY, [call_id, name, list(args)])
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._utility.pop(call_id, None)
+
+    async def get_stats(self) -> dict:
+        """The core's ``EngineCore.get_stats()``."""
+        return await self.call_utility("get_stats")
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine core has died: {self.dead_error}")
+
+    # ------------------------------------------------------------------- receive and watch
+    async def _receive(self) -> None:
+        while True:
+            frame = await self._output.recv(copy=False)
+            self.core.last_seen = time.monotonic()
+            kind, payload = decode(frame.buffer)
+            if kind is Kind.OUTPUTS:
+                self._on_outputs(*payload)
+            elif kind is Kind.ACKS:
+                for request_id, error in payload:
+                    future = self._acks.pop(request_id, None)
+                    if future is None or future.done():
+                        continue
+                    if error is None:
+                        future.set_result(None)
+                    else:
+                        future.set_exception(_rebuild_error(*error))
+            elif kind is Kind.UTILITY:
+                call_id, result, error = payload
+                future = self._utility.get(call_id)
+                if future is not None and not future.done():
+                    if error is None:
+                        future.set_result(result)
+                    else:
+                        future.set_exception(RuntimeError(error))
+            elif kind is Kind.DEAD:
+                self._die(payload)
+
+    def _on_outputs(self, outputs: list, stats: dict) -> None:
+        now = time.monotonic()
+        self.num_steps += 1
+        delivered = []
+        for wire in outputs:
+            delta = decode_output(wire)
+            entry = self._requests.get(delta.request_id)
+            if entry is None:
+                continue  # aborted here already
+            state, stream = entry
+            output = state.update(delta)
+            stream._put(output)
+            delivered.append(output)
+            if state.finished:
+                if state.needs_core_abort:
+                    self.core.send(Kind.ABORT, [delta.request_id])
+                self._forget(delta.request_id)
+        if self.metrics is not None:
+            self.metrics.observe_step(
+                scheduler_stats(stats), delivered, stats["step_start"], now, stats["scheduled"]
+            )
+
+    async def _watch(self) -> None:
+        process = self.core.process
+        while self.dead_error is None:
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+            if not process.is_alive():
+                await asyncio.sleep(_WATCH_INTERVAL_S)  # let a last "dead" message arrive
+                self._die(f"the engine core process exited with code {process.exitcode}")
+            elif time.monotonic() - self.core.last_seen > self.heartbeat_timeout_s:
+                self._die(f"the engine core did not answer for {self.heartbeat_timeout_s} s")
+                process.kill()
+
+    def _die(self, message: str, *, expected: bool = False) -> None:
+        if self.dead_error is not None:
+            return
+        self.dead_error = message
+        if not expected:
+            logger.error("engine core died: %s", message)
+        dead = EngineDeadError(f"the engine core has died: {message}")
+        for future in [*self._acks.values(), *self._utility.values()]:
+            if not future.done():
+                future.set_exception(dead)
+        for _, stream in self._requests.values():
+            stream._put(dead)
+        self._acks.clear()
+        self._requests.clear()
+        self.core.outstanding.clear()
+
+
+class RequestRefusedError(ValueError):
+    """The core refused a request's prompt or parameters (HTTP 400); ``parameter`` names the
+    field when the core's error did (``SamplingParamsError``)."""
+
+    def __init__(self, message: str, parameter: str | None = None):
+        super().__init__(message)
+        self.parameter = parameter
+
+
+def _rebuild_error(name: str, message: str, parameter: str | None) -> Exception:
+    """The core's refusal as the exception the server maps to a status (400 or 429)."""
+    if name == QueueFullError.__name__:
+        return QueueFullError(message)
+    return RequestRefusedError(message, parameter)

@@ -1,0 +1,216 @@
+"""What the API process and the engine-core process say to each other, and how it is encoded.
+
+vLLM v1's split (``vllm/v1/engine/__init__.py``, ``serial_utils.py``): requests reach the core
+already tokenized, and outputs leave it as token ids, logprobs and finish reasons; text never
+crosses. Every message is one msgpack frame, ``[kind, payload]``. numpy arrays travel as a
+msgpack extension (type ``NDARRAY_EXT``) holding ``[dtype.str, shape, raw bytes]``; nothing is
+pickled, so a peer can only ever send data, never code.
+
+API process -> core (``INPUT_*`` kinds):
+
+- ``add``: ``[request_id, prompt_token_ids i32[P], sampling params dict, arrival_time]``
+  (``EngineCoreRequest``; ``arrival_time`` is ``time.monotonic()``, one clock per host).
+- ``abort``: ``[request_id, ...]``.
+- ``utility``: ``[call_id, method name, args list]`` (answered by an ``utility`` output).
+- ``shutdown``: ``None``.
+
+Core -> API process (``OUTPUT_*`` kinds):
+
+- ``acks``: ``[[request_id, None | [error class name, message, parameter]], ...]`` for every
+  ``add`` applied before a step; an error means the request never entered the engine.
+- ``outputs``: ``[[EngineCoreOutput, ...], stats dict]`` after each step: per request only what
+  is new (DELTA), see ``encode_output``; ``stats`` is ``LLMEngine.get_stats()`` as a dict plus
+  ``num_steps`` and ``scheduled`` (ids that entered the running batch this step).
+- ``utility``: ``[call_id, result, error message or None]``.
+- ``heartbeat``: ``None``, every ``HEARTBEAT_INTERVAL_S`` from a thread of the core process.
+- ``dead``: ``error message``: the loop died on an exception; the process exits after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import msgpack
+import numpy as np
+
+from jaxpaged.core.stats import SchedulerStats
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+
+NDARRAY_EXT = 1
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+class Kind(enum.StrEnum):
+    """The first element of every message."""
+
+    ADD = "add"
+    ABORT = "abort"
+    UTILITY = "utility"
+    SHUTDOWN = "shutdown"
+    ACKS = "acks"
+    OUTPUTS = "outputs"
+    HEARTBEAT = "heartbeat"
+    DEAD = "dead"
+
+
+def _default(obj):
+    if isinstance(obj, np.ndarray):
+        if obj.dtype == object:
+            raise TypeError("object arrays cannot be sent (they would need pickling)")
+        array = np.ascontiguousarray(obj)
+        return msgpack.ExtType(
+            NDARRAY_EXT, msgpack.packb([array.dtype.str, list(array.shape), array.tobytes()])
+        )
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot encode {type(obj).__name__} in an engine-core message")
+
+
+def _ext_hook(code: int, data: bytes):
+    if code != NDARRAY_EXT:
+        raise ValueError(f"unknown msgpack extension type {code} in an engine-core message")
+    dtype, shape, raw = msgpack.unpackb(data)
+    return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape)
+
+
+def encode(kind: Kind, payload) -> bytes:
+    """One message as msgpack bytes.
+
+    Raises:
+        TypeError: ``payload`` holds something that is not plain data or a numpy array.
+    """
+    return msgpack.packb([str(kind), payload], default=_default, use_bin_type=True)
+
+
+def decode(frame: bytes) -> tuple[Kind, object]:
+    """``(kind, payload)`` of a frame; arrays come back read-only (they view the frame).
+
+    Raises:
+        ValueError: the frame is not a message of this protocol.
+    """
+    try:
+        kind, payload = msgpack.unpackb(frame, ext_hook=_ext_hook, strict_map_key=False)
+        return Kind(kind), payload
+    except (msgpack.UnpackException, ValueError, TypeError) as error:
+        raise ValueError(f"not an engine-core message: {error}") from error
+
+
+# ------------------------------------------------------------------------- sampling params
+def params_to_wire(params: SamplingParams) -> dict:
+    """The fields of ``params`` as a dict (only those that differ from the defaults)."""
+    out = {}
+    for field in dataclasses.fields(SamplingParams):
+        value = getattr(params, field.name)
+        if value == field.default:
+            continue
+        out[field.name] = value.name if isinstance(value, RequestOutputKind) else value
+    return out
+
+
+def params_from_wire(values: dict) -> SamplingParams:
+    """Rebuild (and so re-validate) the ``SamplingParams`` of ``params_to_wire``.
+
+    Raises:
+        SamplingParamsError: a field out of range (the constructor's checks).
+    """
+    values = dict(values)
+    if "output_kind" in values:
+        values["output_kind"] = RequestOutputKind[values["output_kind"]]
+    # Resolved by the API process, which has the tokenizer (the core has none).
+    bad_words_token_ids = values.pop("bad_words_token_ids", None)
+    params = SamplingParams(**values)
+    params.bad_words_token_ids = bad_words_token_ids
+    return params
+
+
+# --------------------------------------------------------------------------------- outputs
+def _logprobs_to_wire(steps):
+    if steps is None:
+        return None
+    return [
+        None if step is None else [[t, lp.logprob, lp.rank] for t, lp in step.items()]
+        for step in steps
+    ]
+
+
+def _logprobs_from_wire(steps):
+    if steps is None:
+        return None
+    return [
+        None if step is None else {t: Logprob(logprob=lp, rank=rank) for t, lp, rank in step}
+        for step in steps
+    ]
+
+
+def encode_output(output: RequestOutput) -> list:
+    """One request's delta: ``[request_id, finished, num_cached_tokens, [arrival,
+    first_token, finished] times, completions, prompt_logprobs]``; each completion is
+    ``[index, new token ids (list of int), cumulative_logprob, new logprobs, finish_reason,
+    stop_reason]``; a logprobs position is ``[[token_id, logprob, rank], ...]`` or None.
+    Text and the prompt stay behind: the API process has them."""
+    metrics = output.metrics or {}
+    completions = [
+        [
+            c.index,
+            list(c.token_ids),  # one or two ids per step: a list packs faster than an array
+            c.cumulative_logprob,
+            _logprobs_to_wire(c.logprobs),
+            c.finish_reason,
+            c.stop_reason,
+        ]
+        for c in output.outputs
+    ]
+    return [
+        output.request_id,
+        output.finished,
+        output.num_cached_tokens,
+        [metrics.get(k) for k in ("arrival_time", "first_token_time", "finished_time")],
+        completions,
+        _logprobs_to_wire(output.prompt_logprobs),
+    ]
+
+
+@dataclasses.dataclass
+class EngineCoreOutput:
+    """One request's delta from one step, as the API process receives it (text-free)."""
+
+    request_id: str
+    finished: bool
+    num_cached_tokens: int
+    times: list  # [arrival_time, first_token_time, finished_time], time.monotonic() or None
+    completions: list[CompletionOutput]  # text "", token_ids and logprobs are the new ones
+    prompt_logprobs: list | None
+
+
+def decode_output(wire: list) -> EngineCoreOutput:
+    request_id, finished, num_cached, times, completions, prompt_logprobs = wire
+    return EngineCoreOutput(
+        request_id=request_id,
+        finished=finished,
+        num_cached_tokens=num_cached,
+        times=times,
+        completions=[
+            CompletionOutput(
+                index=index,
+                text="",
+                token_ids=list(token_ids),
+                cumulative_logprob=cumulative,
+                logprobs=_logprobs_from_wire(logprobs),
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+            )
+            for index, token_ids, cumulative, logprobs, finish_reason, stop_reason in completions
+        ],
+        prompt_logprobs=_logprobs_from_wire(prompt_logprobs),
+    )
+
+
+_STATS_FIELDS = tuple(field.name for field in dataclasses.fields(SchedulerStats))
+
+
+def scheduler_stats(stats: dict) -> SchedulerStats:
+    """The ``SchedulerStats`` inside a core's ``stats`` dict (which carries extra keys, such as
+    ``scheduled`` and ``step_start``, beside the dataclass's fields)."""
+    return SchedulerStats(**{name: stats[name] for name in _STATS_FIELDS})
