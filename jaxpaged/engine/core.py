@@ -92,8 +92,11 @@ class EngineCore:
             kind = RequestOutputKind.DELTA
             if (sampling.best_of or sampling.n) > sampling.n:
                 kind = RequestOutputKind.FINAL_ONLY  # best-of ranking is only final
-            # Stop strings are the API process's (it has the text).
+            # Stop strings are the API process's (it has the text). replace() resets the
+            # init=False bad_words_token_ids, which the API process resolved: keep them.
+            banned = sampling.bad_words_token_ids
             sampling = dataclasses.replace(sampling, stop=[], output_kind=kind)
+            sampling.bad_words_token_ids = banned
             self.engine.add_request(
                 request_id,
                 {"prompt_token_ids": [int(t) for t in prompt_token_ids]},
