@@ -90,8 +90,16 @@ class MoEExperts(nnx.Module):
     hidden]`` (``gate_up_proj`` columns shard by shard over ``num_shards``, see the module
     docstring). Initialised ``normal * 0.02``; ``models.weights`` replaces the values."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, num_shards: int,
-                 param_dtype: Any, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        *,
+        num_shards: int,
+        param_dtype: Any,
+        rngs: nnx.Rngs,
+    ):
         if intermediate % num_shards:
             raise ValueError(
                 f"intermediate_size ({intermediate}) must be divisible by num_shards ({num_shards})"
@@ -120,8 +128,16 @@ class SparseMoeBlock(nnx.Module):
         ValueError: ``k`` outside ``[1, E]``.
     """
 
-    def __init__(self, config: Any, *, dtype: Any, param_dtype: Any,
-                 precision: jax.lax.Precision, mesh: Mesh | None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: Any,
+        *,
+        dtype: Any,
+        param_dtype: Any,
+        precision: jax.lax.Precision,
+        mesh: Mesh | None,
+        rngs: nnx.Rngs,
+    ):
         self.num_experts = int(config.num_local_experts)
         self.top_k = int(config.num_experts_per_tok)
         if not 1 <= self.top_k <= self.num_experts:
@@ -132,10 +148,23 @@ class SparseMoeBlock(nnx.Module):
         self.dtype = dtype
         self.precision = precision
         self.mesh = mesh
-        self.gate = nnx.Linear(config.hidden_size, self.num_experts, use_bias=False, dtype=dtype,
-                               param_dtype=param_dtype, precision=precision, rngs=rngs)
-        self.experts = MoEExperts(self.num_experts, config.hidden_size, config.intermediate_size,
-                                  num_shards=tp_size(mesh), param_dtype=param_dtype, rngs=rngs)
+        self.gate = nnx.Linear(
+            config.hidden_size,
+            self.num_experts,
+            use_bias=False,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            rngs=rngs,
+        )
+        self.experts = MoEExperts(
+            self.num_experts,
+            config.hidden_size,
+            config.intermediate_size,
+            num_shards=tp_size(mesh),
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weights, expert_ids = route(self.gate(x), self.top_k)

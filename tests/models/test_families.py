@@ -24,8 +24,13 @@ from models.llama import DecoderOptions
 from models.moe import grouped_swiglu, route
 from models.registry import get_model_class, supported_architectures
 from models.weights import fused_checkpoint_views, load_config, load_model
-from tests.models.conftest import FAMILY_CONFIGS, PagedRunner, hf_logits, make_hf_checkpoint
-from tests.models.conftest import relative_diff
+from tests.models.conftest import (
+    FAMILY_CONFIGS,
+    PagedRunner,
+    hf_logits,
+    make_hf_checkpoint,
+    relative_diff,
+)
 
 pytest.importorskip("torch")
 
