@@ -63,8 +63,8 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = []
-    print(f"| model | params | weights GB (active) | output tok/s | ms/step (floor) | "
-          f"batch-1 TPOT ms (floor) | TPOT / floor |")  # fmt: skip
+    print("| model | params | weights GB (active) | output tok/s | ms/step (floor) | "
+          "batch-1 TPOT ms (floor) | TPOT / floor |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for name, model_dir, suite_json in args.run:
         total, active = weight_counts(model_dir)
