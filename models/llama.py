@@ -260,6 +260,14 @@ class LlamaAttention(nnx.Module):
         return out, k_cache, v_cache
 
 
+def _grouped_matmul_backend(dtype: Any, attention_backend: str, interpret: bool) -> str:
+    # The Pallas kernels compiled (not interpreted) mean a GPU; Hopper's grouped GEMM takes
+    # bf16/f16 only. Everything else (CPU tests, float32 parity) takes XLA's exact ragged dot.
+    compiled = attention_backend == "pallas" and not interpret
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "mosaic_gpu" if compiled and half else "xla"
+
+
 class LlamaDecoderLayer(nnx.Module):
     """Pre-norm block: ``x + attn(input_layernorm(x))``, then
     ``x + mlp(post_attention_layernorm(x))``.
@@ -294,7 +302,8 @@ class LlamaDecoderLayer(nnx.Module):
         if options.num_experts:
             self.block_sparse_moe = SparseMoeBlock(
                 config, dtype=dtype, param_dtype=param_dtype, precision=_precision(dtype),
-                mesh=mesh, rngs=rngs,
+                mesh=mesh, backend=_grouped_matmul_backend(dtype, attention_backend, interpret),
+                rngs=rngs,
             )
         else:
             self.mlp = LlamaMLP(config, num_shards=tp_size(mesh), hidden_act=options.hidden_act,

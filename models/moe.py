@@ -4,8 +4,10 @@ Each token's router logits pick its top ``k`` of ``E`` experts; the token's outp
 those experts' SwiGLU MLPs weighted by the softmax of its ``k`` chosen logits (HF
 ``MixtralTopKRouter``: softmax over all ``E``, top ``k``, renormalised to sum 1 — the same
 numbers). The expert matmuls are *grouped*: the ``T * k`` (token, expert) pairs are sorted by
-expert and ``jax.lax.ragged_dot`` multiplies each expert's contiguous run of rows by that
-expert's weights, so a step does the work of the chosen experts only.
+expert and ``pallas_kernels.grouped_matmul`` multiplies each expert's contiguous run of rows by
+that expert's weights: ``"mosaic_gpu"`` (a Hopper grouped GEMM doing the chosen experts' work
+only) when the model runs the Pallas kernels compiled for a GPU in bf16/f16, else ``"xla"``
+(``jax.lax.ragged_dot``: exact everywhere, but XLA expands it densely, ``E`` times the FLOPs).
 
 Parameters (HF names in ``models.weights``; Mixtral's checkpoint keeps one tensor per expert):
 
@@ -24,6 +26,7 @@ after a row-parallel ``down_proj``. Balanced by construction, whatever the routi
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -33,6 +36,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from models.sharding import TP_AXIS, tp_size
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 
 def route(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
@@ -55,7 +59,8 @@ def grouped_swiglu(
     gate_up: jax.Array,
     down: jax.Array,
     *,
-    precision: jax.lax.Precision,
+    precision: jax.lax.Precision | None,
+    backend: str = "xla",
 ) -> jax.Array:
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` with grouped matmuls.
 
@@ -65,6 +70,7 @@ def grouped_swiglu(
         gate_up: ``[E, hidden, 2 * I]``, gate columns then up columns (one shard's slice).
         down: ``[E, I, hidden]``.
         precision: of the matmuls.
+        backend: of ``pallas_kernels.grouped_matmul``.
 
     Returns:
         ``[T, hidden]`` in ``x``'s dtype (a partial sum under tensor parallelism).
@@ -76,9 +82,10 @@ def grouped_swiglu(
     order = jnp.argsort(flat_experts, stable=True)
     group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
     rows = x[order // top_k]  # [T * k, hidden], expert-major
-    h = jax.lax.ragged_dot(rows, gate_up, group_sizes, precision=precision)  # [T * k, 2 * I]
+    matmul = functools.partial(grouped_matmul, backend=backend, precision=precision)
+    h = matmul(rows, gate_up, group_sizes)  # [T * k, 2 * I]
     gate, up = jnp.split(h, 2, axis=-1)
-    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, group_sizes, precision=precision)
+    y = matmul(jax.nn.silu(gate) * up, down, group_sizes)
     # Back to (token, slot) order through the inverse permutation (a gather, no scatter-add).
     y = y[jnp.argsort(order)].reshape(num_tokens, top_k, -1)
     out = jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights, precision=precision)
@@ -123,6 +130,7 @@ class SparseMoeBlock(nnx.Module):
         config: HF config with ``num_local_experts`` (``E``), ``num_experts_per_tok`` (``k``),
             ``hidden_size``, ``intermediate_size`` (``I``, per expert).
         mesh: tensor parallelism (module docstring); None on one device.
+        backend: of ``pallas_kernels.grouped_matmul`` ("xla" or "mosaic_gpu").
 
     Raises:
         ValueError: ``k`` outside ``[1, E]``.
@@ -136,6 +144,7 @@ class SparseMoeBlock(nnx.Module):
         param_dtype: Any,
         precision: jax.lax.Precision,
         mesh: Mesh | None,
+        backend: str = "xla",
         rngs: nnx.Rngs,
     ):
         self.num_experts = int(config.num_local_experts)
@@ -147,6 +156,7 @@ class SparseMoeBlock(nnx.Module):
             )
         self.dtype = dtype
         self.precision = precision
+        self.backend = backend
         self.mesh = mesh
         self.gate = nnx.Linear(
             config.hidden_size,
@@ -173,7 +183,15 @@ class SparseMoeBlock(nnx.Module):
         x = x.astype(self.dtype)
 
         def experts(x, weights, expert_ids, gate_up, down):
-            return grouped_swiglu(x, weights, expert_ids, gate_up, down, precision=self.precision)
+            return grouped_swiglu(
+                x,
+                weights,
+                expert_ids,
+                gate_up,
+                down,
+                precision=self.precision,
+                backend=self.backend,
+            )
 
         if self.mesh is None:
             return experts(x, weights, expert_ids, gate_up, down)
