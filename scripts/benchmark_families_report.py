@@ -12,8 +12,8 @@ measured copy bandwidth):
 - throughput run: its mean step time next to the all-weights read time (at ~1000 sequences
   every expert is read each step).
 
-``--moe-json`` (``scripts/benchmark_moe.py``) adds the MoE layer's utilisation at each token
-count against the active-parameter ceiling ``2 * T * k * 3 * hidden * I / peak``.
+``--moe-json`` (``scripts/benchmark_moe.py``) adds the MoE layer's utilisation per backend at
+each token count against the active-parameter ceiling ``2 * T * k * 3 * hidden * I / peak``.
 """
 
 from __future__ import annotations
@@ -99,14 +99,16 @@ def main() -> None:
             moe = json.load(f)
         print("\nMoE layer (router + sort + grouped gate/up + down), bf16, "
               f"vs {args.peak_tflops:.0f} TFLOP/s:")  # fmt: skip
-        print("| T | ms | TFLOP/s | of ceiling | same FLOPs as plain GEMMs, ms |")
-        print("|---|---|---|---|---|")
+        print("| T | backend | ms | TFLOP/s | of ceiling | rel. diff vs xla |")
+        print("|---|---|---|---|---|---|")
         for r in moe["results"]:
-            if "num_tokens" not in r:
+            if "error" in r:
+                print(f"| {r['num_tokens']} | {r['backend']} | failed | | | |")
                 continue
-            print(f"| {r['num_tokens']} | {r['moe_seconds'] * 1e3:.3f} | {r['moe_tflops']:.1f} | "
-                  f"{r['moe_tflops'] / args.peak_tflops:.1%} | "
-                  f"{r['dense_seconds'] * 1e3:.3f} |")  # fmt: skip
+            diff = r.get("relative_diff_vs_xla")
+            print(f"| {r['num_tokens']} | {r['backend']} | {r['seconds'] * 1e3:.3f} | "
+                  f"{r['tflops']:.1f} | {r['fraction_of_peak']:.1%} | "
+                  f"{'' if diff is None else format(diff, '.1e')} |")  # fmt: skip
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(rows, f, indent=1)

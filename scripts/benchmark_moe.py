@@ -1,16 +1,17 @@
 """The MoE layer's grouped expert matmuls at a real config's shapes, against the H200's ceiling.
 
-For each token count ``T``: one ``models.moe`` layer (router, top-k, sort by expert,
-``jax.lax.ragged_dot`` gate/up and down, un-sort, weighted sum) on random bf16 inputs and
-weights, timed on the device; its matmul work is ``2 * T * k * 3 * hidden * I`` FLOPs (the
-active parameters' ceiling: only the chosen experts count), reported as TFLOP/s and as a
-fraction of the dense bf16 peak (``--peak-tflops``, 716 for what the H200 reaches on large
-GEMMs). Next to it, the same FLOPs as two plain GEMMs (``[T * k, hidden] x [hidden, 2I]`` and
-``[T * k, I] x [I, hidden]``, as if every row went to one expert): what XLA's best GEMM does at
-that shape. On GPU, ``--try-mgpu`` also times JAX's Mosaic GPU grouped GEMM
-(``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``) on the gate/up matmul.
+For each token count ``T`` and each ``pallas_kernels.grouped_matmul`` backend (``xla``: XLA's
+ragged dot, which XLA:GPU expands densely; ``mosaic_gpu``: JAX's Hopper grouped GEMM, the one
+the model uses on GPU in bf16): one ``models.moe`` layer (router, top-k, sort by expert, grouped
+gate/up and down, un-sort, weighted sum) on random bf16 inputs and weights, timed on the device.
+Its matmul work is ``2 * T * k * 3 * hidden * I`` FLOPs (the active parameters' ceiling: only
+the chosen experts count), reported as TFLOP/s and as a fraction of the dense bf16 peak
+(``--peak-tflops``, 716 for what the H200 reaches on large GEMMs). Next to it, the same FLOPs
+as two plain GEMMs (``[T * k, hidden] x [hidden, 2I]`` and ``[T * k, I] x [I, hidden]``, as if
+every row went to one expert): what XLA's best GEMM does at that shape. The two backends'
+outputs are compared (max |difference| / max |output|) at every ``T``.
 
-``--smoke`` runs a tiny config on CPU (checks the script, measures nothing).
+``--smoke`` runs a tiny config on CPU with the ``xla`` backend only (checks the script).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256, 1024, 4096])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--peak-tflops", type=float, default=716.0)
-    parser.add_argument("--try-mgpu", action="store_true")
+    parser.add_argument("--backends", nargs="+", default=["xla", "mosaic_gpu"])
     parser.add_argument("--smoke", action="store_true", help="tiny config on CPU")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
@@ -70,10 +71,15 @@ def main() -> None:
     router = (0.02 * jax.random.normal(keys[2], (hidden, num_experts))).astype(dtype)
     precision = jax.lax.Precision.DEFAULT
 
-    @jax.jit
-    def moe(x, router, gate_up, down):
-        weights, ids = route(x @ router, top_k)
-        return grouped_swiglu(x, weights, ids, gate_up, down, precision=precision)
+    def make_moe(backend):
+        @jax.jit
+        def moe(x, router, gate_up, down):
+            weights, ids = route(x @ router, top_k)
+            return grouped_swiglu(
+                x, weights, ids, gate_up, down, precision=precision, backend=backend
+            )
+
+        return moe
 
     @jax.jit
     def dense(rows, w_gate_up, w_down):
@@ -81,70 +87,46 @@ def main() -> None:
         g, u = jnp.split(h, 2, axis=-1)
         return (jax.nn.silu(g) * u) @ w_down
 
+    backends = ["xla"] if args.smoke else args.backends
     results = []
     print(f"device: {jax.devices()[0].device_kind}; hidden {hidden}, I {inter}, "
           f"E {num_experts}, k {top_k}, dtype {jnp.dtype(dtype).name}")  # fmt: skip
-    header = (f"{'T':>6} {'moe ms':>9} {'TFLOP/s':>8} {'of peak':>8} {'dense ms':>9} "
-              f"{'TFLOP/s':>8} {'moe/dense':>9}")  # fmt: skip
-    print(header)
+    print(f"{'T':>6} {'backend':>11} {'ms':>9} {'TFLOP/s':>8} {'of peak':>8} {'vs xla':>8}")
     for num_tokens in args.batch_sizes:
         x = jax.random.normal(jax.random.fold_in(keys[3], num_tokens), (num_tokens, hidden))
         x = x.astype(dtype)
         flops = 2.0 * num_tokens * top_k * 3 * hidden * inter
-        t_moe = _time(moe, x, router, gate_up, down, iters=args.iters)
+        outputs = {}
+        for backend in backends:
+            try:
+                moe = make_moe(backend)
+                outputs[backend] = np.asarray(moe(x, router, gate_up, down), np.float32)
+                seconds = _time(moe, x, router, gate_up, down, iters=args.iters)
+            except Exception as e:  # noqa: BLE001 - a failing backend is a result too
+                print(f"{num_tokens:>6} {backend:>11} failed: {str(e)[:400]}")
+                results.append(dict(num_tokens=num_tokens, backend=backend, error=str(e)[:2000]))
+                continue
+            diff = None
+            if backend != "xla" and "xla" in outputs:
+                ref = outputs["xla"]
+                diff = float(np.max(np.abs(outputs[backend] - ref)) / np.max(np.abs(ref)))
+            tflops = flops / seconds / 1e12
+            results.append(dict(num_tokens=num_tokens, backend=backend, seconds=seconds,
+                                tflops=tflops, fraction_of_peak=tflops / args.peak_tflops,
+                                relative_diff_vs_xla=diff))  # fmt: skip
+            print(f"{num_tokens:>6} {backend:>11} {seconds * 1e3:>9.3f} {tflops:>8.1f} "
+                  f"{tflops / args.peak_tflops:>8.1%} "
+                  f"{'' if diff is None else format(diff, '.1e'):>8}")  # fmt: skip
         rows = jnp.tile(x, (top_k, 1))
-        t_dense = _time(dense, rows, gate_up[0], down[0], iters=args.iters)
-        row = dict(
-            num_tokens=num_tokens,
-            moe_seconds=t_moe,
-            moe_tflops=flops / t_moe / 1e12,
-            moe_fraction_of_peak=flops / t_moe / 1e12 / args.peak_tflops,
-            dense_seconds=t_dense,
-            dense_tflops=flops / t_dense / 1e12,
-        )
-        results.append(row)
-        print(f"{num_tokens:>6} {t_moe * 1e3:>9.3f} {row['moe_tflops']:>8.1f} "
-              f"{row['moe_fraction_of_peak']:>8.1%} {t_dense * 1e3:>9.3f} "
-              f"{row['dense_tflops']:>8.1f} {t_moe / t_dense:>9.2f}")  # fmt: skip
-
-    if args.try_mgpu and jax.devices()[0].platform == "gpu":
-        _try_mgpu(gate_up, hidden, inter, num_experts, top_k, keys[4], args, results)
+        seconds = _time(dense, rows, gate_up[0], down[0], iters=args.iters)
+        tflops = flops / seconds / 1e12
+        results.append(dict(num_tokens=num_tokens, backend="plain GEMMs", seconds=seconds,
+                            tflops=tflops, fraction_of_peak=tflops / args.peak_tflops))  # fmt: skip
+        print(f"{num_tokens:>6} {'plain GEMMs':>11} {seconds * 1e3:>9.3f} {tflops:>8.1f} "
+              f"{tflops / args.peak_tflops:>8.1%}")  # fmt: skip
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(dict(config=cfg, results=results), f, indent=1)
-
-
-def _try_mgpu(gate_up, hidden, inter, num_experts, top_k, key, args, results) -> None:
-    """JAX's Mosaic GPU grouped GEMM on the gate/up matmul at the largest T (information for
-    choosing a kernel; failures are printed, not raised)."""
-    try:
-        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-    except Exception as e:  # noqa: BLE001 - report and go on
-        print(f"mgpu ragged_dot unavailable: {e!r}")
-        return
-    num_tokens = max(args.batch_sizes)
-    m = num_tokens * top_k
-    lhs = jax.random.normal(key, (m, hidden)).astype(jnp.bfloat16)
-    ids = jax.random.randint(jax.random.fold_in(key, 1), (m,), 0, num_experts)
-    group_sizes = jnp.bincount(ids, length=num_experts).astype(jnp.int32)
-    flops = 2.0 * m * hidden * 2 * inter
-    ref = _time(jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g)), lhs, gate_up, group_sizes,
-                iters=args.iters)  # fmt: skip
-    print(f"gate/up only, T={num_tokens}: lax.ragged_dot {ref * 1e3:.3f} ms "
-          f"({flops / ref / 1e12:.1f} TFLOP/s)")  # fmt: skip
-    for block_m, block_n, steps, grid_n in [(128, 128, 4, 1), (128, 256, 4, 1), (64, 128, 4, 2)]:
-        try:
-            fn = jax.jit(lambda a, b, g, bm=block_m, bn=block_n, s=steps, gn=grid_n:
-                         ragged_dot_mgpu.ragged_dot(a, b, group_sizes=g, block_m=bm, block_n=bn,
-                                                    block_k=64, max_concurrent_steps=s,
-                                                    grid_block_n=gn))  # fmt: skip
-            t = _time(fn, lhs, gate_up, group_sizes, iters=args.iters)
-            print(f"  mgpu block_m={block_m} block_n={block_n} steps={steps} grid_n={grid_n}: "
-                  f"{t * 1e3:.3f} ms ({flops / t / 1e12:.1f} TFLOP/s)")  # fmt: skip
-            results.append(dict(mgpu=[block_m, block_n, steps, grid_n], seconds=t,
-                                tflops=flops / t / 1e12, ragged_dot_seconds=ref))  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - one failing configuration is information
-            print(f"  mgpu block_m={block_m} block_n={block_n}: failed: {str(e)[:300]}")
 
 
 if __name__ == "__main__":

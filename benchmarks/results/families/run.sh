@@ -28,7 +28,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv \
   > $OUT/gpu.txt 2>/dev/null
 if [ -n "${MOE_BENCH:-}" ]; then
-  MOE_ARGS="--model $CONFIGS/mixtral-8x7b-instruct-v0.1 --try-mgpu"
+  MOE_ARGS="--model $CONFIGS/mixtral-8x7b-instruct-v0.1"
   [ "${SMOKE:-0}" = 1 ] && MOE_ARGS="--smoke --batch-sizes 1 64 --iters 2"
   timeout 150 python3 scripts/benchmark_moe.py $MOE_ARGS --output-json $OUT/moe.json \
     > $OUT/moe.log 2>&1
