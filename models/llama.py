@@ -50,7 +50,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import pallas_kernels
-from models.attention import attention
+from models.attention import attention, kv_cache_head_dim
 from models.attention_metadata import AttentionMetadata
 from models.merged_linear import MergedColumnParallelLinear
 from models.moe import SparseMoeBlock
@@ -205,6 +205,8 @@ class LlamaAttention(nnx.Module):
         self.scale = (scalar if scalar is not None else self.head_dim) ** -0.5
         self.soft_cap = options.attn_soft_cap
         self.sliding_window = sliding_window
+        # D of the cache and the kernels: padded to a power of two for the Pallas kernels.
+        self.cache_head_dim = kv_cache_head_dim(self.head_dim, attention_backend)
         self.attention_backend = attention_backend
         self.interpret = interpret
         self.mesh = mesh  # static: tensor parallelism runs attention per device on its heads
@@ -243,6 +245,9 @@ class LlamaAttention(nnx.Module):
         inv_freq = np.asarray(self.inv_freq, dtype=np.float32)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
+        if self.cache_head_dim != self.head_dim:
+            pad = ((0, 0), (0, 0), (0, self.cache_head_dim - self.head_dim))
+            q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
         k_cache, v_cache = pallas_kernels.kv_cache_update(
             k_cache, v_cache, k.astype(k_cache.dtype), v.astype(v_cache.dtype),
             metadata.slot_mapping,
@@ -256,7 +261,8 @@ class LlamaAttention(nnx.Module):
             interpret=self.interpret,
             mesh=self.mesh,
         )
-        out = self.o_proj(out.astype(x.dtype).reshape(num_tokens, self.num_heads * self.head_dim))
+        out = out[..., : self.head_dim].astype(x.dtype)  # drop the padding columns, if any
+        out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         return out, k_cache, v_cache
 
 

@@ -42,6 +42,7 @@ from jaxpaged.worker.kv_cache import (
 )
 from jaxpaged.worker.model_runner import ModelRunner, PendingStep
 from jaxpaged.worker.swap import BlockMover
+from models.attention import kv_cache_head_dim
 from models.sharded_weights import load_sharded_model
 from models.sharding import kv_cache_sharding, make_mesh
 from models.tp_layout import TPLayout
@@ -99,7 +100,7 @@ class LLMEngine:
             num_layers=int(self.hf_config.num_hidden_layers),
             # Hkv * r when tensor parallelism repeats KV heads (models.sharding)
             num_kv_heads=TPLayout.from_hf_config(self.hf_config, tp).num_kv_heads_physical,
-            head_dim=_head_dim(self.hf_config),
+            head_dim=kv_cache_head_dim(_head_dim(self.hf_config), backend),
             block_size=cc.block_size,
             dtype=self.dtype,
         )

@@ -85,9 +85,11 @@ FAMILY_CONFIGS = {
         eos_token_id=1,
         bos_token_id=2,
     ),
-    # Fused qkv_proj / gate_up_proj in the checkpoint; a window on every layer.
+    # Fused qkv_proj / gate_up_proj in the checkpoint; a window on every layer; D = 96 / 4 = 24,
+    # not a power of two (like Phi-3-mini's 96), so the Pallas kernels need it padded.
     "phi3": dict(
         architecture="Phi3ForCausalLM",
+        hidden_size=96,
         sliding_window=8,
         pad_token_id=0,
         eos_token_id=2,

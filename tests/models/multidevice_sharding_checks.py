@@ -262,23 +262,23 @@ def test_mixtral_experts_split_over_tp_match_hf_and_one_device(tmp_path, stories
 
 def test_phi3_fused_checkpoint_tensors_split_into_shards(tmp_path):
     """Phi-3 stores qkv_proj and gate_up_proj fused; at tp=2 each device reads its q, k, v
-    (gate, up) rows out of them, and the logits equal one device's."""
+    (gate, up) rows out of them, and the logits equal one device's (D = 24)."""
     pytest.importorskip("torch")
     path = make_hf_checkpoint(str(tmp_path / "phi3"), "phi3")
     one, _ = load_model(path)
-    ref = _prefill_logits(one, QWEN2_PROMPTS, num_kv_heads=2, head_dim=16, num_layers=2)
+    ref = _prefill_logits(one, QWEN2_PROMPTS, num_kv_heads=2, head_dim=24, num_layers=2)
     mesh = make_mesh(2)
     model, _ = load_sharded_model(path, mesh=mesh)
     logits = _prefill_logits(
-        model, QWEN2_PROMPTS, num_kv_heads=2, head_dim=16, num_layers=2, mesh=mesh
+        model, QWEN2_PROMPTS, num_kv_heads=2, head_dim=24, num_layers=2, mesh=mesh
     )
     assert relative_diff(logits, ref) < LOGITS_RTOL
     qkv = _flat(model)["model.layers.1.self_attn.qkv_proj.kernel"]
     fused = safetensors.numpy.load_file(f"{path}/model.safetensors")[
         "model.layers.1.self_attn.qkv_proj.weight"
-    ].T  # [64, q 64 | k 32 | v 32]
+    ].T  # [96, q 96 | k 48 | v 48]: device 1 holds q heads 2-3 and KV head 1
     shard = {s.device: np.asarray(s.data) for s in qkv.addressable_shards}[mesh.devices.flat[1]]
-    expected = np.concatenate([fused[:, 32:64], fused[:, 80:96], fused[:, 112:128]], -1)
+    expected = np.concatenate([fused[:, 48:96], fused[:, 120:144], fused[:, 168:192]], -1)
     np.testing.assert_array_equal(shard, expected)
 
 

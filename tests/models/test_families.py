@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
+from models.attention import kv_cache_head_dim
 from models.llama import DecoderOptions
 from models.moe import grouped_swiglu, route
 from models.registry import get_model_class, supported_architectures
@@ -68,22 +69,34 @@ def _hf_greedy(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_logits_match_hf_over_paged_cache(checkpoints, name):
-    model, config = load_model(checkpoints[name])
+def _paged_logits_match_hf(model_dir, backend="reference", interpret=False):
+    model, config = load_model(model_dir, attention_backend=backend, interpret=interpret)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     runner = PagedRunner(
         model,
         num_layers=config.num_hidden_layers,
         num_kv_heads=config.num_key_value_heads,
-        head_dim=getattr(config, "head_dim", None)
-        or config.hidden_size // config.num_attention_heads,
+        head_dim=kv_cache_head_dim(head_dim, backend),
     )
     seqs = runner.generate([PROMPTS[0], PROMPTS[1]], 6)
     for seq in seqs:
         ours = np.stack(seq.logits)
-        ref = hf_logits(checkpoints[name], seq.tokens)
+        ref = hf_logits(model_dir, seq.tokens)
         assert ours.shape == ref.shape
         assert relative_diff(ours, ref) < RTOL
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_match_hf_over_paged_cache(checkpoints, name):
+    _paged_logits_match_hf(checkpoints[name])
+
+
+def test_pallas_kernels_pad_a_head_dim_that_is_not_a_power_of_two(checkpoints):
+    """Phi-3's D (24 here, 96 in Phi-3-mini) is zero-padded to 32 for the Pallas kernels (in
+    interpret mode on CPU); the cache holds D = 32 and the logits still equal HF's."""
+    assert kv_cache_head_dim(24, "pallas") == 32 and kv_cache_head_dim(24, "reference") == 24
+    assert kv_cache_head_dim(128, "pallas") == 128
+    _paged_logits_match_hf(checkpoints["phi3"], "pallas", interpret=True)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
