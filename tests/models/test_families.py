@@ -203,3 +203,22 @@ def test_grouped_experts_equal_a_dense_loop_over_experts():
             expected[t] += w * ((g / (1 + np.exp(-g)) * u) @ down[e])
     np.testing.assert_array_equal(np.asarray(ids), np.argsort(-logits, axis=1)[:, :top_k])
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_missing_expert_tensor_is_named(checkpoints, tmp_path):
+    """Mixtral's stacked experts are read from one tensor per expert; a missing one is named
+    with the stacked parameter it belongs to."""
+    import safetensors.numpy
+
+    source = checkpoints["mixtral"]
+    tensors = safetensors.numpy.load_file(os.path.join(source, "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    safetensors.numpy.save_file(tensors, str(tmp_path / "model.safetensors"))
+    with open(os.path.join(source, "config.json")) as f:
+        (tmp_path / "config.json").write_text(f.read())
+    with pytest.raises(
+        ValueError,
+        match=r"block_sparse_moe\.experts\.down_proj .*'model\.layers\.1\.block_sparse_moe"
+        r"\.experts\.3\.w2\.weight'\) is missing",
+    ):
+        load_model(str(tmp_path))
