@@ -150,7 +150,9 @@ def test_unsupported_activation_and_longrope_are_refused_by_name(checkpoints, tm
     with open(os.path.join(checkpoints["phi3"], "config.json")) as f:
         raw = json.load(f)
     raw.pop("rope_parameters", None)
-    raw["rope_scaling"] = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    half = raw["hidden_size"] // raw["num_attention_heads"] // 2  # one factor per frequency
+    raw["rope_scaling"] = {"type": "longrope", "short_factor": [1.0] * half,
+                           "long_factor": [2.0] * half}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
         load_model(str(tmp_path), load_format="dummy")
