@@ -16,6 +16,7 @@ import json
 import os
 import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -36,6 +37,7 @@ from tests.models.conftest import (
 pytest.importorskip("torch")
 
 FAMILIES = list(FAMILY_CONFIGS)
+ON_GPU = jax.devices()[0].platform == "gpu"
 # float32 on both sides; the differences are summation order only (measured <= 1.2e-6).
 RTOL = 1e-4
 MAX_TOKENS = 8
@@ -89,6 +91,15 @@ def _paged_logits_match_hf(model_dir, backend="reference", interpret=False):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_logits_match_hf_over_paged_cache(checkpoints, name):
     _paged_logits_match_hf(checkpoints[name])
+
+
+@pytest.mark.skipif(
+    not ON_GPU, reason="compiled Pallas kernels: GPU only (CPU runs interpret mode)"
+)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compiled_pallas_kernels_match_hf_on_gpu(checkpoints, name):
+    """On a GPU: Gemma-2's soft cap and windows, Phi-3's padded D in the Triton kernels."""
+    _paged_logits_match_hf(checkpoints[name], "pallas")
 
 
 def test_pallas_kernels_pad_a_head_dim_that_is_not_a_power_of_two(checkpoints):

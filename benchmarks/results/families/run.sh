@@ -2,7 +2,9 @@
 # Issue 17's model families on one H200, dummy bf16 weights of the published configs
 # (benchmarks/configs/): per model, 1000 x 128/128 offline throughput and batch-1 TPOT
 # (scripts/benchmark_e2e_suite.py, one engine for both), then one table next to the
-# weight-read floors (scripts/benchmark_families_report.py). Results and logs in $OUT.
+# weight-read floors (scripts/benchmark_families_report.py). run.sh first runs the GPU-only
+# tests (tiny HF checkpoints through the compiled Pallas kernels and the Mosaic GPU grouped
+# GEMM against references). Results and logs in $OUT.
 #
 #   bash benchmarks/results/families/run.sh    # Qwen3-8B, Gemma-2-9B                 (~6-8 min)
 #   bash benchmarks/results/families/run2.sh   # MoE layer benchmark, Mixtral-8x7B, Phi-3-mini
@@ -14,7 +16,7 @@ timeout_for() {  # seconds one model may take (start-up + 1000 requests + batch-
   case $1 in
     mixtral*) echo 280 ;;
     phi-3*) echo 130 ;;
-    *) echo 235 ;;
+    *) echo 195 ;;
   esac
 }
 ENGINE="--load-format dummy --skip-tokenizer-init --dtype bfloat16 --max-model-len 2048
@@ -39,6 +41,11 @@ if [ -n "${MOE_BENCH:-}" ]; then
   timeout 120 python3 scripts/benchmark_moe.py $MOE_ARGS --output-json $OUT/moe.json \
     > $OUT/moe.log 2>&1
   grep -v "cuda_timer" $OUT/moe.log | tail -14
+fi
+if [ "${SMOKE:-0}" != 1 ] && [ -z "${MOE_BENCH:-}" ]; then  # GPU correctness first (~1 min)
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/models/test_families.py \
+    tests/pallas_kernels/test_grouped_matmul.py -k "gpu or mosaic" > $OUT/gpu_tests.log 2>&1
+  tail -3 $OUT/gpu_tests.log
 fi
 REPORT=""
 for m in $MODELS; do
