@@ -11,8 +11,12 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
 FAMILIES = {
     "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16),
     "phi-3-mini-4k-instruct": dict(
-        architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=8
-    ),  # fmt: skip
+        architectures=["Phi3ForCausalLM"],
+        model_type="phi3",
+        sliding_window=8,
+        pad_token_id=0,
+        eos_token_id=2,
+    ),
     "gemma-2-9b": dict(
         architectures=["Gemma2ForCausalLM"],
         model_type="gemma2",
