@@ -20,6 +20,21 @@ from models.attention_metadata import AttentionMetadata
 from models.sharding import TP_AXIS, shard_over_heads
 
 
+def kv_cache_head_dim(head_dim: int, backend: str) -> int:
+    """``D`` of the KV cache (and of the attention call) for a model whose heads have
+    ``head_dim``.
+
+    The Pallas kernels lower through Triton on GPU, whose tiles must be powers of two, so with
+    ``backend="pallas"`` a head dim that is not one (Phi-3's 96) is zero-padded up to the next
+    (128): zero columns add nothing to ``q . k``, and the output's zero columns are cut off.
+    ``"reference"`` keeps ``head_dim``. The cost is KV memory and reads in the ratio (4/3 for
+    Phi-3).
+    """
+    if backend == "pallas":
+        return 1 << (int(head_dim) - 1).bit_length()
+    return int(head_dim)
+
+
 def gather_kv(cache: jax.Array, block_tables: jax.Array) -> jax.Array:
     """Contiguous per-sequence K or V from the paged cache.
 

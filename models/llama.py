@@ -1,16 +1,30 @@
-"""The Llama model family in Flax NNX: Llama 2/3, Mistral and Qwen2, driven by the HF config.
+"""The Llama-style decoder family in Flax NNX, driven by the HF config.
 
-One class serves every member; the Hugging Face config decides the differences:
+One class serves every member (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma-2, Phi-3, Mixtral); the
+Hugging Face config decides the differences (:class:`DecoderOptions` collects those that are
+not plain sizes):
 
 - GQA: ``num_key_value_heads`` (defaults to ``num_attention_heads``).
 - ``head_dim`` from the config, else ``hidden_size // num_attention_heads``.
 - Biases: Qwen2 has q/k/v biases and no o_proj bias; Llama's ``attention_bias`` puts a bias on all
   four projections; ``mlp_bias`` on the MLP projections.
-- RoPE (Su et al. 2021, "RoFormer", arXiv:2104.09864) in the Hugging Face *rotate-half* layout,
-  with ``rope_type`` ``"default"``, ``"linear"`` or ``"llama3"`` (Meta's Llama 3.1 reference
-  ``apply_scaling``; the same numbers as HF ``_compute_llama3_parameters``).
-- Sliding window: Mistral's ``sliding_window`` applies to every layer (``None`` = full attention);
-  configs with ``layer_types`` (Qwen2) use it only on ``"sliding_attention"`` layers.
+- RoPE (``models.rope``) with ``rope_type`` ``"default"``, ``"linear"`` or ``"llama3"``; others
+  (Phi-3's ``"longrope"``/``"su"``, ``"yarn"``) are refused by name.
+- Sliding window: Mistral's and Phi-3's ``sliding_window`` applies to every layer (``None`` = full
+  attention); configs with ``layer_types`` (Qwen2, Qwen3, Gemma-2) use it only on
+  ``"sliding_attention"`` layers (Gemma-2 alternates: even layers slide).
+- Qwen3: per-head RMSNorm of q and k (``q_norm``/``k_norm``, over ``D``) before RoPE.
+- Gemma-2: every RMSNorm scales by ``1 + weight``; embeddings are multiplied by
+  ``sqrt(hidden_size)`` (rounded to the compute dtype, as HF does); norms before *and* after
+  attention and MLP (``input_layernorm``, ``post_attention_layernorm``,
+  ``pre_feedforward_layernorm``, ``post_feedforward_layernorm``); GeGLU with
+  ``gelu_pytorch_tanh``; scores scaled by ``query_pre_attn_scalar ** -0.5`` and soft-capped by
+  ``attn_logit_softcapping``; logits soft-capped by ``final_logit_softcapping``
+  (``c * tanh(x / c)``; Gemma Team 2024, arXiv:2408.00118).
+- Phi-3: the checkpoint stores ``qkv_proj`` and ``gate_up_proj`` fused; ``models.weights``
+  reads its row blocks as the parts' tensors, so the model is the plain one.
+- Mixtral: the MLP is a top-``k`` sparse mixture of experts (``models.moe``), named
+  ``block_sparse_moe`` as in the checkpoint.
 - Tied (``tie_word_embeddings``) or separate ``lm_head``.
 
 Each layer runs two projections of its normed input where HF runs five: ``self_attn.qkv_proj``
@@ -25,6 +39,7 @@ in ``pallas_kernels``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -35,101 +50,57 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import pallas_kernels
-from models.attention import attention
+from models.attention import attention, kv_cache_head_dim
 from models.attention_backends import check_attention_backend
 from models.attention_metadata import AttentionMetadata
 from models.merged_linear import MergedColumnParallelLinear
+from models.moe import SparseMoeBlock
+from models.rope import apply_rope, rope_inv_freq, rope_parameters
 from models.sharding import tp_size
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# HF ``hidden_act`` / ``hidden_activation`` names -> the function (HF ``ACT2FN``).
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
 
 
-# ------------------------------------------------------------------------------------------------
-# RoPE
+@dataclasses.dataclass(frozen=True)
+class DecoderOptions:
+    """What a family's config says beyond sizes; read once by :meth:`from_hf_config`."""
 
+    hidden_act: str  # a key of _ACTIVATIONS
+    qk_norm: bool  # Qwen3: RMSNorm over D of each query and key head before RoPE
+    gemma_norms: bool  # Gemma-2: RMSNorm by (1 + w), norms before and after attention and MLP
+    embed_scale: float | None  # Gemma-2: sqrt(hidden_size)
+    query_pre_attn_scalar: float | None  # Gemma-2: scores scaled by its -1/2 power, not D's
+    attn_soft_cap: float | None  # Gemma-2 attn_logit_softcapping
+    final_soft_cap: float | None  # Gemma-2 final_logit_softcapping
+    num_experts: int  # Mixtral num_local_experts; 0 = dense MLP
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The RoPE parameters of an HF config as one dict with ``rope_type`` and ``rope_theta``.
-
-    transformers 5 keeps them in ``config.rope_parameters``; older configs carry ``rope_theta``
-    plus an optional ``rope_scaling`` dict whose type key is ``rope_type`` or the legacy ``type``.
-    Both are read; ``rope_parameters`` wins when present.
-
-    Raises:
-        ValueError: a rope type other than "default", "linear" or "llama3", or a
-            ``partial_rotary_factor`` other than 1.
-    """
-    params = getattr(config, "rope_parameters", None)
-    if not params:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-    else:
-        params = dict(params)
-    if "rope_theta" not in params or params["rope_theta"] is None:
-        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    params["rope_type"] = rope_type
-    if rope_type not in _SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"rope_type {rope_type!r} is not supported; supported: {list(_SUPPORTED_ROPE_TYPES)}"
+    @classmethod
+    def from_hf_config(cls, config: Any) -> DecoderOptions:
+        """Raises:
+        ValueError: an activation other than those of ``_ACTIVATIONS`` (named).
+        """
+        model_type = getattr(config, "model_type", None)
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {act!r} is not supported; supported: {sorted(_ACTIVATIONS)}"
+            )
+        gemma = model_type == "gemma2"
+        return cls(
+            hidden_act=act,
+            qk_norm=model_type == "qwen3",
+            gemma_norms=gemma,
+            embed_scale=math.sqrt(config.hidden_size) if gemma else None,
+            query_pre_attn_scalar=getattr(config, "query_pre_attn_scalar", None) if gemma else None,
+            attn_soft_cap=getattr(config, "attn_logit_softcapping", None),
+            final_soft_cap=getattr(config, "final_logit_softcapping", None),
+            num_experts=int(getattr(config, "num_local_experts", 0) or 0),
         )
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    if partial is not None and partial != 1.0:
-        raise ValueError(f"partial_rotary_factor must be 1.0, got {partial}")
-    if rope_type == "llama3" and "original_max_position_embeddings" not in params:
-        params["original_max_position_embeddings"] = config.max_position_embeddings
-    return params
-
-
-def rope_inv_freq(head_dim: int, params: dict[str, Any]) -> np.ndarray:
-    """Inverse frequencies ``f32[D // 2]`` of RoPE, after the configured scaling.
-
-    ``inv_freq[i] = theta ** (-2i / D)`` (Su et al. 2021). ``"linear"`` divides all of them by
-    ``factor``. ``"llama3"`` (Meta's Llama 3.1 reference, HF ``_compute_llama3_parameters``)
-    keeps wavelengths shorter than ``original_max_position_embeddings / high_freq_factor``,
-    divides those longer than ``original_max_position_embeddings / low_freq_factor`` by
-    ``factor`` and interpolates smoothly in between. Computed in float32 like HF.
-
-    Args:
-        head_dim: ``D``, even.
-        params: the output of :func:`rope_parameters`.
-    """
-    theta = np.float32(params["rope_theta"])
-    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    inv_freq = (np.float32(1.0) / theta**exponent).astype(np.float32)
-    rope_type = params["rope_type"]
-    if rope_type == "linear":
-        inv_freq = inv_freq / np.float32(params["factor"])
-    elif rope_type == "llama3":
-        factor = params["factor"]
-        low_freq_factor = params["low_freq_factor"]
-        high_freq_factor = params["high_freq_factor"]
-        old_context_len = params["original_max_position_embeddings"]
-        low_freq_wavelen = old_context_len / low_freq_factor
-        high_freq_wavelen = old_context_len / high_freq_factor
-        wavelen = np.float32(2 * math.pi) / inv_freq
-        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(factor), inv_freq)
-        band = high_freq_factor - low_freq_factor
-        smooth = (old_context_len / wavelen - low_freq_factor) / band
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        inv_freq = np.where(is_medium, smoothed, scaled)
-    return np.asarray(inv_freq, dtype=np.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates ``x[T, H, D]`` by the angles ``positions[T] * inv_freq`` (rotate-half layout).
-
-    Dimension ``i < D/2`` pairs with ``i + D/2`` (HF convention, not GPT-J's adjacent pairs).
-    Angles, cos and sin are computed in float32 from the integer positions; the result has
-    ``x``'s dtype.
-    """
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, D]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -146,33 +117,41 @@ def _precision(dtype: jnp.dtype) -> jax.lax.Precision:
 class RMSNorm(nnx.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32.
 
-    ``y = weight * x / sqrt(mean(x^2) + eps)``; input ``[..., hidden]`` any float dtype, output in
-    the compute ``dtype``. The parameter is named ``weight`` as in HF.
+    ``y = weight * x / sqrt(mean(x^2) + eps)`` (Gemma's ``unit_offset``: ``(1 + weight) * ...``);
+    input ``[..., dim]`` any float dtype, output in the compute ``dtype``. The parameter is named
+    ``weight`` as in HF.
     """
 
-    def __init__(self, dim: int, *, eps: float, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+    def __init__(self, dim: int, *, eps: float, dtype: Any, param_dtype: Any, rngs: nnx.Rngs,
+                 unit_offset: bool = False):
         del rngs  # ones-initialised; kept for the common module signature
         self.eps = float(eps)
         self.dtype = dtype
+        self.unit_offset = unit_offset
         self.weight = nnx.Param(jnp.ones((dim,), dtype=param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
         y = x32 * jax.lax.rsqrt(var + self.eps)
-        return (self.weight[...].astype(jnp.float32) * y).astype(self.dtype)
+        weight = self.weight[...].astype(jnp.float32)
+        if self.unit_offset:
+            weight = 1.0 + weight
+        return (weight * y).astype(self.dtype)
 
 
 class LlamaMLP(nnx.Module):
-    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``; ``[T, hidden] -> [T, hidden]``.
+    """Gated MLP: ``down(act(gate(x)) * up(x))`` (SwiGLU; GeGLU for Gemma-2);
+    ``[T, hidden] -> [T, hidden]``.
 
     ``gate_up_proj``: kernel ``[hidden, 2 * intermediate]`` (gate then up, per shard of
     ``num_shards``), one matmul; ``down_proj``: ``[intermediate, hidden]``.
     """
 
-    def __init__(self, config: Any, *, num_shards: int, dtype: Any, param_dtype: Any,
-                 rngs: nnx.Rngs):
+    def __init__(self, config: Any, *, num_shards: int, hidden_act: str, dtype: Any,
+                 param_dtype: Any, rngs: nnx.Rngs):
         hidden, inter = config.hidden_size, config.intermediate_size
+        self.hidden_act = hidden_act
         bias = bool(getattr(config, "mlp_bias", False))
         kw = dict(use_bias=bias, dtype=dtype, param_dtype=param_dtype,
                   precision=_precision(dtype), rngs=rngs)
@@ -182,7 +161,7 @@ class LlamaMLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = self.gate_up_proj(x)  # each [T, intermediate]
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(_ACTIVATIONS[self.hidden_act](gate) * up)
 
 
 def _attention_biases(config: Any) -> tuple[bool, bool]:
@@ -199,7 +178,7 @@ class LlamaAttention(nnx.Module):
     ``[T, hidden] -> [T, hidden]``: QKV projection (one matmul, ``qkv_proj`` kernel
     ``[hidden, (Hq + 2 * Hkv) * D]``), RoPE, ``pallas_kernels.kv_cache_update`` by
     ``metadata.slot_mapping``, :func:`models.attention.attention`, o_proj. ``attention_backend``,
-    ``interpret`` and ``sliding_window`` are static Python attributes.
+    ``interpret``, ``sliding_window`` and ``options`` are static Python attributes.
     """
 
     def __init__(
@@ -207,6 +186,7 @@ class LlamaAttention(nnx.Module):
         config: Any,
         *,
         sliding_window: int | None,
+        options: DecoderOptions,
         dtype: Any,
         param_dtype: Any,
         attention_backend: str,
@@ -222,8 +202,12 @@ class LlamaAttention(nnx.Module):
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
-        self.scale = self.head_dim**-0.5
+        scalar = options.query_pre_attn_scalar
+        self.scale = (scalar if scalar is not None else self.head_dim) ** -0.5
+        self.soft_cap = options.attn_soft_cap
         self.sliding_window = sliding_window
+        # D of the cache and the kernels: padded to a power of two for the Pallas kernels.
+        self.cache_head_dim = kv_cache_head_dim(self.head_dim, attention_backend)
         self.attention_backend = attention_backend
         self.interpret = interpret
         self.mesh = mesh  # static: tensor parallelism runs attention per device on its heads
@@ -238,6 +222,11 @@ class LlamaAttention(nnx.Module):
             hidden, (q_size, kv_size, kv_size), num_shards=tp_size(mesh), use_bias=qkv_bias, **kw
         )
         self.o_proj = nnx.Linear(self.num_heads * self.head_dim, hidden, use_bias=o_bias, **kw)
+        self.q_norm = self.k_norm = nnx.data(None)
+        if options.qk_norm:  # Qwen3: over each head's D, shared by all heads
+            norm_kw = dict(eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.q_norm = RMSNorm(self.head_dim, **norm_kw)
+            self.k_norm = RMSNorm(self.head_dim, **norm_kw)
 
     def __call__(
         self,
@@ -252,9 +241,14 @@ class LlamaAttention(nnx.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = np.asarray(self.inv_freq, dtype=np.float32)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
+        if self.cache_head_dim != self.head_dim:
+            pad = ((0, 0), (0, 0), (0, self.cache_head_dim - self.head_dim))
+            q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
         k_cache, v_cache = pallas_kernels.kv_cache_update(
             k_cache, v_cache, k.astype(k_cache.dtype), v.astype(v_cache.dtype),
             metadata.slot_mapping,
@@ -263,46 +257,84 @@ class LlamaAttention(nnx.Module):
             q, k_cache, v_cache, metadata,
             backend=self.attention_backend,
             scale=self.scale,
+            soft_cap=self.soft_cap,
             sliding_window=self.sliding_window,
             interpret=self.interpret,
             mesh=self.mesh,
         )
-        out = self.o_proj(out.astype(x.dtype).reshape(num_tokens, self.num_heads * self.head_dim))
+        out = out[..., : self.head_dim].astype(x.dtype)  # drop the padding columns, if any
+        out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         return out, k_cache, v_cache
 
 
-class LlamaDecoderLayer(nnx.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+def _grouped_matmul_backend(dtype: Any, attention_backend: str, interpret: bool) -> str:
+    # The Pallas kernels compiled (not interpreted) mean a GPU; Hopper's grouped GEMM takes
+    # bf16/f16 only. Everything else (CPU tests, float32 parity) takes XLA's exact ragged dot.
+    compiled = attention_backend == "pallas" and not interpret
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "mosaic_gpu" if compiled and half else "xla"
 
-    def __init__(self, config: Any, *, sliding_window: int | None, dtype: Any, param_dtype: Any,
-                 attention_backend: str, interpret: bool, mesh: Mesh | None = None,
-                 rngs: nnx.Rngs):
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype,
-                                       param_dtype=param_dtype, rngs=rngs)
+
+class LlamaDecoderLayer(nnx.Module):
+    """Pre-norm block: ``x + attn(input_layernorm(x))``, then
+    ``x + mlp(post_attention_layernorm(x))``.
+
+    Gemma-2 (``options.gemma_norms``) norms both sides of each sub-block, with HF's names:
+    ``x + post_attention_layernorm(attn(input_layernorm(x)))``, then
+    ``x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))``. Mixtral's MLP is
+    ``block_sparse_moe`` (``models.moe``).
+    """
+
+    def __init__(self, config: Any, *, sliding_window: int | None, options: DecoderOptions,
+                 dtype: Any, param_dtype: Any, attention_backend: str, interpret: bool,
+                 mesh: Mesh | None = None, rngs: nnx.Rngs):
+        def norm():
+            return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
+                           param_dtype=param_dtype, rngs=rngs, unit_offset=options.gemma_norms)
+
+        self.input_layernorm = norm()
         self.self_attn = LlamaAttention(
-            config, sliding_window=sliding_window, dtype=dtype, param_dtype=param_dtype,
-            attention_backend=attention_backend, interpret=interpret, mesh=mesh, rngs=rngs,
+            config, sliding_window=sliding_window, options=options, dtype=dtype,
+            param_dtype=param_dtype, attention_backend=attention_backend, interpret=interpret,
+            mesh=mesh, rngs=rngs,
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype,
-                                                param_dtype=param_dtype, rngs=rngs)
-        self.mlp = LlamaMLP(config, num_shards=tp_size(mesh), dtype=dtype,
-                            param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = norm()
+        self.gemma_norms = options.gemma_norms
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = nnx.data(None)
+        if options.gemma_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        # nnx.data: exactly one of mlp / block_sparse_moe is a sub-module, the other None.
+        self.mlp = self.block_sparse_moe = nnx.data(None)
+        if options.num_experts:
+            self.block_sparse_moe = SparseMoeBlock(
+                config, dtype=dtype, param_dtype=param_dtype, precision=_precision(dtype),
+                mesh=mesh, backend=_grouped_matmul_backend(dtype, attention_backend, interpret),
+                rngs=rngs,
+            )
+        else:
+            self.mlp = LlamaMLP(config, num_shards=tp_size(mesh), hidden_act=options.hidden_act,
+                                dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, positions, k_cache, v_cache, metadata):
         attn_out, k_cache, v_cache = self.self_attn(
             self.input_layernorm(x), positions, k_cache, v_cache, metadata
         )
-        x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        mlp = self.mlp if self.block_sparse_moe is None else self.block_sparse_moe
+        if self.gemma_norms:
+            x = x + self.post_attention_layernorm(attn_out)
+            x = x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
+        else:
+            x = x + attn_out
+            x = x + mlp(self.post_attention_layernorm(x))
         return x, k_cache, v_cache
 
 
 def layer_sliding_windows(config: Any) -> list[int | None]:
     """Sliding window per layer (``None`` = full attention).
 
-    Configs with ``layer_types`` (Qwen2) apply ``sliding_window`` to ``"sliding_attention"``
-    layers only; otherwise (Mistral) ``sliding_window`` applies to all layers; Llama has none.
+    Configs with ``layer_types`` (Qwen2, Qwen3, Gemma-2) apply ``sliding_window`` to ``"sliding_attention"``
+    layers only; otherwise (Mistral, Phi-3) ``sliding_window`` applies to all layers; Llama has none.
     """
     window = getattr(config, "sliding_window", None)
     num_layers = config.num_hidden_layers
@@ -313,23 +345,30 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
 
 
 class LlamaModel(nnx.Module):
-    """Embedding, decoder layers and final norm: ``i32[T] -> [T, hidden]``."""
+    """Embedding (times ``options.embed_scale``), decoder layers and final norm:
+    ``i32[T] -> [T, hidden]``."""
 
-    def __init__(self, config: Any, *, dtype: Any, param_dtype: Any, attention_backend: str,
-                 interpret: bool, mesh: Mesh | None = None, rngs: nnx.Rngs):
+    def __init__(self, config: Any, *, options: DecoderOptions, dtype: Any, param_dtype: Any,
+                 attention_backend: str, interpret: bool, mesh: Mesh | None = None,
+                 rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.embed_scale = options.embed_scale
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=param_dtype, rngs=rngs)
         self.layers = nnx.List([
-            LlamaDecoderLayer(config, sliding_window=window, dtype=dtype, param_dtype=param_dtype,
-                              attention_backend=attention_backend, interpret=interpret, mesh=mesh,
-                              rngs=rngs)
+            LlamaDecoderLayer(config, sliding_window=window, options=options, dtype=dtype,
+                              param_dtype=param_dtype, attention_backend=attention_backend,
+                              interpret=interpret, mesh=mesh, rngs=rngs)
             for window in layer_sliding_windows(config)
         ])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
-                            param_dtype=param_dtype, rngs=rngs)
+                            param_dtype=param_dtype, rngs=rngs, unit_offset=options.gemma_norms)
 
     def __call__(self, input_ids, positions, kv_caches, metadata):
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            # HF multiplies by sqrt(hidden) rounded to the weights' dtype (bf16: 48.0 for 2304).
+            x = x * jnp.asarray(self.embed_scale, dtype=self.dtype)
         new_caches = []
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x, k_cache, v_cache = layer(x, positions, k_cache, v_cache, metadata)
@@ -338,10 +377,11 @@ class LlamaModel(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Llama / Mistral / Qwen2 causal LM over a paged KV cache.
+    """Causal LM of the Llama-style family over a paged KV cache (the module docstring lists
+    the members and what their configs switch).
 
     Args:
-        config: a transformers ``PretrainedConfig`` of the Llama family.
+        config: a transformers ``PretrainedConfig`` of the family.
         dtype: compute dtype (activations, matmuls); norms, RoPE and softmax run in float32.
         param_dtype: dtype the parameters are stored in.
         attention_backend: "reference" (gather + plain-JAX references) or "pallas" (kernels);
@@ -354,7 +394,8 @@ class LlamaForCausalLM(nnx.Module):
         rngs: parameter initialisation (``models.weights`` replaces the values when loading).
 
     Raises:
-        ValueError: unsupported rope type, heads that don't divide, unknown attention backend.
+        ValueError: unsupported rope type or activation, heads that don't divide, unknown
+            attention backend.
     """
 
     def __init__(self, config: Any, *, dtype: Any, param_dtype: Any,
@@ -363,7 +404,9 @@ class LlamaForCausalLM(nnx.Module):
         check_attention_backend(attention_backend)
         self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype,
+        options = DecoderOptions.from_hf_config(config)
+        self.final_soft_cap = options.final_soft_cap
+        self.model = LlamaModel(config, options=options, dtype=dtype, param_dtype=param_dtype,
                                 attention_backend=attention_backend, interpret=interpret,
                                 mesh=mesh, rngs=rngs)
         # nnx.data: lm_head is a sub-module (data) when untied and None when tied.
@@ -394,17 +437,25 @@ class LlamaForCausalLM(nnx.Module):
         return self.model(input_ids, positions, kv_caches, metadata)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """``hidden [N, hidden_size] -> f32[N, vocab_size]`` (tied: ``hidden @ embed_tokens.T``)."""
+        """``hidden [N, hidden_size] -> f32[N, vocab_size]`` (tied: ``hidden @ embed_tokens.T``;
+        Gemma-2: then ``c * tanh(logits / c)`` with ``c = final_logit_softcapping``)."""
         if self.lm_head is None:
             weight = self.model.embed_tokens.embedding[...]  # [vocab, hidden]
         else:
             weight = self.lm_head.kernel[...].T  # [vocab, hidden]
-        return jnp.einsum(
+        logits = jnp.einsum(
             "nh,vh->nv", hidden, weight.astype(hidden.dtype),
             preferred_element_type=jnp.float32, precision=_precision(hidden.dtype),
         )
+        if self.final_soft_cap is not None:
+            logits = self.final_soft_cap * jnp.tanh(logits / self.final_soft_cap)
+        return logits
 
 
-# Mistral and Qwen2 differ from Llama only in what their configs say.
+# The other members differ from Llama only in what their configs say (DecoderOptions).
 MistralForCausalLM = LlamaForCausalLM
 Qwen2ForCausalLM = LlamaForCausalLM
+Qwen3ForCausalLM = LlamaForCausalLM
+Gemma2ForCausalLM = LlamaForCausalLM
+Phi3ForCausalLM = LlamaForCausalLM
+MixtralForCausalLM = LlamaForCausalLM

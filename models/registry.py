@@ -8,12 +8,24 @@ from typing import Any
 
 from models.checkpoint_views import bloom_view, gpt2_view
 from models.gpt2 import BloomForCausalLM, GPT2LMHeadModel
-from models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from models.llama import (
+    Gemma2ForCausalLM,
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    MixtralForCausalLM,
+    Phi3ForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
 
 _MODEL_CLASSES: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "BloomForCausalLM": BloomForCausalLM,
 }

@@ -16,6 +16,9 @@ index map ``physical index -> checkpoint index`` (``-1``: zero). A fused paramet
 concatenation along the output axis (``[q | k | v]``, the one-device layout), and its output
 axis map composes the per-shard column order of ``models.merged_linear`` with each part's own
 map (repeat, pad). A device then reads, from each part's tensor, only the columns it holds.
+A stacked expert parameter (``models.moe``, ``[E, in, out]``) is read expert by expert, each
+expert's slice mapped like a plain (or fused gate/up) parameter; a fused checkpoint tensor
+(Phi-3) is read through ``models.weights.fused_checkpoint_views``.
 """
 
 from __future__ import annotations
@@ -38,11 +41,15 @@ from models.tp_layout import TPLayout
 from models.weights import (
     _DUMMY_STD,
     _LOAD_FORMATS,
+    EXPERT_PARAMS,
     FUSED_MODULES,
     _TensorReader,
     _weight_files,
     check_tensor,
+    expert_hf_names,
+    fused_checkpoint_views,
     hf_names,
+    is_expert_param,
     load_config,
     merged_output_sizes,
     resolve_dtype,
@@ -104,7 +111,9 @@ def load_sharded_model(
     if load_format == "dummy":
         filled = _dummy_state(params, resolved, seed)
     else:
-        filled = _load_state(params, model_dir, resolved, checkpoint_view(hf_config))
+        filled = _load_state(
+            params, model_dir, resolved, hf_config, checkpoint_view(hf_config)
+        )
     return nnx.merge(graphdef, nnx.from_flat_state(filled)), hf_config
 
 
@@ -120,6 +129,17 @@ def axis_maps(
     module there gets a ``"fused"`` map on its last (output) axis, built from its parts' maps.
     """
     module, leaf = str(path[-2]), str(path[-1])
+    if is_expert_param(path):  # [E, in, out]: the expert axis maps to itself
+        parts = EXPERT_PARAMS[leaf]
+        size = shape[-1] // len(parts)
+        hf_module = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+        part_maps = [_module_axis_maps(hf_module[p], "kernel", shape[1:-1] + (size,), layout)
+                     for p in parts]  # fmt: skip
+        if len(parts) == 1:
+            return (None, *part_maps[0])
+        fused = ("fused", layout.tensor_parallel_size,
+                 tuple((size, m[-1]) for m in part_maps))  # fmt: skip
+        return (None, *[None] * (len(shape) - 2), fused)
     sizes = (merged or {}).get(tuple(str(p) for p in path[:-1]))
     if sizes is not None:
         parts = tuple(
@@ -211,7 +231,9 @@ def _checkpoint_parts(
     ]
 
 
-def _load_state(params: list, model_dir: str, dtype: jnp.dtype, view: Any = None) -> list:
+def _load_state(
+    params: list, model_dir: str, dtype: jnp.dtype, hf_config: Any, view: Any = None
+) -> list:
     """Every parameter read slice by slice into its shards (``view``: as in
     ``models.weights._load_state``).
 
@@ -221,30 +243,58 @@ def _load_state(params: list, model_dir: str, dtype: jnp.dtype, view: Any = None
     """
     files = _weight_files(model_dir)
     with ExitStack() as stack:
-        reader = _TensorReader(files, stack)
+        reader = _TensorReader(files, stack, fused_checkpoint_views(files, hf_config))
         if view is not None:
             reader = view(reader)
         # Check everything before reading anything big.
         for path, _, shape, _, maps in params:
-            names, transposed = hf_names(path)
-            for name, expected, _ in _checkpoint_parts(names, shape, maps):
-                check_tensor(reader, path, name, expected[::-1] if transposed else expected,
-                             model_dir)
+            _, transposed = hf_names(path)
+            for parts in _expert_grid(path, shape, maps):
+                for name, expected, _ in parts:
+                    check_tensor(reader, path, name, expected[::-1] if transposed else expected,
+                                 model_dir)
         filled = []
         for path, variable, shape, sharding, maps in params:
             names, transposed = hf_names(path)
-            read = functools.partial(
-                _read_shard,
-                reader,
-                _checkpoint_parts(names, shape, maps),
-                transposed,
-                shape,
-                maps,
-                np.dtype(dtype),
-            )
+            if is_expert_param(path):
+                read = functools.partial(
+                    _read_expert_shard, reader, _expert_grid(path, shape, maps), transposed,
+                    shape, maps, np.dtype(dtype),
+                )
+            else:
+                read = functools.partial(
+                    _read_shard,
+                    reader,
+                    _checkpoint_parts(names, shape, maps),
+                    transposed,
+                    shape,
+                    maps,
+                    np.dtype(dtype),
+                )
             value = jax.make_array_from_callback(shape, sharding, read)
             filled.append((path, variable.replace(value)))
     return filled
+
+
+def _expert_grid(path: tuple, shape: tuple[int, ...], maps: tuple) -> list[list]:
+    """:func:`_checkpoint_parts` per expert of a stacked expert parameter (of its ``shape[1:]``
+    slice); one entry for any other parameter."""
+    if not is_expert_param(path):
+        return [_checkpoint_parts(hf_names(path)[0], shape, maps)]
+    return [
+        _checkpoint_parts(names, shape[1:], maps[1:])
+        for names in expert_hf_names(path, shape[0])
+    ]
+
+
+def _read_expert_shard(reader, grid: list, transposed: bool, shape: tuple[int, ...],
+                       maps: tuple, dtype: np.dtype, index: tuple[slice, ...]) -> np.ndarray:
+    """One device's block of a stacked expert parameter: its experts' blocks, stacked."""
+    experts = np.arange(shape[0])[index[0]]
+    return np.stack([
+        _read_shard(reader, grid[e], transposed, shape[1:], maps[1:], dtype, index[1:])
+        for e in experts
+    ])
 
 
 def _read_shard(

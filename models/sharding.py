@@ -11,8 +11,12 @@ with ``NamedSharding``d inputs; Megatron-LM's layout, Shoeybi et al. 2019, arXiv
   them, and their biases (if any) are replicated, added once after the reduction;
 - vocab-parallel: ``embed_tokens`` (rows) and ``lm_head`` (columns); replicated when the vocab
   does not divide by ``tensor_parallel_size`` (a valid, only costlier layout);
+- MoE experts (``models.moe``): every device holds every expert's ``I / tp`` slice:
+  ``experts.gate_up_proj [E, hidden, 2I]`` split on its last axis (columns shard by shard),
+  ``experts.down_proj [E, I, hidden]`` on its middle one; the router ``gate`` is replicated;
 - norms (weights, LayerNorm biases) and GPT-2's learned position embedding replicated; the
-  ungated MLP's ``up_proj`` (GPT-2, BLOOM) column-parallel like ``gate_up_proj``; KV caches split over their ``Hkv`` axis (located through
+  ungated MLP's ``up_proj`` (GPT-2, BLOOM) column-parallel like ``gate_up_proj``; KV caches
+  split over their ``Hkv`` axis (located through
   ``pallas_kernels.kv_cache_shape``, which owns the layout);
 - attention (reference or Pallas) runs per shard inside ``jax.shard_map`` over the heads: each
   device holds whole query heads and the KV heads they read, so it needs no communication.
@@ -107,11 +111,15 @@ def param_partition_spec(path: tuple, layout: TPLayout) -> P:
         return P(None, TP_AXIS) if leaf == "kernel" else P(TP_AXIS)
     if module in _ROW_PARALLEL:
         return P(TP_AXIS, None) if leaf == "kernel" else P()
+    if module == "experts":  # stacked [E, in, out]: gate_up column-, down row-parallel
+        return P(None, None, TP_AXIS) if leaf == "gate_up_proj" else P(None, TP_AXIS, None)
+    if module == "gate":  # the MoE router [hidden, E]: small, every device routes every token
+        return P()
     if module == "embed_tokens":
         return P(TP_AXIS, None) if layout.shard_vocab else P()
     if module == "lm_head":
         return P(None, TP_AXIS) if layout.shard_vocab else P()
-    if leaf == "weight":  # RMSNorm, LayerNorm
+    if leaf == "weight":  # RMSNorm (also Qwen3's q_norm / k_norm), LayerNorm
         return P()
     if module == "embed_positions" or (leaf == "bias" and module.endswith("norm")):
         return P()  # GPT-2's learned positions, LayerNorm biases (models.gpt2)

@@ -5,12 +5,16 @@ then its state is filled either from safetensors files (one ``model.safetensors`
 ``model.safetensors.index.json``) by HF name, or with deterministic random values
 (``load_format="dummy"``, for benchmarks: no weight file is read, a config-only directory works).
 A fused parameter (``qkv_proj``, ``gate_up_proj``; ``models.merged_linear``) is filled from the
-tensors of its parts (:data:`FUSED_MODULES`, :func:`hf_names`).
+tensors of its parts (:data:`FUSED_MODULES`, :func:`hf_names`). A checkpoint that stores such a
+module fused (Phi-3) is read through row-block views that stand in for the parts' tensors
+(:func:`fused_checkpoint_views`). Stacked expert parameters (``models.moe``, ``[E, ...]``) are
+filled from one checkpoint tensor (or fused pair) per expert (:func:`expert_hf_names`).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 from contextlib import ExitStack
@@ -79,6 +83,31 @@ FUSED_MODULES = {
 }
 
 
+# Stacked expert parameters (``models.moe.MoEExperts``, leaves of an ``experts`` module) -> the
+# per-expert checkpoint modules of their parts, in column order (Mixtral: w1 gate, w3 up, w2 down).
+EXPERT_PARAMS = {
+    "gate_up_proj": ("w1", "w3"),
+    "down_proj": ("w2",),
+}
+
+
+def is_expert_param(path: tuple) -> bool:
+    """Whether ``path`` is a stacked expert parameter ``[E, in, out]`` (see :data:`EXPERT_PARAMS`)."""
+    return len(path) >= 2 and str(path[-2]) == "experts" and str(path[-1]) in EXPERT_PARAMS
+
+
+def expert_hf_names(path: tuple, num_experts: int) -> tuple[tuple[str, ...], ...]:
+    """Per expert, the HF tensors (``[out, in]``, so transposed) that fill its slice of the
+    stacked parameter ``path``, in column order:
+    ``('model', 'layers', 0, 'block_sparse_moe', 'experts', 'gate_up_proj')``, expert ``e`` ->
+    ``('model.layers.0.block_sparse_moe.experts.e.w1.weight', '....experts.e.w3.weight')``."""
+    prefix = ".".join(str(p) for p in path[:-1])
+    parts = EXPERT_PARAMS[str(path[-1])]
+    return tuple(
+        tuple(f"{prefix}.{e}.{part}.weight" for part in parts) for e in range(num_experts)
+    )
+
+
 def hf_names(path: tuple) -> tuple[tuple[str, ...], bool]:
     """HF tensor names of an NNX parameter path, and whether the HF tensors are transposed.
 
@@ -88,9 +117,12 @@ def hf_names(path: tuple) -> tuple[tuple[str, ...], bool]:
     A fused module (:data:`FUSED_MODULES`) names one tensor per part, in column order:
     ``(..., 'self_attn', 'qkv_proj', 'bias')`` -> ``(('model.layers.0.self_attn.q_proj.bias',
     '...k_proj.bias', '...v_proj.bias'), False)``; the parameter's last (output) axis holds
-    their columns as ``models.merged_linear`` lays them out.
+    their columns as ``models.merged_linear`` lays them out. A stacked expert parameter gives its
+    expert 0's names (all experts: :func:`expert_hf_names`).
     """
     *parents, module, leaf = (str(p) for p in path)
+    if is_expert_param(path):
+        return expert_hf_names(path, 1)[0], True
     if leaf == "kernel":
         suffix, transposed = "weight", True
     elif leaf in ("embedding", "weight"):
@@ -158,16 +190,55 @@ def _weight_files(model_dir: str) -> dict[str, str]:
     )
 
 
+def _fused_part_sizes(fused: str, hf_config: Any) -> tuple[int, ...]:
+    """Output sizes of the parts of a fused checkpoint module, from the checkpoint's config."""
+    if fused == "qkv_proj":
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        return (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+    return (hf_config.intermediate_size, hf_config.intermediate_size)
+
+
+def fused_checkpoint_views(names: Any, hf_config: Any) -> dict[str, tuple[str, int, int]]:
+    """Views that let a checkpoint storing fused modules (Phi-3's ``qkv_proj``, ``gate_up_proj``)
+    be read as the parts' tensors the loaders ask for.
+
+    For each tensor ``<prefix>.<fused>.<leaf>`` in ``names`` (``<fused>`` a key of
+    :data:`FUSED_MODULES`), its row blocks (HF ``[out, ...]``: q rows, then k, then v; gate, then
+    up, as HF ``Phi3Attention``/``Phi3MLP`` split them) become ``<prefix>.<part>.<leaf>`` ->
+    ``(fused name, first row, end row)``. Part sizes come from the checkpoint's config
+    (``Hq * D, Hkv * D, Hkv * D``; ``intermediate_size`` twice). Names the checkpoint holds
+    itself are never shadowed.
+    """
+    views: dict[str, tuple[str, int, int]] = {}
+    for name in names:
+        for fused, parts in FUSED_MODULES.items():
+            marker = f".{fused}."
+            if marker not in name:
+                continue
+            prefix, leaf = name.split(marker, 1)
+            bounds = [0, *itertools.accumulate(_fused_part_sizes(fused, hf_config))]
+            for part, lo, hi in zip(parts, bounds[:-1], bounds[1:], strict=True):
+                view = f"{prefix}.{part}.{leaf}"
+                if view not in names:
+                    views[view] = (name, lo, hi)
+    return views
+
+
 class _TensorReader:
     """Reads tensors by name from a set of safetensors files, opening each file once.
 
     numpy handles serve every dtype numpy knows; bfloat16 (which ``safetensors.numpy`` can't
-    represent) is read through a flax handle instead.
+    represent) is read through a flax handle instead. ``views`` (:func:`fused_checkpoint_views`)
+    add names that read a block of rows of another tensor.
     """
 
-    def __init__(self, files: dict[str, str], stack: ExitStack):
+    def __init__(self, files: dict[str, str], stack: ExitStack,
+                 views: dict[str, tuple[str, int, int]] | None = None):
         self._files = files
         self._stack = stack
+        self._views = views or {}
         self._handles: dict[tuple[str, str], Any] = {}
 
     def _handle(self, file: str, framework: str):
@@ -181,16 +252,25 @@ class _TensorReader:
         return self._handles[key]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._files
+        return name in self._files or name in self._views
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._views:
+            source, lo, hi = self._views[name]
+            return (hi - lo, *self.shape(source)[1:])
         return tuple(self._handle(self._files[name], "numpy").get_slice(name).get_shape())
 
     def read_slice(self, name: str, index: tuple[slice, ...]):
         """``tensor[index]`` without reading the rest of the tensor (bfloat16 via ml_dtypes)."""
+        if name in self._views:
+            source, lo, hi = self._views[name]
+            start, stop, step = index[0].indices(hi - lo)
+            return self.read_slice(source, (slice(lo + start, lo + stop, step), *index[1:]))
         return self._handle(self._files[name], "numpy").get_slice(name)[index]
 
     def read(self, name: str):
+        if name in self._views:
+            return self.read_slice(name, tuple(slice(None) for _ in self.shape(name)))
         handle = self._handle(self._files[name], "numpy")
         if handle.get_slice(name).get_dtype() == "BF16":
             return self._handle(self._files[name], "flax").get_tensor(name)
@@ -199,26 +279,38 @@ class _TensorReader:
 
 def _hf_parts(
     path: tuple, shape: tuple[int, ...], merged: dict[tuple[str, ...], tuple[int, ...]]
-) -> list[tuple[str, tuple[int, ...]]]:
+) -> list[list[tuple[str, tuple[int, ...]]]]:
     """The HF tensors that fill the parameter ``path`` of ``shape``, each with the shape of its
-    block in the parameter's coordinates (``[in, out]``, before any transpose).
+    block in the parameter's coordinates (``[in, out]``, before any transpose); one list per
+    expert of a stacked expert parameter (blocks of ``shape[1:]``), else one list.
 
     One tensor covers the whole parameter, except in a fused module: its parts (``merged``,
-    from :func:`merged_output_sizes`) split the last axis, ``output_sizes[p]`` columns each.
+    from :func:`merged_output_sizes`) split the last axis, ``output_sizes[p]`` columns each
+    (an expert's gate/up: two equal halves).
     """
+    if is_expert_param(path):
+        names = expert_hf_names(path, shape[0])
+        *rest, out = shape[1:]
+        return [[(name, (*rest, out // len(parts))) for name in parts] for parts in names]
     names, _ = hf_names(path)
     sizes = merged.get(tuple(str(p) for p in path[:-1]))
     if sizes is None:
-        return [(names[0], shape)]
-    return [(name, (*shape[:-1], size)) for name, size in zip(names, sizes, strict=True)]
+        return [[(names[0], shape)]]
+    return [[(name, (*shape[:-1], size)) for name, size in zip(names, sizes, strict=True)]]
 
 
 def _load_state(
-    flat_state: Any, merged: dict, model_dir: str, dtype: jnp.dtype, view: Any = None
+    flat_state: Any,
+    merged: dict,
+    model_dir: str,
+    dtype: jnp.dtype,
+    hf_config: Any,
+    view: Any = None,
 ) -> list:
     """Fills every parameter of the abstract ``flat_state`` from the checkpoint; a fused
     parameter is its parts' tensors concatenated along the last axis (one device: one shard,
-    so the per-shard column order of ``models.merged_linear`` is the plain concatenation).
+    so the per-shard column order of ``models.merged_linear`` is the plain concatenation); a
+    stacked expert parameter stacks its experts' (fused) tensors on a new first axis.
     ``view`` (``models.registry.checkpoint_view``) wraps the reader for families whose tensors
     differ from the standard layout.
 
@@ -228,26 +320,29 @@ def _load_state(
     """
     files = _weight_files(model_dir)
     with ExitStack() as stack:
-        reader = _TensorReader(files, stack)
+        reader = _TensorReader(files, stack, fused_checkpoint_views(files, hf_config))
         if view is not None:
             reader = view(reader)
         plans = []
         for path, variable in flat_state:
             _, transposed = hf_names(path)
-            parts = _hf_parts(path, tuple(variable.get_value().shape), merged)
-            plans.append((path, variable, parts, transposed))
+            grid = _hf_parts(path, tuple(variable.get_value().shape), merged)
+            plans.append((path, variable, grid, transposed))
         # Check everything before reading anything big.
-        for path, _, parts, transposed in plans:
-            for name, expected in parts:
+        for path, _, grid, transposed in plans:
+            for name, expected in itertools.chain.from_iterable(grid):
                 check_tensor(reader, path, name, expected[::-1] if transposed else expected,
                              model_dir)
         filled = []
-        for path, variable, parts, transposed in plans:
-            tensors = []
-            for name, _ in parts:
-                tensor = reader.read(name)
-                tensors.append(jnp.asarray(tensor.T if transposed else tensor, dtype=dtype))
-            value = tensors[0] if len(tensors) == 1 else jnp.concatenate(tensors, axis=-1)
+        for path, variable, grid, transposed in plans:
+            blocks = []
+            for parts in grid:
+                tensors = []
+                for name, _ in parts:
+                    tensor = reader.read(name)
+                    tensors.append(jnp.asarray(tensor.T if transposed else tensor, dtype=dtype))
+                blocks.append(tensors[0] if len(tensors) == 1 else jnp.concatenate(tensors, -1))
+            value = jnp.stack(blocks) if is_expert_param(path) else blocks[0]
             filled.append((path, variable.replace(value)))
     return filled
 
@@ -341,7 +436,13 @@ def load_model(
     if load_format == "dummy":
         filled = _dummy_state(flat_state, resolved, seed)
     else:
-        filled = _load_state(flat_state, merged_output_sizes(abstract), model_dir, resolved,
-                             checkpoint_view(hf_config))
+        filled = _load_state(
+            flat_state,
+            merged_output_sizes(abstract),
+            model_dir,
+            resolved,
+            hf_config,
+            checkpoint_view(hf_config),
+        )
     model = nnx.merge(graphdef, nnx.from_flat_state(filled))
     return model, hf_config

@@ -41,6 +41,7 @@ from jaxpaged.worker.kv_cache import (
 from jaxpaged.worker.model_runner import ModelRunner, PendingStep
 from jaxpaged.worker.step_timeline import StepTimeline
 from jaxpaged.worker.swap import BlockMover
+from models.attention import kv_cache_head_dim
 from models.attention_backends import resolve_attention_backend
 from models.sharded_weights import load_sharded_model
 from models.sharding import kv_cache_sharding, make_mesh
@@ -115,7 +116,8 @@ class Worker:
             num_kv_heads=TPLayout.from_hf_config(
                 self.hf_config, self.tensor_parallel_size
             ).num_kv_heads_physical,
-            head_dim=_head_dim(self.hf_config),
+            # Pallas pads a head dim that is not a power of two (Phi-3's 96 -> 128).
+            head_dim=kv_cache_head_dim(_head_dim(self.hf_config), self.attention_backend),
             block_size=self.config.cache_config.block_size,
             dtype=self.dtype,
         )

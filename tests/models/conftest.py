@@ -68,8 +68,47 @@ TINY_CONFIGS = {
 }
 
 
+# The families added in issue 17 (tests/models/test_families.py builds only these).
+FAMILY_CONFIGS = {
+    # Per-head q/k RMSNorm; untied lm_head; Qwen3's default head_dim (128) overridden.
+    "qwen3": dict(architecture="Qwen3ForCausalLM", head_dim=16, tie_word_embeddings=False),
+    # Layer 0 slides (window 6, shorter than the prompts), layer 1 is full; caps small enough
+    # that tanh bends the random model's scores and logits; query_pre_attn_scalar != head_dim.
+    "gemma2": dict(
+        architecture="Gemma2ForCausalLM",
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=6,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    ),
+    # Fused qkv_proj / gate_up_proj in the checkpoint; a window on every layer; D = 96 / 4 = 24,
+    # not a power of two (like Phi-3-mini's 96), so the Pallas kernels need it padded.
+    "phi3": dict(
+        architecture="Phi3ForCausalLM",
+        hidden_size=96,
+        sliding_window=8,
+        pad_token_id=0,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    ),
+    # 4 experts, top 2; expert intermediate size 32.
+    "mixtral": dict(
+        architecture="MixtralForCausalLM",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        tie_word_embeddings=False,
+    ),
+}
+
+
 def make_hf_checkpoint(path: str, name: str, *, dtype: str = "float32", seed: int = 0) -> str:
-    """Saves a random-weight HF model of config ``name`` (``TINY_CONFIGS``) to ``path``.
+    """Saves a random-weight HF model of config ``name`` (``TINY_CONFIGS`` or
+    ``FAMILY_CONFIGS``) to ``path``.
 
     HF's init leaves biases at zero and norm weights at one; both are randomised so that a
     forgotten bias or norm weight shows in the logits.
@@ -77,14 +116,18 @@ def make_hf_checkpoint(path: str, name: str, *, dtype: str = "float32", seed: in
     import torch
     import transformers
 
-    spec = dict(TINY_CONFIGS[name])
+    spec = dict({**TINY_CONFIGS, **FAMILY_CONFIGS}[name])
     arch = spec.pop("architecture")
     config_class = {
         "LlamaForCausalLM": transformers.LlamaConfig,
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "Gemma2ForCausalLM": transformers.Gemma2Config,
+        "Phi3ForCausalLM": transformers.Phi3Config,
+        "MixtralForCausalLM": transformers.MixtralConfig,
     }[arch]
-    config = config_class(**_TINY, **spec, architectures=[arch])
+    config = config_class(**{**_TINY, **spec}, architectures=[arch])
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).eval()
     with torch.no_grad():

@@ -221,6 +221,67 @@ def test_replicated_kv_heads_qwen2_matches_one_device(tmp_path, stories_dir):
         )
 
 
+# ------------------------------------------------------------- Mixtral (MoE) and Phi-3 (fused)
+
+
+def test_mixtral_experts_split_over_tp_match_hf_and_one_device(tmp_path, stories_dir):
+    """tp=4: each device holds every expert's 32 / 4 intermediate columns (gate/up) and rows
+    (down) and one copy of the KV head its query head reads (Hkv=2); the routed grouped matmuls
+    run per device and one psum adds them."""
+    pytest.importorskip("torch")
+    path = make_hf_checkpoint(str(tmp_path / "mixtral"), "mixtral")
+    llm = LLM(
+        model=path, tokenizer=stories_dir, dtype="float32", tensor_parallel_size=4, **SMALL_ENGINE
+    )
+    assert _greedy(llm, QWEN2_PROMPTS, 8) == _hf_greedy(path, QWEN2_PROMPTS, 8)
+
+    engine = llm.llm_engine
+    one, _ = load_model(path)
+    ref = _prefill_logits(one, QWEN2_PROMPTS, num_kv_heads=2, head_dim=16, num_layers=2)
+    logits = _prefill_logits(
+        _engine_model(llm), QWEN2_PROMPTS, num_kv_heads=4, head_dim=16, num_layers=2,
+        mesh=engine.mesh,
+    )  # fmt: skip
+    assert relative_diff(logits, ref) < LOGITS_RTOL
+    params = _flat(engine.model_runner.model_state)
+    experts = "model.layers.0.block_sparse_moe.experts"
+    for name, local in [("gate_up_proj", (4, 64, 2 * 8)), ("down_proj", (4, 8, 64))]:
+        assert [s.data.shape for s in params[f"{experts}.{name}"].addressable_shards] == [local] * 4
+    # Device 1's gate_up block: its 8 columns of each expert's w1, then of w3.
+    tensors = safetensors.numpy.load_file(f"{path}/model.safetensors")
+    shard = next(
+        np.asarray(s.data)
+        for s in params[f"{experts}.gate_up_proj"].addressable_shards
+        if s.device == engine.mesh.devices.flat[1]
+    )
+    hf = "model.layers.0.block_sparse_moe.experts"
+    for e in range(4):
+        w1, w3 = tensors[f"{hf}.{e}.w1.weight"].T, tensors[f"{hf}.{e}.w3.weight"].T
+        np.testing.assert_array_equal(shard[e], np.concatenate([w1[:, 8:16], w3[:, 8:16]], -1))
+
+
+def test_phi3_fused_checkpoint_tensors_split_into_shards(tmp_path):
+    """Phi-3 stores qkv_proj and gate_up_proj fused; at tp=2 each device reads its q, k, v
+    (gate, up) rows out of them, and the logits equal one device's (D = 24)."""
+    pytest.importorskip("torch")
+    path = make_hf_checkpoint(str(tmp_path / "phi3"), "phi3")
+    one, _ = load_model(path)
+    ref = _prefill_logits(one, QWEN2_PROMPTS, num_kv_heads=2, head_dim=24, num_layers=2)
+    mesh = make_mesh(2)
+    model, _ = load_sharded_model(path, mesh=mesh)
+    logits = _prefill_logits(
+        model, QWEN2_PROMPTS, num_kv_heads=2, head_dim=24, num_layers=2, mesh=mesh
+    )
+    assert relative_diff(logits, ref) < LOGITS_RTOL
+    qkv = _flat(model)["model.layers.1.self_attn.qkv_proj.kernel"]
+    fused = safetensors.numpy.load_file(f"{path}/model.safetensors")[
+        "model.layers.1.self_attn.qkv_proj.weight"
+    ].T  # [96, q 96 | k 48 | v 48]: device 1 holds q heads 2-3 and KV head 1
+    shard = {s.device: np.asarray(s.data) for s in qkv.addressable_shards}[mesh.devices.flat[1]]
+    expected = np.concatenate([fused[:, 48:96], fused[:, 120:144], fused[:, 168:192]], -1)
+    np.testing.assert_array_equal(shard, expected)
+
+
 # ------------------------------------------------------------------------------------ loading
 
 
