@@ -240,10 +240,10 @@ def test_mixtral_experts_split_over_tp_match_hf_and_one_device(tmp_path, stories
     ref = _prefill_logits(one, QWEN2_PROMPTS, num_kv_heads=2, head_dim=16, num_layers=2)
     logits = _prefill_logits(
         _engine_model(llm), QWEN2_PROMPTS, num_kv_heads=4, head_dim=16, num_layers=2,
-        mesh=engine.mesh,
+        mesh=engine.worker.mesh,
     )  # fmt: skip
     assert relative_diff(logits, ref) < LOGITS_RTOL
-    params = _flat(engine.model_runner.model_state)
+    params = _flat(engine.worker.model_runner.model_state)
     experts = "model.layers.0.block_sparse_moe.experts"
     for name, local in [("gate_up_proj", (4, 64, 2 * 8)), ("down_proj", (4, 8, 64))]:
         assert [s.data.shape for s in params[f"{experts}.{name}"].addressable_shards] == [local] * 4
@@ -252,7 +252,7 @@ def test_mixtral_experts_split_over_tp_match_hf_and_one_device(tmp_path, stories
     shard = next(
         np.asarray(s.data)
         for s in params[f"{experts}.gate_up_proj"].addressable_shards
-        if s.device == engine.mesh.devices.flat[1]
+        if s.device == engine.worker.mesh.devices.flat[1]
     )
     hf = "model.layers.0.block_sparse_moe.experts"
     for e in range(4):
