@@ -29,6 +29,7 @@ from jaxpaged.outputs import RequestOutput
 from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
 from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from jaxpaged.worker.compilation_cache import enable_compilation_cache
 from jaxpaged.worker.distributed import agree_on_min, initialize_distributed, is_driver
 from jaxpaged.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -40,6 +41,7 @@ from jaxpaged.worker.kv_cache import (
     measure_kv_budget,
     num_blocks_for_budget,
 )
+from jaxpaged.worker.memory_pool import configure_memory_pool
 from jaxpaged.worker.model_runner import ModelRunner, PendingStep
 from jaxpaged.worker.swap import BlockMover
 from models.sharded_weights import load_sharded_model
@@ -64,7 +66,14 @@ class LLMEngine:
         self.config = config
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         tp = config.parallel_config.tensor_parallel_size
+        configure_memory_pool(cc.gpu_memory_utilization)  # before any device is touched
         initialize_distributed(config.parallel_config)  # before any device is touched
+        # Directory of JAX's persistent compilation cache (None: off): restarts compile nothing.
+        self.compilation_cache_dir = (
+            enable_compilation_cache(config.compilation_cache_dir)
+            if config.enable_compilation_cache
+            else None
+        )
         self.mesh = make_mesh(tp) if tp > 1 else None
         kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
         show_progress = show_progress and is_driver()

@@ -25,11 +25,14 @@ class LLM:
     ``num_gpu_blocks_override``, ``seed``, ``load_format``, ...). ``model=None`` loads the
     embedded stories260k checkpoint.
 
-    GPU memory: JAX preallocates ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the card (75% by default)
-    when it first touches the GPU, and the KV cache can only use memory inside that pool. The
-    ``jaxpaged`` CLI and the benchmark scripts set it from ``gpu_memory_utilization``; a program
-    that builds an ``LLM`` itself sets that environment variable (e.g. to ``"0.90"``) before
-    its first JAX operation, or the KV cache is capped by the smaller pool.
+    GPU memory: JAX preallocates a pool when it first touches the GPU, and the KV cache can
+    only use memory inside it. Built before any other JAX operation, the engine sizes that pool
+    to ``gpu_memory_utilization`` itself; built later, it warns with the pool's size and the fix
+    (``jaxpaged/worker/memory_pool.py``).
+
+    Restarts: compiled step executables are kept on disk (``compilation_cache_dir``, default
+    ``~/.cache/jaxpaged/xla``; ``enable_compilation_cache=False`` turns it off), so a second
+    construction of the same engine compiles nothing.
 
     Raises:
         ValueError: for an invalid argument or a missing / unsupported model directory.
