@@ -44,6 +44,7 @@ from jaxpaged.worker.kv_cache import (
 from jaxpaged.worker.memory_pool import configure_memory_pool
 from jaxpaged.worker.model_runner import ModelRunner, PendingStep
 from jaxpaged.worker.swap import BlockMover
+from models.orbax_checkpoint import is_orbax_checkpoint, load_orbax_model
 from models.sharded_weights import load_sharded_model
 from models.sharding import kv_cache_sharding, make_mesh
 from models.tp_layout import TPLayout
@@ -94,6 +95,8 @@ class LLMEngine:
             if self.mesh is None
             else functools.partial(load_sharded_model, mesh=self.mesh)
         )
+        if mc.load_format != "dummy" and is_orbax_checkpoint(mc.model):  # `jaxpaged convert`
+            load = functools.partial(load_orbax_model, mesh=self.mesh)
         model, self.hf_config = load(
             mc.model,
             dtype=self.dtype,

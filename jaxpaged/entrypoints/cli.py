@@ -15,6 +15,7 @@ import types
 import typing
 
 from jaxpaged.config import EngineArgs
+from jaxpaged.entrypoints.convert import add_convert_parser, run_convert
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
@@ -94,6 +95,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="generate past the EOS token")
     add_engine_args(gen)
     _add_serve_parser(sub)
+    add_convert_parser(sub)
     return parser
 
 
@@ -224,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "convert":
+            return run_convert(args)
     except ValueError as error:
         print(f"jaxpaged: error: {error}", file=sys.stderr)
         return 2
