@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 
+import jax
 from tqdm.auto import tqdm
 
 from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams
@@ -15,6 +16,9 @@ from jaxpaged.entrypoints.chat import Conversation, chat_prompt, is_single_conve
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.distributed import is_driver
+
+# Where ``LLM.start_profile`` writes its trace when given no directory (relative to the cwd).
+DEFAULT_PROFILE_DIR = "jaxpaged_profile"
 
 
 class LLM:
@@ -44,6 +48,38 @@ class LLM:
             raise ValueError(f"unknown LLM arguments: {sorted(unknown)}")
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._request_counter = itertools.count()
+        self._profile_dir: str | None = None  # set while a profiler trace runs
+
+    def start_profile(self, profile_dir: str = DEFAULT_PROFILE_DIR) -> None:
+        """Start a JAX profiler trace (vLLM's ``LLM.start_profile``) of what runs until
+        ``stop_profile``; open it with TensorBoard's profile plugin or Perfetto
+        (``<profile_dir>/plugins/profile/<run>/*.trace.json.gz``).
+
+        Args:
+            profile_dir: directory the trace is written to (vLLM reads it from
+                ``VLLM_TORCH_PROFILER_DIR``; here it is an argument).
+
+        Raises:
+            RuntimeError: a profile is already running.
+        """
+        if self._profile_dir is not None:
+            raise RuntimeError(
+                f"a profile is already running (into {self._profile_dir}); call stop_profile()"
+            )
+        jax.profiler.start_trace(profile_dir)
+        self._profile_dir = profile_dir
+
+    def stop_profile(self) -> str:
+        """Stop the trace ``start_profile`` began and write it; returns its directory.
+
+        Raises:
+            RuntimeError: no profile is running.
+        """
+        if self._profile_dir is None:
+            raise RuntimeError("no profile is running; call start_profile() first")
+        jax.profiler.stop_trace()
+        profile_dir, self._profile_dir = self._profile_dir, None
+        return profile_dir
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
