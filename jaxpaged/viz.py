@@ -68,29 +68,30 @@ def plot_block_pool(source: Any, ax=None, *, columns: int | None = None):
     n = snap.num_blocks
     columns = columns or max(8, math.ceil(math.sqrt(n * 2)))
     rows = math.ceil(n / columns)
-    ax = _axes(ax, (max(6, columns * 0.4), max(2, rows * 0.45 + 1)))
+    ax = _axes(ax, (max(7, columns * 0.75), rows * 0.75 + 1.2))
     annotate = n <= _MAX_ANNOTATED_BLOCKS
     for block, state in enumerate(snap.block_states):
         r, c = divmod(block, columns)
         ax.add_patch(_cell(c, rows - 1 - r, STATE_COLORS[state]))
         if annotate and snap.ref_counts[block]:
             ax.text(c + 0.5, rows - 0.5 - r, str(snap.ref_counts[block]), ha="center",
-                    va="center", color="white", fontsize=9, fontweight="bold")  # fmt: skip
+                    va="center", color="white", fontsize=11, fontweight="bold")  # fmt: skip
         elif annotate:
             ax.text(c + 0.5, rows - 0.5 - r, str(block), ha="center", va="center",
-                    color="#777777", fontsize=6)  # fmt: skip
+                    color="#555555", fontsize=8)  # fmt: skip
     ax.set_xlim(0, columns)
     ax.set_ylim(0, rows)
     ax.set_aspect("equal")
     ax.axis("off")
     counts = {s: snap.count(s) for s in (FREE, CACHED, REFERENCED)}
     ax.set_title(f"KV block pool: {n} blocks x {snap.block_size} tokens")
-    notes = {FREE: "grey: block id", CACHED: "evictable", REFERENCED: "white: ref count"}
+    notes = {FREE: "block id", CACHED: "evictable; block id", REFERENCED: "ref count"}
     ax.legend(
         handles=[
             Patch(color=STATE_COLORS[s], label=f"{s}: {counts[s]} ({notes[s]})") for s in counts
         ],
         loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, frameon=False,
+        title="state: count (number in the cell)",
     )  # fmt: skip
     return ax
 
@@ -185,7 +186,7 @@ def plot_step_timeline(source: Any, ax=None):
     usage_ax.set_ylim(0, 105)
     usage_ax.set_ylabel("KV blocks in use (%)")
     ax.set_title(f"Step timeline: {len(records)} steps, "
-                 f"{sum(r.num_preempted for r in records)} preemptions")  # fmt: skip
+                 f"{sum(r.num_preempted for r in records)} preemption(s)")  # fmt: skip
     ax.legend(
         handles=[Patch(color=PREFILL_COLOR, label="prefill tokens"),
                  Patch(color=DECODE_COLOR, label="decode tokens"),
