@@ -16,13 +16,16 @@ import jax
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.worker.compilation_cache import CompileCounter
+from jaxpaged.worker.memory_pool import backends_initialized
 
 
 def main() -> None:
     cache_dir, seqs = sys.argv[1], [int(s) for s in sys.argv[2:]]
     results = []
+    started_before = backends_initialized()
     for max_num_seqs in seqs:
-        jax.clear_caches()
+        if results:
+            jax.clear_caches()
         with CompileCounter() as counter:
             llm = LLM(
                 dtype="float32",
@@ -31,6 +34,7 @@ def main() -> None:
                 max_num_batched_tokens=16,
                 enforce_eager=False,  # compile every bucket at start-up, as on a GPU
                 compilation_cache_dir=cache_dir,
+                gpu_memory_utilization=0.7,
             )
             out = llm.generate("Once upon a time", SamplingParams(max_tokens=4), use_tqdm=False)
         results.append(
@@ -42,6 +46,9 @@ def main() -> None:
                 cache_hits=counter.cache_hits,
                 tokens=list(out[0].outputs[0].token_ids),
                 cache_dir=llm.llm_engine.compilation_cache_dir,
+                # the first engine of the process sized JAX's (GPU) pool before the backend started
+                started_before=started_before,
+                client_options=jax.config.jax_pjrt_client_create_options,
             )
         )
     print(json.dumps(results))

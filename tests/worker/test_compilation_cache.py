@@ -32,6 +32,10 @@ def test_restart_compiles_nothing_and_a_changed_config_recompiles(tmp_path):
     # between builds drops the in-memory executables, so each build reads only the disk cache.
     cold, warm, changed = _probe(tmp_path, 2, 2, 1)
     assert cold["cache_hits"] == 0 and cold["compiled"] >= cold["buckets"]
+    # The engine was the process's first JAX user, so it set the pool from
+    # gpu_memory_utilization (memory_pool.py); the CPU client ignores the option.
+    assert cold["started_before"] is False
+    assert cold["client_options"] == {"memory_fraction": 0.7}
     assert warm["compiled"] == 0, warm  # a restart loads every executable from disk
     assert warm["cache_hits"] == warm["requests"] == cold["requests"]
     assert warm["tokens"] == cold["tokens"]
