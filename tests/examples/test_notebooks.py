@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import tempfile
 
 import pytest
 
@@ -66,7 +67,7 @@ def test_internals_runs_and_draws_every_picture(tmp_path):
 
 
 if __name__ == "__main__":  # regenerate examples/images: python tests/examples/test_notebooks.py
-    build = pathlib.Path(shutil.os.environ.get("TMPDIR", "/tmp")) / "jaxpaged_notebooks"
+    build = pathlib.Path(tempfile.gettempdir()) / "jaxpaged_notebooks"
     build.mkdir(exist_ok=True)
     _execute("internals.ipynb", build)
     for png in (build / "images").glob("*.png"):
