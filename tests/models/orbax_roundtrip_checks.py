@@ -57,6 +57,15 @@ def check(tp: int, out_root: str, want: list[list[int]]) -> None:
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (path, a.sharding, b.sharding)
         assert np.array_equal(np.asarray(a), np.asarray(b)), path  # bit for bit (no NaNs here)
     print(f"tp={tp}: {len(got)} parameters restored bit for bit with their shardings", flush=True)
+    if tp == 1:  # another dtype than the stored one: orbax casts while reading, as the loader
+        cast, _ = load_orbax_model(out, dtype="bfloat16")
+        direct, _ = load_model(source, dtype="bfloat16")
+        for (path, a), (_, b) in zip(
+            nnx.to_flat_state(nnx.state(direct)), nnx.to_flat_state(nnx.state(cast)), strict=True
+        ):
+            a, b = a.get_value(), b.get_value()
+            assert b.dtype == a.dtype and np.array_equal(np.asarray(a), np.asarray(b)), path
+        print("tp=1: restored as bfloat16 equals loading the safetensors as bfloat16", flush=True)
     have = _greedy(out, tp)
     assert have == want, (have, want)
     print(f"tp={tp}: greedy tokens equal the safetensors engine's: {have}", flush=True)
