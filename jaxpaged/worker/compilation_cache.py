@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import os
 import re
+import threading
 
 import jax
 
@@ -100,6 +101,8 @@ class CompileCounter:
 
     requests: int = 0
     cache_hits: int = 0
+    # compile_all compiles buckets on several threads; each reports its own events.
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     @property
     def compiled(self) -> int:
@@ -107,11 +110,13 @@ class CompileCounter:
 
     def _on_duration(self, event: str, duration: float, **kwargs) -> None:
         if event == _COMPILE_REQUEST_EVENT:
-            self.requests += 1
+            with self._lock:
+                self.requests += 1
 
     def _on_event(self, event: str, **kwargs) -> None:
         if event == _CACHE_HIT_EVENT:
-            self.cache_hits += 1
+            with self._lock:
+                self.cache_hits += 1
 
     def __enter__(self) -> CompileCounter:
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
