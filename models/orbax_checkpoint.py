@@ -174,7 +174,7 @@ def load_orbax_model(
 
     Raises:
         ValueError: not a converted directory, a different shard count, or a parameter the
-            checkpoint lacks or holds with another shape (named).
+            checkpoint lacks, holds with another shape, or holds beyond the model's (named).
     """
     if load_format != "auto":
         raise ValueError(
@@ -225,6 +225,12 @@ def load_orbax_model(
             else NamedSharding(mesh, param_partition_spec(path, layout))
         )
         target[key] = jax.ShapeDtypeStruct(shape, jnp.dtype(resolved), sharding=sharding)
+    extra = sorted(set(meta["params"]) - set(target))
+    if extra:
+        raise ValueError(
+            f"the checkpoint {model_dir} holds parameter {extra[0]}, which the model built from "
+            "its config.json does not have"
+        )
     import orbax.checkpoint as ocp  # 0.6 s to import: only when a checkpoint is read
 
     checkpointer = ocp.StandardCheckpointer()

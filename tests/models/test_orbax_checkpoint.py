@@ -71,3 +71,21 @@ def test_a_converted_directory_is_recognised_and_its_version_checked(tmp_path):
     assert is_orbax_checkpoint(str(tmp_path))
     with pytest.raises(ValueError, match="version 99.*convert the model again"):
         read_metadata(str(tmp_path))
+
+
+def test_a_checkpoint_that_does_not_match_the_model_names_the_parameter(stories_dir, tmp_path):
+    from models.orbax_checkpoint import load_orbax_model
+
+    out = tmp_path / "out"
+    convert(stories_dir, str(out), load_format="dummy")
+    meta = json.loads((out / MARKER).read_text())
+    good = dict(meta["params"])
+    key = "model.layers.0.self_attn.qkv_proj.kernel"
+    meta["params"][key] = [[1, 2], "float32"]
+    (out / MARKER).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=f"parameter {key} of shape .* is of shape \\(1, 2\\)"):
+        load_orbax_model(str(out))
+    meta["params"] = dict(good, **{"model.extra.kernel": [[1], "float32"]})
+    (out / MARKER).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="holds parameter model.extra.kernel"):
+        load_orbax_model(str(out))
