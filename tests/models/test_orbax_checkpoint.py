@@ -73,14 +73,41 @@ def test_a_converted_directory_is_recognised_and_its_version_checked(tmp_path):
         read_metadata(str(tmp_path))
 
 
+def _marker_only_checkpoint(stories_dir, out: pathlib.Path) -> dict:
+    """A converted directory's config and MARKER without parameters: the checks that compare
+    the MARKER with the model run before orbax reads anything."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.orbax_checkpoint import FORMAT, FORMAT_VERSION, param_key
+    from models.registry import get_model_class
+    from models.weights import load_config
+
+    hf_config = load_config(stories_dir)
+    abstract = nnx.eval_shape(
+        lambda: get_model_class(hf_config)(
+            hf_config, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)
+        )
+    )
+    params = {
+        param_key(path): [list(v.get_value().shape), "float32"]
+        for path, v in nnx.to_flat_state(nnx.state(abstract))
+    }
+    out.mkdir()
+    (out / "config.json").write_text((pathlib.Path(stories_dir) / "config.json").read_text())
+    meta = dict(format=FORMAT, version=FORMAT_VERSION, tensor_parallel_size=1, params=params)
+    (out / MARKER).write_text(json.dumps(meta))
+    return meta
+
+
 def test_a_checkpoint_that_does_not_match_the_model_names_the_parameter(stories_dir, tmp_path):
     from models.orbax_checkpoint import load_orbax_model
 
     out = tmp_path / "out"
-    convert(stories_dir, str(out), load_format="dummy")
-    meta = json.loads((out / MARKER).read_text())
+    meta = _marker_only_checkpoint(stories_dir, out)
     good = dict(meta["params"])
     key = "model.layers.0.self_attn.qkv_proj.kernel"
+    assert key in good
     meta["params"][key] = [[1, 2], "float32"]
     (out / MARKER).write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=f"parameter {key} of shape .* is of shape \\(1, 2\\)"):
@@ -89,3 +116,7 @@ def test_a_checkpoint_that_does_not_match_the_model_names_the_parameter(stories_
     (out / MARKER).write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="holds parameter model.extra.kernel"):
         load_orbax_model(str(out))
+    with pytest.raises(
+        ValueError, match="load_format must be auto for the orbax checkpoint .* got .dummy."
+    ):
+        load_orbax_model(str(out), load_format="dummy")
