@@ -111,6 +111,16 @@ class EngineArgs:
         "waits on Python between steps (vLLM's --async-scheduling). Beam-search steps run "
         "synchronously.",
     )
+    enable_compilation_cache: bool = _arg(
+        True,
+        "Keep compiled step executables on disk (JAX's persistent compilation cache) so a restart "
+        "compiles nothing; --no-enable-compilation-cache turns it off.",
+    )
+    compilation_cache_dir: str | None = _arg(
+        None,
+        "Root directory of the compilation cache; None: ~/.cache/jaxpaged/xla. Entries go under "
+        "jax-<version>/<platform>-<device kind>/ (jaxpaged/worker/compilation_cache.py).",
+    )
     disable_log_stats: bool = _arg(True, "Silence the periodic stats log line.")
     tensor_parallel_size: int = _arg(
         1,
@@ -194,6 +204,8 @@ class EngineConfig:
     enforce_eager: bool | None
     parallel_config: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     async_scheduling: bool = False
+    enable_compilation_cache: bool = True
+    compilation_cache_dir: str | None = None  # None: compilation_cache.DEFAULT_CACHE_ROOT
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -292,6 +304,8 @@ class EngineConfig:
             enforce_eager=args.enforce_eager,
             parallel_config=parallel_config,
             async_scheduling=args.async_scheduling,
+            enable_compilation_cache=bool(args.enable_compilation_cache),
+            compilation_cache_dir=args.compilation_cache_dir,
         )
 
 

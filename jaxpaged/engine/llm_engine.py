@@ -18,8 +18,10 @@ from transformers import AutoTokenizer
 from jaxpaged.beam_search import BeamSearchParams
 from jaxpaged.config import EngineArgs, EngineConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
+from jaxpaged.core.kv_cache_snapshot import KVCacheSnapshot, take_snapshot
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.stats import SchedulerStats
+from jaxpaged.core.step_history import StepHistory
 from jaxpaged.engine.async_scheduling import InFlightStep, commit_with_placeholders, resolve
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.outputs import RequestOutput
@@ -65,6 +67,9 @@ class LLMEngine:
             num_cpu_blocks=self.worker.num_cpu_blocks,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        # What each step scheduled (jaxpaged.viz draws it; bounded, oldest dropped).
+        self.step_history = StepHistory()
+
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         # Async scheduling: the dispatched step whose tokens are not yet on the host. The flag
         # may be switched between runs (benchmarks compare both); a step in flight drains first.
@@ -234,6 +239,15 @@ class LLMEngine:
         """Scheduler and KV-cache counters for metrics (fields named after vLLM's metrics)."""
         return self.scheduler.get_stats()
 
+    @property
+    def compilation_cache_dir(self) -> str | None:
+        """Directory of JAX's persistent compilation cache, None when it is off."""
+        return self.worker.compilation_cache_dir
+
+    def kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """A read-only copy of every KV block's state and every sequence's block table."""
+        return take_snapshot(self.kv_cache_manager)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (blocks in use keep their K/V). Returns True."""
         self.kv_cache_manager.reset_prefix_cache()
@@ -258,6 +272,7 @@ class LLMEngine:
 
     def _step_async(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        self.step_history.record(scheduler_output, self.kv_cache_manager.usage)
         in_flight, self._in_flight = self._in_flight, None
         if scheduler_output.num_beam_candidates:
             # Beam steps need the previous tokens on the host: finish the pipeline first.
@@ -296,6 +311,7 @@ class LLMEngine:
 
     def _step_sync(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        self.step_history.record(scheduler_output, self.kv_cache_manager.usage)
         return self._commit(scheduler_output, self._run_sync(scheduler_output))
 
 

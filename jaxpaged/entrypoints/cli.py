@@ -16,6 +16,7 @@ import types
 import typing
 
 from jaxpaged.config import EngineArgs
+from jaxpaged.entrypoints.convert import add_convert_parser, run_convert
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
@@ -102,6 +103,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("bench_kind", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+    add_convert_parser(sub)
     return parser
 
 
@@ -251,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "convert":
+            return run_convert(args)
     except ValueError as error:
         print(f"jaxpaged: error: {error}", file=sys.stderr)
         return 2

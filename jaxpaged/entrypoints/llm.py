@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 
+import jax
 from tqdm.auto import tqdm
 
 from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams
@@ -16,6 +17,9 @@ from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.distributed import is_driver
 
+# Where ``LLM.start_profile`` writes its trace when given no directory (relative to the cwd).
+DEFAULT_PROFILE_DIR = "jaxpaged_profile"
+
 
 class LLM:
     """Generate from a local HF checkpoint with paged KV and continuous batching.
@@ -25,11 +29,14 @@ class LLM:
     ``num_gpu_blocks_override``, ``seed``, ``load_format``, ...). ``model=None`` loads the
     embedded stories260k checkpoint.
 
-    GPU memory: JAX preallocates ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the card (75% by default)
-    when it first touches the GPU, and the KV cache can only use memory inside that pool. The
-    ``jaxpaged`` CLI and the benchmark scripts set it from ``gpu_memory_utilization``; a program
-    that builds an ``LLM`` itself sets that environment variable (e.g. to ``"0.90"``) before
-    its first JAX operation, or the KV cache is capped by the smaller pool.
+    GPU memory: JAX preallocates a pool when it first touches the GPU, and the KV cache can
+    only use memory inside it. Built before any other JAX operation, the engine sizes that pool
+    to ``gpu_memory_utilization`` itself; built later, it warns with the pool's size and the fix
+    (``jaxpaged/worker/memory_pool.py``).
+
+    Restarts: compiled step executables are kept on disk (``compilation_cache_dir``, default
+    ``~/.cache/jaxpaged/xla``; ``enable_compilation_cache=False`` turns it off), so a second
+    construction of the same engine compiles nothing.
 
     Raises:
         ValueError: for an invalid argument or a missing / unsupported model directory.
@@ -41,6 +48,38 @@ class LLM:
             raise ValueError(f"unknown LLM arguments: {sorted(unknown)}")
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._request_counter = itertools.count()
+        self._profile_dir: str | None = None  # set while a profiler trace runs
+
+    def start_profile(self, profile_dir: str = DEFAULT_PROFILE_DIR) -> None:
+        """Start a JAX profiler trace (vLLM's ``LLM.start_profile``) of what runs until
+        ``stop_profile``; open it with TensorBoard's profile plugin or Perfetto
+        (``<profile_dir>/plugins/profile/<run>/*.trace.json.gz``).
+
+        Args:
+            profile_dir: directory the trace is written to (vLLM reads it from
+                ``VLLM_TORCH_PROFILER_DIR``; here it is an argument).
+
+        Raises:
+            RuntimeError: a profile is already running.
+        """
+        if self._profile_dir is not None:
+            raise RuntimeError(
+                f"a profile is already running (into {self._profile_dir}); call stop_profile()"
+            )
+        jax.profiler.start_trace(profile_dir)
+        self._profile_dir = profile_dir
+
+    def stop_profile(self) -> str:
+        """Stop the trace ``start_profile`` began and write it; returns its directory.
+
+        Raises:
+            RuntimeError: no profile is running.
+        """
+        if self._profile_dir is None:
+            raise RuntimeError("no profile is running; call start_profile() first")
+        jax.profiler.stop_trace()
+        profile_dir, self._profile_dir = self._profile_dir, None
+        return profile_dir
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

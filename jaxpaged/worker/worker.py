@@ -27,6 +27,7 @@ import jax
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.scheduler_output import SchedulerOutput
 from jaxpaged.sample.logprobs import ModelRunnerOutput
+from jaxpaged.worker.compilation_cache import enable_compilation_cache
 from jaxpaged.worker.distributed import agree_on_min, initialize_distributed, is_driver
 from jaxpaged.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -38,11 +39,13 @@ from jaxpaged.worker.kv_cache import (
     measure_kv_budget,
     num_blocks_for_budget,
 )
+from jaxpaged.worker.memory_pool import configure_memory_pool
 from jaxpaged.worker.model_runner import ModelRunner, PendingStep
 from jaxpaged.worker.step_timeline import StepTimeline
 from jaxpaged.worker.swap import BlockMover
 from models.attention import kv_cache_head_dim
 from models.attention_backends import resolve_attention_backend
+from models.orbax_checkpoint import is_orbax_checkpoint, load_orbax_model
 from models.sharded_weights import load_sharded_model
 from models.sharding import kv_cache_sharding, make_mesh
 from models.tp_layout import TPLayout
@@ -64,7 +67,15 @@ class Worker:
     def __init__(self, config: EngineConfig, *, show_progress: bool = True):
         self.config = config
         self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
+        # JAX's GPU pool from gpu_memory_utilization: before any device is touched.
+        configure_memory_pool(config.cache_config.gpu_memory_utilization)
         initialize_distributed(config.parallel_config)  # before any device is touched
+        # Directory of JAX's persistent compilation cache (None: off): restarts compile nothing.
+        self.compilation_cache_dir = (
+            enable_compilation_cache(config.compilation_cache_dir)
+            if config.enable_compilation_cache
+            else None
+        )
         tp = self.tensor_parallel_size
         self.mesh = make_mesh(tp) if tp > 1 else None
         self._kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
@@ -101,6 +112,8 @@ class Worker:
             if self.mesh is None
             else functools.partial(load_sharded_model, mesh=self.mesh)
         )
+        if mc.load_format != "dummy" and is_orbax_checkpoint(mc.model):  # `jaxpaged convert`
+            load = functools.partial(load_orbax_model, mesh=self.mesh)
         self._model, self.hf_config = load(
             mc.model,
             dtype=mc.dtype,

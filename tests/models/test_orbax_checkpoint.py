@@ -1,0 +1,122 @@
+"""``jaxpaged convert`` and orbax restore (``models/orbax_checkpoint.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jaxpaged.entrypoints.cli import main as cli_main
+from jaxpaged.entrypoints.convert import convert
+from models.orbax_checkpoint import MARKER, is_orbax_checkpoint, read_metadata
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def test_round_trips_at_tp_1_and_2_on_cpu_devices():
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(REPO),
+        XLA_FLAGS=(
+            os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+        ).strip(),
+    )
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "orbax_roundtrip_checks.py")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    report = proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, report
+    for line in (
+        "tp=1: 32 parameters restored bit for bit",
+        "tp=2: 32 parameters restored bit for bit",
+        "tp=1: greedy tokens equal",
+        "tp=1: restored as bfloat16 equals loading the safetensors as bfloat16",
+        "tp=2: greedy tokens equal",
+        "tp=2 checkpoint at tp=1: refused by name",
+        "ALL OK",
+    ):
+        assert line in proc.stdout, report
+
+
+@pytest.mark.parametrize("method", ["awq", "fp8", "gptq"])
+def test_quantization_other_than_none_is_refused_by_name(stories_dir, tmp_path, method):
+    with pytest.raises(ValueError, match=f"quantization must be one of \\['none'\\].*'{method}'"):
+        convert(stories_dir, str(tmp_path / "out"), quantization=method)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_reports_a_bad_quantization_as_an_error(stories_dir, tmp_path, capsys):
+    assert cli_main(["convert", stories_dir, str(tmp_path / "o"), "--quantization", "awq"]) == 2
+    assert "quantization" in capsys.readouterr().err
+
+
+def test_output_directory_must_be_new_or_empty(stories_dir, tmp_path):
+    (tmp_path / "keep.txt").write_text("x")
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        convert(stories_dir, str(tmp_path), load_format="dummy")
+
+
+def test_a_converted_directory_is_recognised_and_its_version_checked(tmp_path):
+    assert not is_orbax_checkpoint(str(tmp_path))
+    with pytest.raises(ValueError, match="not a jaxpaged orbax checkpoint"):
+        read_metadata(str(tmp_path))
+    (tmp_path / MARKER).write_text(json.dumps({"format": "jaxpaged-orbax", "version": 99}))
+    assert is_orbax_checkpoint(str(tmp_path))
+    with pytest.raises(ValueError, match="version 99.*convert the model again"):
+        read_metadata(str(tmp_path))
+
+
+def _marker_only_checkpoint(stories_dir, out: pathlib.Path) -> dict:
+    """A converted directory's config and MARKER without parameters: the checks that compare
+    the MARKER with the model run before orbax reads anything."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.orbax_checkpoint import FORMAT, FORMAT_VERSION, param_key
+    from models.registry import get_model_class
+    from models.weights import load_config
+
+    hf_config = load_config(stories_dir)
+    abstract = nnx.eval_shape(
+        lambda: get_model_class(hf_config)(
+            hf_config, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)
+        )
+    )
+    params = {
+        param_key(path): [list(v.get_value().shape), "float32"]
+        for path, v in nnx.to_flat_state(nnx.state(abstract))
+    }
+    out.mkdir()
+    (out / "config.json").write_text((pathlib.Path(stories_dir) / "config.json").read_text())
+    meta = dict(format=FORMAT, version=FORMAT_VERSION, tensor_parallel_size=1, params=params)
+    (out / MARKER).write_text(json.dumps(meta))
+    return meta
+
+
+def test_a_checkpoint_that_does_not_match_the_model_names_the_parameter(stories_dir, tmp_path):
+    from models.orbax_checkpoint import load_orbax_model
+
+    out = tmp_path / "out"
+    meta = _marker_only_checkpoint(stories_dir, out)
+    good = dict(meta["params"])
+    key = "model.layers.0.self_attn.qkv_proj.kernel"
+    assert key in good
+    meta["params"][key] = [[1, 2], "float32"]
+    (out / MARKER).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=f"parameter {key} of shape .* is of shape \\(1, 2\\)"):
+        load_orbax_model(str(out))
+    meta["params"] = dict(good, **{"model.extra.kernel": [[1], "float32"]})
+    (out / MARKER).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="holds parameter model.extra.kernel"):
+        load_orbax_model(str(out))
+    with pytest.raises(
+        ValueError, match="load_format must be auto for the orbax checkpoint .* got .dummy."
+    ):
+        load_orbax_model(str(out), load_format="dummy")
