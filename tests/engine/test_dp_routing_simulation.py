@@ -85,8 +85,9 @@ def _serve(engines, balancer, workload):
                         balancer.finish_request(output.request_id)
         balancer.check_invariants()
     after = [e.get_stats() for e in engines]
-    hits = sum(a.prefix_cache_hits - b.prefix_cache_hits for a, b in zip(after, before))
-    queries = sum(a.prefix_cache_queries - b.prefix_cache_queries for a, b in zip(after, before))
+    pairs = list(zip(after, before, strict=True))
+    hits = sum(a.prefix_cache_hits - b.prefix_cache_hits for a, b in pairs)
+    queries = sum(a.prefix_cache_queries - b.prefix_cache_queries for a, b in pairs)
     return outputs, hits / queries
 
 
