@@ -50,6 +50,7 @@ def build_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     max_num_queued_requests: int | None = None,
+    metrics_prefix: str = "jaxpaged",
 ) -> FastAPI:
     """The server app over ``llm_engine`` (an ``LLMEngine``); its loop starts with the app's
     lifespan and stops with it.
@@ -60,17 +61,20 @@ def build_app(
         api_key: required as ``Authorization: Bearer <key>`` on ``/v1/*``; None: no key.
         chat_template: a file path or inline Jinja template replacing the tokenizer's.
         max_num_queued_requests: bound of the waiting queue (HTTP 429 beyond); None: unbounded.
+        metrics_prefix: ``/metrics`` name prefix, ``"jaxpaged"`` or ``"vllm"`` (vLLM's names,
+            for gateways and autoscalers; ``jaxpaged.metrics``).
 
     ``app.state.engine`` is the ``AsyncLLMEngine``, ``app.state.metrics`` its ``ServerMetrics``.
 
     Raises:
-        ValueError: an empty served name list, a bad chat template or queue bound.
+        ValueError: an empty served name list, a bad chat template, queue bound or metrics
+            prefix.
     """
     model_config = llm_engine.config.model_config
     names = list(served_model_names or [model_config.model])
     if not names or not all(names):
         raise ValueError(f"served_model_names must be non-empty names, got {names!r}")
-    metrics = ServerMetrics(names[0])
+    metrics = ServerMetrics(names[0], prefix=metrics_prefix)
     engine = AsyncLLMEngine(
         llm_engine, max_num_queued_requests=max_num_queued_requests, metrics=metrics
     )
@@ -224,6 +228,7 @@ def run_server(
     api_key: str | None = None,
     chat_template: str | None = None,
     max_num_queued_requests: int | None = None,
+    metrics_prefix: str = "jaxpaged",
     uvicorn_log_level: str = "info",
 ) -> None:
     """Build the engine from ``engine_args`` (``EngineArgs``) and serve until interrupted.
@@ -241,5 +246,6 @@ def run_server(
         api_key=api_key,
         chat_template=chat_template,
         max_num_queued_requests=max_num_queued_requests,
+        metrics_prefix=metrics_prefix,
     )
     uvicorn.run(app, host=host or "0.0.0.0", port=port, log_level=uvicorn_log_level)
