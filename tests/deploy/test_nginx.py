@@ -37,8 +37,8 @@ pytestmark = pytest.mark.skipif(
 
 SERVE_ARGS = [
     "--max-model-len", "64",
-    "--max-num-seqs", "4",
-    "--max-num-batched-tokens", "32",
+    "--max-num-seqs", "2",
+    "--max-num-batched-tokens", "16",
     "--metrics-prefix", "vllm",
     "--uvicorn-log-level", "warning",
 ]  # fmt: skip
@@ -153,8 +153,9 @@ def cluster(tmp_path):
         replicas.wait_healthy([0], timeout=120)
         replicas.start(1)
         replicas.start(2)
-        # Compile the step shapes of streaming batches of 1..4 on replica 0 while 1 and 2 import.
-        warm = asyncio.run(_burst(specs[0].url, "warm", 6, via_nginx=False))
+        # Replica 0 compiles the two step shapes (prefill and decode; max_num_seqs 2 keeps it to
+        # two) into the shared cache while 1 and 2 import.
+        warm = asyncio.run(_burst(specs[0].url, "warm", 4, via_nginx=False))
         assert all(warm.values())
         nginx = subprocess.Popen(
             [
