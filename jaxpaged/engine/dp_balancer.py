@@ -4,9 +4,11 @@ Under ``--data-parallel-size N`` one API process feeds N engine cores, each with
 and KV cache (DESIGN.md §9). ``DPBalancer`` picks the core for every new request and keeps the
 count of requests each core has not finished yet:
 
-- ``"least_loaded"`` (default, vLLM's data-parallel balancing): the healthy engine with the
-  fewest outstanding requests. Ties go round robin, starting after the engine chosen last, so
-  that requests which finish before the next arrives still spread over every engine.
+- ``"least_loaded"`` (default): the healthy engine with the fewest outstanding requests. Ties go
+  round robin, starting after the engine chosen last, so that requests which finish before the
+  next arrives still spread over every engine. (vLLM's ``DPLBAsyncMPClient`` ranks engines by
+  ``4 * waiting + running`` as the engines last published them; counting outstanding requests
+  in the API process needs no stats channel and is never stale.)
 - ``"prefix"``: requests whose prompts share their first ``prefix_blocks`` full KV blocks go to
   the same engine, so the second one finds the first one's blocks in that engine's prefix cache.
   The key is the chained block hash of ``jaxpaged.core.prefix_cache`` (the one the prefix cache
