@@ -149,6 +149,7 @@ class ServerMetrics:
             ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
             registry=self.registry,
         )
+        self._lora_labels: tuple[str, str, str] | None = None
         self.observe_lora_adapters((), ())
 
         def histogram(name, doc, buckets):
@@ -201,13 +202,17 @@ class ServerMetrics:
 
     def observe_lora_adapters(self, running: SequenceABC[str], waiting: SequenceABC[str]) -> None:
         """Set ``lora_requests_info`` to now, labelled with these adapter names (distinct,
-        in first-seen order, as vLLM's), replacing the previous label set."""
-        self.lora_requests_info.clear()
-        self.lora_requests_info.labels(
+        in first-seen order, as vLLM's), replacing the previous label set (removed after the
+        new one is set, so a scrape never finds the metric empty)."""
+        labels = (
             str(self.max_loras),
             ",".join(dict.fromkeys(running)),
             ",".join(dict.fromkeys(waiting)),
-        ).set_to_current_time()
+        )
+        self.lora_requests_info.labels(*labels).set_to_current_time()
+        previous, self._lora_labels = self._lora_labels, labels
+        if previous is not None and previous != labels:
+            self.lora_requests_info.remove(*previous)
 
     # --------------------------------------------------------------- engine-thread callbacks
     def observe_added(self, request_id: str, arrival_time: float) -> None:
