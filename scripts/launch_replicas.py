@@ -99,11 +99,12 @@ def plan_replicas(
 
 
 def nginx_upstream(replicas: list[ReplicaSpec]) -> str:
-    """The ``upstream`` block of deploy/nginx.conf for these replicas."""
-    lines = [f"    upstream {UPSTREAM_NAME} {{", "        least_conn;"]
-    lines += [f"        server {r.host}:{r.port} {UPSTREAM_SERVER_PARAMS};" for r in replicas]
-    lines += ["        keepalive 64;", "    }"]
-    return "\n".join(lines)
+    """The ``upstream`` block of deploy/nginx.conf, rendered for these replicas."""
+    text = render_nginx_config(replicas)
+    block = re.search(rf"^ *upstream {UPSTREAM_NAME} {{.*?^ *}}", text, flags=re.M | re.S)
+    if block is None:
+        raise ValueError(f"deploy/nginx.conf has no `upstream {UPSTREAM_NAME}` block")
+    return block.group(0)
 
 
 def render_nginx_config(
