@@ -24,6 +24,13 @@ Health: ``mark_dead`` takes an engine out of rotation and returns the ids of the
 held (the caller fails their streams); ``mark_alive`` puts it back. With every engine dead,
 ``choose`` raises ``NoHealthyEngineError``.
 
+Wiring (the API process under ``--data-parallel-size N``): ``engine = add_request(request_id,
+prompt_token_ids, extra_keys=seq.block_hash_extra_keys)`` before sending the request to core
+``engine``; ``finish_request(request_id)`` on its final output or abort; when core i dies,
+``mark_dead(i)`` and fail the returned requests' streams (``/health`` stays 200 while any engine
+is healthy); ``mark_alive(i)`` after a restart. Not thread-safe: call it from one thread (the
+event loop).
+
 Invariant (``check_invariants``): each outstanding request belongs to exactly one engine, and
 each engine's count equals the number of requests assigned to it.
 """
