@@ -27,8 +27,8 @@ held (the caller fails their streams); ``mark_alive`` puts it back. With every e
 Wiring (the API process under ``--data-parallel-size N``): ``engine = add_request(request_id,
 prompt_token_ids, extra_keys=seq.block_hash_extra_keys)`` before sending the request to core
 ``engine``; ``finish_request(request_id)`` on its final output or abort; when core i dies,
-``mark_dead(i)`` and fail the returned requests' streams (``/health`` stays 200 while any engine
-is healthy); ``mark_alive(i)`` after a restart. Not thread-safe: call it from one thread (the
+``mark_dead(i)``, fail the returned requests' streams and report core i on ``/health`` and in
+metrics (the others keep serving); ``mark_alive(i)`` after a restart. Not thread-safe: call it from one thread (the
 event loop).
 
 Invariant (``check_invariants``): each outstanding request belongs to exactly one engine, and
