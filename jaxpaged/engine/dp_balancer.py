@@ -28,8 +28,8 @@ Wiring (the API process under ``--data-parallel-size N``): ``engine = add_reques
 prompt_token_ids, extra_keys=seq.block_hash_extra_keys)`` before sending the request to core
 ``engine``; ``finish_request(request_id)`` on its final output or abort; when core i dies,
 ``mark_dead(i)``, fail the returned requests' streams and report core i on ``/health`` and in
-metrics (the others keep serving); ``mark_alive(i)`` after a restart. Not thread-safe: call it from one thread (the
-event loop).
+metrics (the others keep serving); ``mark_alive(i)`` after a restart. Not thread-safe: call it
+from one thread (the event loop).
 
 Invariant (``check_invariants``): each outstanding request belongs to exactly one engine, and
 each engine's count equals the number of requests assigned to it.
