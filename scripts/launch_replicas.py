@@ -8,9 +8,9 @@ is read from it). On GPU, replica i sees the devices ``gpu_ids[i*tp : (i+1)*tp]`
 ``CUDA_VISIBLE_DEVICES`` (default ids 0..N*tp-1); on CPU the replicas are plain processes. The
 launcher waits until every replica answers ``GET /health`` with 200, prints their URLs, forwards
 SIGINT / SIGTERM to them, and stops them all when it exits or one of them dies (unless
-``--keep-going``). ``--print-nginx-upstream`` prints the ``upstream`` block for ``deploy/nginx.conf``
-and exits; ``--write-nginx-config PATH`` writes that file with these replicas (and ``--nginx-run-dir``
-for pid / log / temp paths a non-root Nginx can write).
+``--keep-going``). ``--print-nginx-upstream`` prints the ``upstream`` block for
+``deploy/nginx.conf`` and exits; ``--write-nginx-config PATH`` writes that file with these replicas
+(and ``--nginx-run-dir`` for pid / log / temp paths a non-root Nginx can write).
 
 ``ReplicaSet`` is the same machinery as a library (tests/deploy/test_nginx.py drives it).
 """
