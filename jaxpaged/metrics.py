@@ -35,6 +35,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 DEFAULT_METRICS_PREFIX = "jaxpaged"
+PREFIX = DEFAULT_METRICS_PREFIX + ":"  # the default prefix with its colon (older name)
 # Values of ``--metrics-prefix``: ours, or vLLM's for gateways and dashboards built for vLLM.
 METRICS_PREFIX_CHOICES = ("jaxpaged", "vllm")
 
@@ -288,9 +289,10 @@ class ServerMetrics:
         usage = engine.kv_cache_manager.usage
         self.kv_cache_usage_perc.set(usage)
         self.gpu_cache_usage_perc.set(usage)
-        self.observe_lora_adapters(
-            _lora_names(scheduler.running), _lora_names(getattr(scheduler, "waiting", ()))
-        )
+        # Scheduler.lora_adapter_names() -> (running names, waiting names) comes with multi-LoRA
+        # (issue 15); a scheduler without it serves no adapters.
+        adapter_names = getattr(scheduler, "lora_adapter_names", None)
+        self.observe_lora_adapters(*(adapter_names() if adapter_names else ((), ())))
         num_preemptions = scheduler.num_preemptions
         if num_preemptions > self._last_num_preemptions:
             self.num_preemptions.inc(num_preemptions - self._last_num_preemptions)
@@ -316,17 +318,6 @@ def _prefix_cache_stats(engine) -> tuple[int, int] | None:
             return None
         values.append(int(value))
     return values[0], values[1]
-
-
-def _lora_names(groups) -> list[str]:
-    """Adapter names of these sequence groups' LoRA requests (vLLM's ``lora_request.lora_name``;
-    groups carry one once multi-LoRA lands, issue 15)."""
-    names = []
-    for group in groups:
-        lora_request = getattr(group, "lora_request", None)
-        if lora_request is not None:
-            names.append(lora_request.lora_name)
-    return names
 
 
 class _Merged(Collector):

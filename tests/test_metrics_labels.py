@@ -16,17 +16,20 @@ def _families(text: bytes) -> dict:
 
 
 def _engine(running=(), waiting=()):
-    def group(request_id, lora):
-        lora_request = None if lora is None else SimpleNamespace(lora_name=lora)
-        return SimpleNamespace(request_id=request_id, lora_request=lora_request)
+    """A scripted engine whose running / waiting requests use these adapters (None: base model);
+    ``lora_adapter_names`` reports them as multi-LoRA's scheduler does (distinct, sorted)."""
+
+    def names(loras):
+        return sorted({lora for lora in loras if lora is not None})
 
     scheduler = SimpleNamespace(
-        running=[group(f"r{i}", lora) for i, lora in enumerate(running)],
-        waiting=[group(f"w{i}", lora) for i, lora in enumerate(waiting)],
+        running=[SimpleNamespace(request_id=f"r{i}") for i in range(len(running))],
+        num_running=len(running),
+        num_waiting=len(waiting),
         num_preemptions=0,
         num_swapped=0,
+        lora_adapter_names=lambda: (names(running), names(waiting)),
     )
-    scheduler.num_running, scheduler.num_waiting = len(running), len(waiting)
     return SimpleNamespace(scheduler=scheduler, kv_cache_manager=SimpleNamespace(usage=0.5))
 
 
@@ -52,7 +55,7 @@ def test_vllm_prefix_gives_the_gateway_names_with_model_and_engine_labels():
     assert lora.value > 1.7e9  # a Unix time, as vLLM's set_to_current_time
 
 
-def test_lora_requests_info_names_running_and_waiting_adapters_once_each():
+def test_lora_requests_info_names_the_schedulers_running_and_waiting_adapters():
     metrics = ServerMetrics("m", max_loras=4)
     metrics.observe_engine_state(_engine(running=["sql", None, "sql", "chat"], waiting=["math"]))
     metrics.observe_engine_state(_engine(running=["sql"], waiting=[]))
@@ -64,7 +67,7 @@ def test_lora_requests_info_names_running_and_waiting_adapters_once_each():
     }
     metrics.observe_engine_state(_engine(running=["sql", None, "sql", "chat"], waiting=["math"]))
     (lora,) = _families(metrics.render())["jaxpaged:lora_requests_info"].samples
-    assert lora.labels["running_lora_adapters"] == "sql,chat"
+    assert lora.labels["running_lora_adapters"] == "chat,sql"
     assert lora.labels["waiting_lora_adapters"] == "math"
 
 
