@@ -204,7 +204,10 @@ class ServerMetrics:
     def observe_lora_adapters(self, running: SequenceABC[str], waiting: SequenceABC[str]) -> None:
         """Set ``lora_requests_info`` to now, labelled with these adapter names (distinct,
         in first-seen order, as vLLM's), replacing the previous label set (removed after the
-        new one is set, so a scrape never finds the metric empty)."""
+        new one is set, so a scrape never finds the metric empty).
+
+        Called once at construction (no adapters); with multi-LoRA (issue 15) the engine loop
+        calls it after each step with the scheduler's running and waiting adapter names."""
         labels = (
             str(self.max_loras),
             ",".join(dict.fromkeys(running)),
@@ -289,10 +292,6 @@ class ServerMetrics:
         usage = engine.kv_cache_manager.usage
         self.kv_cache_usage_perc.set(usage)
         self.gpu_cache_usage_perc.set(usage)
-        # Scheduler.lora_adapter_names() -> (running names, waiting names) comes with multi-LoRA
-        # (issue 15); a scheduler without it serves no adapters.
-        adapter_names = getattr(scheduler, "lora_adapter_names", None)
-        self.observe_lora_adapters(*(adapter_names() if adapter_names else ((), ())))
         num_preemptions = scheduler.num_preemptions
         if num_preemptions > self._last_num_preemptions:
             self.num_preemptions.inc(num_preemptions - self._last_num_preemptions)

@@ -15,27 +15,20 @@ def _families(text: bytes) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text.decode())}
 
 
-def _engine(running=(), waiting=()):
-    """A scripted engine whose running / waiting requests use these adapters (None: base model);
-    ``lora_adapter_names`` reports them as multi-LoRA's scheduler does (distinct, sorted)."""
-
-    def names(loras):
-        return sorted({lora for lora in loras if lora is not None})
-
+def _engine(running=0, waiting=0):
     scheduler = SimpleNamespace(
-        running=[SimpleNamespace(request_id=f"r{i}") for i in range(len(running))],
-        num_running=len(running),
-        num_waiting=len(waiting),
+        running=[SimpleNamespace(request_id=f"r{i}") for i in range(running)],
+        num_running=running,
+        num_waiting=waiting,
         num_preemptions=0,
         num_swapped=0,
-        lora_adapter_names=lambda: (names(running), names(waiting)),
     )
     return SimpleNamespace(scheduler=scheduler, kv_cache_manager=SimpleNamespace(usage=0.5))
 
 
 def test_vllm_prefix_gives_the_gateway_names_with_model_and_engine_labels():
     metrics = ServerMetrics("m", prefix="vllm", engine_index=3)
-    metrics.observe_engine_state(_engine(running=[None, None], waiting=[None]))
+    metrics.observe_engine_state(_engine(running=2, waiting=1))
     families = _families(metrics.render())
     assert not [name for name in families if not name.startswith("vllm:")]
     for name, value in [
@@ -55,26 +48,26 @@ def test_vllm_prefix_gives_the_gateway_names_with_model_and_engine_labels():
     assert lora.value > 1.7e9  # a Unix time, as vLLM's set_to_current_time
 
 
-def test_lora_requests_info_names_the_schedulers_running_and_waiting_adapters():
+def test_lora_requests_info_names_running_and_waiting_adapters_once_each():
     metrics = ServerMetrics("m", max_loras=4)
-    metrics.observe_engine_state(_engine(running=["sql", None, "sql", "chat"], waiting=["math"]))
-    metrics.observe_engine_state(_engine(running=["sql"], waiting=[]))
+    metrics.observe_lora_adapters(["sql", "sql", "chat"], ["math"])
+    metrics.observe_lora_adapters(["sql"], [])
     (lora,) = _families(metrics.render())["jaxpaged:lora_requests_info"].samples  # latest only
     assert lora.labels == {
         "max_lora": "4",
         "running_lora_adapters": "sql",
         "waiting_lora_adapters": "",
     }
-    metrics.observe_engine_state(_engine(running=["sql", None, "sql", "chat"], waiting=["math"]))
+    metrics.observe_lora_adapters(["sql", "sql", "chat"], ["math"])
     (lora,) = _families(metrics.render())["jaxpaged:lora_requests_info"].samples
-    assert lora.labels["running_lora_adapters"] == "chat,sql"
+    assert lora.labels["running_lora_adapters"] == "sql,chat"
     assert lora.labels["waiting_lora_adapters"] == "math"
 
 
 def test_render_all_reports_each_data_parallel_engine_under_one_family():
     engines = [ServerMetrics("m", prefix="vllm", engine_index=i) for i in range(2)]
-    engines[0].observe_engine_state(_engine(running=[None]))
-    engines[1].observe_engine_state(_engine(running=[None, None, None]))
+    engines[0].observe_engine_state(_engine(running=1))
+    engines[1].observe_engine_state(_engine(running=3))
     engines[1].request_success["stop"].inc()
     text = render_all(engines)
     assert text.decode().count("# TYPE vllm:num_requests_running gauge") == 1
