@@ -7,6 +7,18 @@ renamed one (``gpu_cache_usage_perc`` / ``kv_cache_usage_perc``, ``time_per_outp
 ``model_name`` label (the first served model name). Counters are declared without ``_total``;
 prometheus_client exports them with it (``jaxpaged:prompt_tokens_total``).
 
+``--metrics-prefix vllm`` exports the same metrics as ``vllm:<name>``, the names that inference
+gateways and autoscalers read (the Kubernetes Gateway API Inference Extension's model-server
+protocol: ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc``, ``vllm:lora_requests_info``). As in vLLM v1 every metric also
+carries an ``engine`` label, the data-parallel engine index (0 without data parallelism); one
+``ServerMetrics`` per engine, rendered together by ``render_all``. ``lora_requests_info`` is
+vLLM's: a gauge holding the Unix time of its last update, with labels ``max_lora``,
+``running_lora_adapters`` and ``waiting_lora_adapters`` (comma-joined adapter names) and no
+``model_name``/``engine``; with LoRA off it still appears with ``max_lora="0"`` and empty lists,
+as vLLM v0 reports it (``vllm/engine/llm_engine.py`` ``_get_stats``; v1 only registers it with
+a LoRA config). Only the latest label set is kept, so it is one series.
+
 Each ``ServerMetrics`` owns its own ``CollectorRegistry`` (never the process-global one), so
 several servers (and tests) in one process do not collide. All ``observe_*`` methods are called
 from the engine thread; prometheus_client's metrics are thread-safe for the scraping side.
@@ -17,13 +29,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from collections.abc import Sequence as SequenceABC
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.outputs import RequestOutput
 
-PREFIX = "jaxpaged:"
+DEFAULT_METRICS_PREFIX = "jaxpaged"
+# Values of ``--metrics-prefix``: ours, or vLLM's for gateways and dashboards built for vLLM.
+METRICS_PREFIX_CHOICES = ("jaxpaged", "vllm")
 
 # vLLM v1's bucket boundaries, in seconds.
 TTFT_BUCKETS = (
@@ -52,22 +69,50 @@ class _RequestTimes:
 
 
 class ServerMetrics:
-    """The collectors of one server, fed by ``AsyncLLMEngine`` after every engine step with the
+    """The collectors of one server, fed by the API process's core client after every engine-core step with the
     step's outputs and the engine's stats (``LLMEngine.get_stats()``, one ``SchedulerStats``).
 
     Args:
         model_name: value of the ``model_name`` label.
         registry: where to register; None creates a fresh ``CollectorRegistry``.
+        prefix: metric name prefix, one of ``METRICS_PREFIX_CHOICES`` (names become
+            ``<prefix>:<name>``).
+        engine_index: value of the ``engine`` label, the data-parallel engine index, >= 0.
+        max_loras: the ``max_lora`` label of ``lora_requests_info`` (0: LoRA off).
+
+    Raises:
+        ValueError: an unknown ``prefix`` or a negative ``engine_index`` / ``max_loras``.
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        prefix: str = DEFAULT_METRICS_PREFIX,
+        engine_index: int = 0,
+        max_loras: int = 0,
+    ):
+        if prefix not in METRICS_PREFIX_CHOICES:
+            raise ValueError(
+                f"metrics_prefix must be one of {METRICS_PREFIX_CHOICES}, got {prefix!r}"
+            )
+        if engine_index < 0:
+            raise ValueError(f"engine_index must be >= 0, got {engine_index}")
+        if max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {max_loras}")
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
+        self.prefix = prefix
+        self.engine_index = engine_index
+        self.max_loras = max_loras
+        prefix = prefix + ":"
+        labels = (model_name, str(engine_index))
 
         def make(kind, name, doc, **kwargs):
             return kind(
-                PREFIX + name, doc, ["model_name"], registry=self.registry, **kwargs
-            ).labels(model_name)
+                prefix + name, doc, ["model_name", "engine"], registry=self.registry, **kwargs
+            ).labels(*labels)
 
         self.num_requests_running = make(
             Gauge, "num_requests_running", "Number of requests in the running batch."
@@ -96,12 +141,21 @@ class ServerMetrics:
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = make(Counter, "generation_tokens", "Generated tokens.")
         success = Counter(
-            PREFIX + "request_success",
+            prefix + "request_success",
             "Finished requests by finish reason.",
-            ["model_name", "finished_reason"],
+            ["model_name", "engine", "finished_reason"],
             registry=self.registry,
         )
-        self.request_success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
+        self.request_success = {r: success.labels(*labels, r) for r in FINISHED_REASONS}
+        self.lora_requests_info = Gauge(
+            prefix + "lora_requests_info",
+            "Running stats on LoRA requests: Unix time of the last update, labelled with the "
+            "running and waiting adapters (comma-joined names) and max_lora.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=self.registry,
+        )
+        self._lora_labels: tuple[str, str, str] | None = None
+        self.observe_lora_adapters((), ())
 
         def histogram(name, doc, buckets):
             return make(Histogram, name, doc, buckets=buckets)
@@ -149,6 +203,23 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry)
+
+    def observe_lora_adapters(self, running: SequenceABC[str], waiting: SequenceABC[str]) -> None:
+        """Set ``lora_requests_info`` to now, labelled with these adapter names (distinct,
+        in first-seen order, as vLLM's), replacing the previous label set (removed after the
+        new one is set, so a scrape never finds the metric empty).
+
+        Called once at construction (no adapters); with multi-LoRA (issue 15) the engine loop
+        calls it after each step with the scheduler's running and waiting adapter names."""
+        labels = (
+            str(self.max_loras),
+            ",".join(dict.fromkeys(running)),
+            ",".join(dict.fromkeys(waiting)),
+        )
+        self.lora_requests_info.labels(*labels).set_to_current_time()
+        previous, self._lora_labels = self._lora_labels, labels
+        if previous is not None and previous != labels:
+            self.lora_requests_info.remove(*previous)
 
     # --------------------------------------------------------------- engine-thread callbacks
     def observe_added(self, request_id: str, arrival_time: float) -> None:
@@ -239,3 +310,46 @@ class _Counters:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+
+
+class _Merged(Collector):
+    """The metric families of several registries as one: samples of families with the same
+    name are concatenated under one HELP/TYPE (a text exposition may not repeat a family).
+    An exact repeat of a sample (same name and labels, e.g. ``lora_requests_info`` when two
+    engines both report no adapters) is kept once."""
+
+    def __init__(self, registries):
+        self._registries = registries
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        seen = set()
+        for registry in self._registries:
+            for family in registry.collect():
+                target = merged.get(family.name)
+                if target is None:
+                    target = Metric(family.name, family.documentation, family.type, family.unit)
+                    merged[family.name] = target
+                for sample in family.samples:
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    if key not in seen:
+                        seen.add(key)
+                        target.samples.append(sample)
+        yield from merged.values()
+
+
+def render_all(metrics: SequenceABC[ServerMetrics]) -> bytes:
+    """One Prometheus text exposition of several engines' metrics (data parallelism: one
+    ``ServerMetrics`` per engine, told apart by their ``engine`` label).
+
+    Raises:
+        ValueError: an empty list, or metrics with different prefixes.
+    """
+    if not metrics:
+        raise ValueError("render_all needs at least one ServerMetrics, got none")
+    prefixes = {m.prefix for m in metrics}
+    if len(prefixes) > 1:
+        raise ValueError(f"render_all needs one metrics prefix, got {sorted(prefixes)}")
+    registry = CollectorRegistry()
+    registry.register(_Merged([m.registry for m in metrics]))
+    return generate_latest(registry)

@@ -50,7 +50,7 @@ def _samples(metrics: ServerMetrics) -> dict:
     out = {}
     for family in text_string_to_metric_families(metrics.render().decode()):
         for sample in family.samples:
-            labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
+            labels = {k: v for k, v in sample.labels.items() if k not in ("model_name", "engine")}
             out[(sample.name, tuple(sorted(labels.items())))] = sample.value
     return out
 

@@ -17,6 +17,7 @@ import typing
 
 from jaxpaged.config import EngineArgs
 from jaxpaged.entrypoints.convert import add_convert_parser, run_convert
+from jaxpaged.metrics import DEFAULT_METRICS_PREFIX, METRICS_PREFIX_CHOICES
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
@@ -162,6 +163,13 @@ def _add_serve_parser(sub) -> None:
         "(default: unbounded, as vLLM)",
     )
     serve.add_argument(
+        "--metrics-prefix",
+        default=DEFAULT_METRICS_PREFIX,
+        choices=METRICS_PREFIX_CHOICES,
+        help="/metrics name prefix: jaxpaged:<name>, or vllm:<name> for gateways, autoscalers "
+        "and dashboards built for vLLM (default: jaxpaged)",
+    )
+    serve.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -195,6 +203,7 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
         api_key=args.api_key or environ.get("JAXPAGED_API_KEY") or None,
         chat_template=args.chat_template,
         max_num_queued_requests=args.max_num_queued_requests,
+        metrics_prefix=args.metrics_prefix,
         uvicorn_log_level=args.uvicorn_log_level,
     )
 

@@ -56,6 +56,7 @@ def build_app(
     served_model_names: Sequence[str] | None = None,
     api_key: str | None = None,
     chat_template: str | None = None,
+    metrics_prefix: str = "jaxpaged",
 ) -> FastAPI:
     """The server app over ``client`` (a spawned ``EngineCoreClient``); the client's tasks
     start with the app's lifespan, and the core is shut down with it.
@@ -67,16 +68,18 @@ def build_app(
             is the ``model_name`` metric label. None: ``model``.
         api_key: required as ``Authorization: Bearer <key>`` on ``/v1/*``; None: no key.
         chat_template: a file path or inline Jinja template replacing the tokenizer's.
+        metrics_prefix: ``/metrics`` name prefix, ``"jaxpaged"`` or ``"vllm"`` (vLLM's names,
+            for gateways and autoscalers; ``jaxpaged.metrics``).
 
     ``app.state.engine`` is the client, ``app.state.metrics`` its ``ServerMetrics``.
 
     Raises:
-        ValueError: an empty served name list or a bad chat template.
+        ValueError: an empty served name list, a bad chat template or metrics prefix.
     """
     names = list(served_model_names or [model])
     if not names or not all(names):
         raise ValueError(f"served_model_names must be non-empty names, got {names!r}")
-    metrics = ServerMetrics(names[0])
+    metrics = ServerMetrics(names[0], prefix=metrics_prefix)
     client.metrics = metrics
     engine = client
     max_model_len = client.info["max_model_len"]
@@ -228,6 +231,7 @@ def run_server(
     api_key: str | None = None,
     chat_template: str | None = None,
     max_num_queued_requests: int | None = None,
+    metrics_prefix: str = "jaxpaged",
     uvicorn_log_level: str = "info",
 ) -> None:
     """Start the engine core for ``engine_args`` (``EngineArgs``) and serve until interrupted.
@@ -257,6 +261,7 @@ def run_server(
         served_model_names=served_model_names,
         api_key=api_key,
         chat_template=chat_template,
+        metrics_prefix=metrics_prefix,
     )
     uvicorn.run(app, host=host or "0.0.0.0", port=port, log_level=uvicorn_log_level)
 

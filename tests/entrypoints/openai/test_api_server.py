@@ -142,7 +142,7 @@ def _metrics(http) -> dict[tuple[str, tuple], float]:
 
 
 def _value(samples, name, **labels):
-    key = (name, tuple(sorted({"model_name": MODEL_NAME, **labels}.items())))
+    key = (name, tuple(sorted({"model_name": MODEL_NAME, "engine": "0", **labels}.items())))
     return samples[key]
 
 
