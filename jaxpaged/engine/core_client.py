@@ -33,6 +33,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -47,6 +48,7 @@ from jaxpaged.engine.core_messages import (
     params_to_wire,
     scheduler_stats,
 )
+from jaxpaged.metrics import ServerMetrics
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
@@ -149,6 +151,9 @@ class EngineCoreClient:
         metrics=None,
     ):
         self.core = connection
+        # Called with a request's id when this client forgets it (finished, aborted or lost
+        # with a dead core): the data-parallel client's balancer counts outstanding requests.
+        self.on_forget: Callable[[str], None] | None = None
         self.tokenizer = tokenizer
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.metrics = metrics
@@ -238,6 +243,11 @@ class EngineCoreClient:
             metrics=metrics,
         )
 
+    def attach_metrics(self, make_metrics: Callable[[int], ServerMetrics]) -> list[ServerMetrics]:
+        """Feed ``make_metrics(0)`` (engine index 0) from every step; returns it in a list."""
+        self.metrics = make_metrics(0)
+        return [self.metrics]
+
     @property
     def info(self) -> dict:
         """``EngineCore.info()``: max_model_len, vocab_size, max_logprobs, num_blocks, ..."""
@@ -272,6 +282,10 @@ class EngineCoreClient:
     @property
     def is_dead(self) -> bool:
         return self.dead_error is not None
+
+    def engine_health(self) -> list[bool]:
+        """Per engine index (one here): alive."""
+        return [not self.is_dead]
 
     # ------------------------------------------------------------------------- requests
     async def add_request(
@@ -329,7 +343,10 @@ class EngineCoreClient:
     def _forget(self, request_id: str):
         self.core.outstanding.discard(request_id)
         self._acks.pop(request_id, None)
-        return self._requests.pop(request_id, None)
+        forgotten = self._requests.pop(request_id, None)
+        if forgotten is not None and self.on_forget is not None:
+            self.on_forget(request_id)
+        return forgotten
 
     async def call_utility(self, name: str, *args, timeout: float = 30.0):
         """Call ``EngineCore.<name>(*args)`` in the core (between steps) and return the result.
@@ -428,8 +445,10 @@ class EngineCoreClient:
         for future in [*self._acks.values(), *self._utility.values()]:
             if not future.done():
                 future.set_exception(dead)
-        for _, stream in self._requests.values():
+        for request_id, (_, stream) in self._requests.items():
             stream._put(dead)
+            if self.on_forget is not None:
+                self.on_forget(request_id)
         self._acks.clear()
         self._requests.clear()
         self.core.outstanding.clear()

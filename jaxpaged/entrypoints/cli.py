@@ -16,6 +16,7 @@ import types
 import typing
 
 from jaxpaged.config import EngineArgs
+from jaxpaged.engine.dp_balancer import DP_ROUTING_CHOICES
 from jaxpaged.entrypoints.convert import add_convert_parser, run_convert
 from jaxpaged.metrics import DEFAULT_METRICS_PREFIX, METRICS_PREFIX_CHOICES
 
@@ -170,6 +171,22 @@ def _add_serve_parser(sub) -> None:
         "and dashboards built for vLLM (default: jaxpaged)",
     )
     serve.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine cores, each with its own KV cache and scheduler on its own device group of "
+        "--tensor-parallel-size devices, behind this one API server (default: 1)",
+    )
+    serve.add_argument(
+        "--dp-routing",
+        default="least_loaded",
+        choices=DP_ROUTING_CHOICES,
+        help="how the API server picks an engine core: least_loaded (fewest outstanding "
+        "requests) or prefix (the hash of the prompt's first full KV block, so requests that "
+        "share a prefix share a prefix cache) (default: least_loaded)",
+    )
+    serve.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -182,7 +199,8 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
     """``run_server`` keywords from parsed ``serve`` flags (``environ`` supplies the key).
 
     Raises:
-        ValueError: MODEL and --model disagree, or a bad --max-num-queued-requests.
+        ValueError: MODEL and --model disagree, or a bad --max-num-queued-requests or
+            --data-parallel-size.
     """
     from jaxpaged.config import DEFAULT_MODEL_NAME
 
@@ -195,6 +213,8 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
         raise ValueError(
             f"--max-num-queued-requests must be >= 0, got {args.max_num_queued_requests}"
         )
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
     return dict(
         engine_args=engine_args_from(args),
         host=args.host,
@@ -204,6 +224,8 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
         chat_template=args.chat_template,
         max_num_queued_requests=args.max_num_queued_requests,
         metrics_prefix=args.metrics_prefix,
+        data_parallel_size=args.data_parallel_size,
+        dp_routing=args.dp_routing,
         uvicorn_log_level=args.uvicorn_log_level,
     )
 

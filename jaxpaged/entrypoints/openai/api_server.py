@@ -31,6 +31,7 @@ from starlette.datastructures import Headers
 
 import jaxpaged
 from jaxpaged.engine.core_client import EngineCoreClient
+from jaxpaged.engine.dp_client import DPEngineCoreClient
 from jaxpaged.entrypoints.openai.errors import error_response, install_error_handlers
 from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -45,7 +46,7 @@ from jaxpaged.entrypoints.openai.protocol import (
 )
 from jaxpaged.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from jaxpaged.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jaxpaged.metrics import ServerMetrics
+from jaxpaged.metrics import ServerMetrics, render_all
 
 
 def build_app(
@@ -79,8 +80,11 @@ def build_app(
     names = list(served_model_names or [model])
     if not names or not all(names):
         raise ValueError(f"served_model_names must be non-empty names, got {names!r}")
-    metrics = ServerMetrics(names[0], prefix=metrics_prefix)
-    client.metrics = metrics
+    # One ServerMetrics per engine core (``engine`` label), rendered as one exposition.
+    engine_metrics = client.attach_metrics(
+        lambda index: ServerMetrics(names[0], prefix=metrics_prefix, engine_index=index)
+    )
+    metrics = engine_metrics[0]
     engine = client
     max_model_len = client.info["max_model_len"]
     common = dict(
@@ -111,6 +115,10 @@ def build_app(
     async def health() -> Response:
         if engine.is_dead:
             return error_response(503, f"the engine core has died: {engine.dead_error}")
+        alive = engine.engine_health()
+        if not all(alive):  # data parallelism: still serving on the live cores
+            dead = [index for index, ok in enumerate(alive) if not ok]
+            return JSONResponse({"status": "degraded", "dead_engines": dead})
         return Response(status_code=200)
 
     @app.get("/version")
@@ -172,7 +180,7 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(render_all(engine_metrics), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -232,6 +240,8 @@ def run_server(
     chat_template: str | None = None,
     max_num_queued_requests: int | None = None,
     metrics_prefix: str = "jaxpaged",
+    data_parallel_size: int = 1,
+    dp_routing: str = "least_loaded",
     uvicorn_log_level: str = "info",
 ) -> None:
     """Start the engine core for ``engine_args`` (``EngineArgs``) and serve until interrupted.
@@ -251,9 +261,13 @@ def run_server(
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
-    client = EngineCoreClient.spawn(
-        engine_args, tokenizer=tokenizer, max_num_queued_requests=max_num_queued_requests
-    )
+    spawn_args = dict(tokenizer=tokenizer, max_num_queued_requests=max_num_queued_requests)
+    if data_parallel_size == 1 and dp_routing == "least_loaded":
+        client = EngineCoreClient.spawn(engine_args, **spawn_args)
+    else:  # N engine cores, each on its own device group, behind one balancer
+        client = DPEngineCoreClient.spawn(
+            engine_args, data_parallel_size=data_parallel_size, dp_routing=dp_routing, **spawn_args
+        )
     app = build_app(
         client,
         model=model_config.model,
