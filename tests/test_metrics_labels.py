@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.metrics import ServerMetrics, render_all
 
 
@@ -16,14 +15,23 @@ def _families(text: bytes) -> dict:
 
 
 def _engine(running=0, waiting=0):
-    scheduler = SimpleNamespace(
-        running=[SimpleNamespace(request_id=f"r{i}") for i in range(running)],
-        num_running=running,
-        num_waiting=waiting,
+    """``LLMEngine.get_stats()`` with these counts and half the KV cache in use."""
+    return SchedulerStats(
+        num_requests_running=running,
+        num_requests_waiting=waiting,
+        num_requests_swapped=0,
+        kv_cache_usage_perc=0.5,
+        cpu_cache_usage_perc=0.0,
+        num_gpu_blocks=100,
+        num_cpu_blocks=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
         num_preemptions=0,
-        num_swapped=0,
+        num_preemptions_swap=0,
+        num_preemptions_recompute=0,
+        kv_cache_tokens_stored=0,
+        kv_cache_slots_held=0,
     )
-    return SimpleNamespace(scheduler=scheduler, kv_cache_manager=SimpleNamespace(usage=0.5))
 
 
 def test_vllm_prefix_gives_the_gateway_names_with_model_and_engine_labels():

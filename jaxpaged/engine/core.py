@@ -165,6 +165,7 @@ def run_engine_core(
     *,
     core_class: str = "jaxpaged.engine.core:EngineCore",
     max_num_queued_requests: int | None = None,
+    cuda_visible_devices: str | None = None,
 ) -> None:
     """The core process's target: build the engine, report ready, loop until shutdown.
 
@@ -175,10 +176,16 @@ def run_engine_core(
         ready_pipe: a ``multiprocessing`` connection; receives the msgpack of
             ``EngineCore.info()``, or of ``{"error": message}`` if building failed.
         core_class: ``module:Class`` of the ``EngineCore`` (tests give a subclass).
+        cuda_visible_devices: the GPUs this core may use, as indices into the ones the process
+            sees (``"2,3"``; JAX's ``jax_cuda_visible_devices``); None: all of them.
     """
     logging.basicConfig(level=logging.INFO)
     parent = os.getppid()
     try:
+        if cuda_visible_devices is not None:  # data parallelism: this core's device group
+            import jax
+
+            jax.config.update("jax_cuda_visible_devices", cuda_visible_devices)
         from jaxpaged.engine.llm_engine import LLMEngine
 
         config = dataclasses.replace(engine_args, skip_tokenizer_init=True).create_engine_config()

@@ -180,11 +180,13 @@ class EngineCoreClient:
         core_class: str = "jaxpaged.engine.core:EngineCore",
         heartbeat_timeout_s: float = 10.0,
         metrics=None,
+        cuda_visible_devices: str | None = None,
     ) -> EngineCoreClient:
         """Start the core process and wait (blocking) until its engine is built.
 
         Args:
             engine_args: ``EngineArgs`` of the engine the core builds.
+            cuda_visible_devices: the core's GPUs (``run_engine_core``); None: all.
             max_num_queued_requests: the core's bound on waiting requests (429 beyond).
             core_class: ``module:Class`` of the core (tests give an ``EngineCore`` subclass).
 
@@ -215,7 +217,11 @@ class EngineCoreClient:
         process = spawn.Process(
             target=run_engine_core,
             args=(engine_args, input_address, output_address, writer),
-            kwargs=dict(core_class=core_class, max_num_queued_requests=max_num_queued_requests),
+            kwargs=dict(
+                core_class=core_class,
+                max_num_queued_requests=max_num_queued_requests,
+                cuda_visible_devices=cuda_visible_devices,
+            ),
             name="jaxpaged-engine-core",
             daemon=True,
         )

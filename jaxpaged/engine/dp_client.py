@@ -7,8 +7,8 @@ which has the client's interface (``add_request``, ``abort``, ``call_utility``, 
 
 - Routing: ``DPBalancer`` (``jaxpaged/engine/dp_balancer.py``): least outstanding requests, or
   ``--dp-routing prefix`` (the hash of the prompt's first full blocks picks a stable core).
-- Devices: core ``i`` sees the GPUs ``[i * tp, (i + 1) * tp)`` of the API process's visible ones
-  (``CUDA_VISIBLE_DEVICES``, set for the child process only while it starts); on CPU every core
+- Devices: core ``i`` uses the GPUs ``[i * tp, (i + 1) * tp)`` of those the process sees (JAX's
+  ``jax_cuda_visible_devices``, set in the core before its backend starts); on CPU every core
   has its own host device.
 - Failure: a core that dies is taken out of rotation (its open streams end with an error, as
   with one core); the others keep serving. ``is_dead`` (``/health`` 503) only once every core
@@ -18,9 +18,7 @@ which has the client's interface (``add_request``, ``abort``, ``call_utility``, 
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from jaxpaged.engine.core_client import EngineCoreClient, EngineDeadError, RequestStream
 from jaxpaged.engine.dp_balancer import DPBalancer, NoHealthyEngineError
@@ -28,35 +26,10 @@ from jaxpaged.metrics import ServerMetrics
 from jaxpaged.sampling_params import SamplingParams
 
 
-@contextlib.contextmanager
-def visible_devices(index: int, group_size: int, environ=os.environ) -> Iterator[None]:
-    """Within the block, ``CUDA_VISIBLE_DEVICES`` names device group ``index`` (``group_size``
-    devices each) of the GPUs visible before it (all of ``range(...)`` when unset), so that a
-    process spawned inside sees only its group. The variable is restored afterwards.
-
-    Raises:
-        ValueError: fewer visible GPUs than the group needs (only when the variable was set).
-    """
-    before = environ.get("CUDA_VISIBLE_DEVICES")
-    if before is not None and before.strip():
-        visible = [d.strip() for d in before.split(",") if d.strip()]
-        if len(visible) < (index + 1) * group_size:
-            raise ValueError(
-                f"data parallel engine {index} needs GPUs {index * group_size}.."
-                f"{(index + 1) * group_size - 1} of CUDA_VISIBLE_DEVICES={before!r}"
-            )
-    else:
-        visible = [str(d) for d in range((index + 1) * group_size)]
-    environ["CUDA_VISIBLE_DEVICES"] = ",".join(
-        visible[index * group_size : (index + 1) * group_size]
-    )
-    try:
-        yield
-    finally:
-        if before is None:
-            environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            environ["CUDA_VISIBLE_DEVICES"] = before
+def device_group(index: int, group_size: int) -> str:
+    """The GPUs of data-parallel engine ``index``: ``"i*g,...,i*g+g-1"`` (indices into the
+    devices the API process sees), for ``run_engine_core``'s ``cuda_visible_devices``."""
+    return ",".join(str(d) for d in range(index * group_size, (index + 1) * group_size))
 
 
 class DPEngineCoreClient:
@@ -100,8 +73,9 @@ class DPEngineCoreClient:
         clients: list[EngineCoreClient] = []
         try:
             for index in range(data_parallel_size):
-                with visible_devices(index, tp):
-                    clients.append(spawn_one(engine_args, **kwargs))
+                clients.append(
+                    spawn_one(engine_args, cuda_visible_devices=device_group(index, tp), **kwargs)
+                )
         except BaseException:
             for client in clients:
                 client.core.process.kill()

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxpaged.engine.dp_client import visible_devices
+from jaxpaged.engine.dp_client import device_group
 
 PROMPTS = [
     f"Once upon a time there was a {w}" for w in ("cat", "dog", "girl", "boy", "tree", "sun")
@@ -87,15 +87,6 @@ def test_a_dead_engine_leaves_the_other_serving_and_is_reported(dp_server):
     assert _served_per_engine(dp_server.url)["0"] == before + 3
 
 
-def test_visible_devices_gives_each_engine_its_group_and_restores_the_variable():
-    environ = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
-    with visible_devices(1, 2, environ):
-        assert environ["CUDA_VISIBLE_DEVICES"] == "6,7"
-    assert environ == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
-    environ = {}
-    with visible_devices(2, 1, environ):
-        assert environ["CUDA_VISIBLE_DEVICES"] == "2"
-    assert environ == {}
-    with pytest.raises(ValueError, match="data parallel engine 2 needs GPUs 4..5"):
-        with visible_devices(2, 2, {"CUDA_VISIBLE_DEVICES": "0,1,2"}):
-            pass
+def test_each_engine_gets_its_own_device_group():
+    assert [device_group(i, 2) for i in range(3)] == ["0,1", "2,3", "4,5"]
+    assert device_group(1, 1) == "1"
