@@ -225,6 +225,10 @@ class ServerMetrics:
     def observe_added(self, request_id: str, arrival_time: float) -> None:
         self._requests[request_id] = _RequestTimes(arrival=arrival_time)
 
+    def observe_refused(self, request_id: str) -> None:
+        """Forget a request the engine refused (counted nowhere)."""
+        self._requests.pop(request_id, None)
+
     def observe_aborted(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None:
             self.request_success["abort"].inc()

@@ -324,6 +324,10 @@ class EngineCoreClient:
         self.core.outstanding.add(request_id)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         wire = [request_id, ids, params_to_wire(params), arrival_time]
+        # Before the send: the core's first outputs (even its last, for a short request) may
+        # arrive in the same receive batch as its acknowledgement.
+        if self.metrics is not None:
+            self.metrics.observe_added(request_id, arrival_time)
         self.core.send(Kind.ADD, wire)
         try:
             await accepted
@@ -332,9 +336,9 @@ class EngineCoreClient:
             raise
         except BaseException:
             self._forget(request_id)
+            if self.metrics is not None:
+                self.metrics.observe_refused(request_id)
             raise
-        if self.metrics is not None:
-            self.metrics.observe_added(request_id, arrival_time)
         return stream
 
     def abort(self, request_id: str) -> None:
