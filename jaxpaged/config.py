@@ -20,6 +20,7 @@ _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
 _PREEMPTION_MODES = (None, "recompute", "swap")
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def default_model_path() -> str:
@@ -123,6 +124,19 @@ class EngineArgs:
         20, "Most logprobs / prompt_logprobs a request may ask for per token, >= 0 (vLLM's cap)."
     )
 
+    enable_lora: bool = _arg(
+        False, "Serve LoRA adapters (PEFT directories) on top of the base model, per request."
+    )
+    max_loras: int = _arg(
+        1, "Most distinct LoRA adapters in one step (device slots), >= 1; with enable_lora."
+    )
+    max_lora_rank: int = _arg(
+        16, f"Largest LoRA rank served; one of {list(_LORA_RANKS)} (vLLM's choices)."
+    )
+    max_cpu_loras: int | None = _arg(
+        None, "LoRA adapters kept in host memory (LRU), >= max_loras; None means max_loras."
+    )
+
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and derive the typed configs.
 
@@ -178,6 +192,32 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA limits (``jaxpaged.lora``); present only with ``enable_lora``."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+
+
+def _lora_config(args: EngineArgs) -> LoRAConfig | None:
+    if not args.enable_lora:
+        return None
+    if args.max_loras < 1:
+        raise ValueError(f"max_loras must be at least 1, got {args.max_loras}")
+    _check_choice("max_lora_rank", args.max_lora_rank, _LORA_RANKS)
+    max_cpu_loras = args.max_loras if args.max_cpu_loras is None else args.max_cpu_loras
+    if max_cpu_loras < args.max_loras:
+        raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({args.max_loras})")
+    if args.tensor_parallel_size > 1:
+        raise ValueError(
+            "enable_lora is not supported with tensor_parallel_size > 1 yet, got "
+            f"tensor_parallel_size={args.tensor_parallel_size}"
+        )
+    return LoRAConfig(args.max_loras, args.max_lora_rank, max_cpu_loras)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -186,6 +226,8 @@ class EngineConfig:
     enforce_eager: bool | None
     parallel_config: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     async_scheduling: bool = False
+    # Multi-LoRA limits; None without enable_lora.
+    lora_config: LoRAConfig | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -274,6 +316,7 @@ class EngineConfig:
             enforce_eager=args.enforce_eager,
             parallel_config=parallel_config,
             async_scheduling=args.async_scheduling,
+            lora_config=_lora_config(args),
         )
 
 

@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 import pallas_kernels
 from models.attention import attention
 from models.attention_metadata import AttentionMetadata
+from models.lora import LoRABatch, LoRALayer, llama_projection_specs, with_lora
 from models.merged_linear import MergedColumnParallelLinear
 from models.sharding import tp_size
 
@@ -179,9 +180,11 @@ class LlamaMLP(nnx.Module):
                                                        num_shards=num_shards, **kw)
         self.down_proj = nnx.Linear(inter, hidden, **kw)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = self.gate_up_proj(x)  # each [T, intermediate]
-        return self.down_proj(jax.nn.silu(gate) * up)
+    def __call__(self, x: jax.Array, lora: LoRALayer | None = None) -> jax.Array:
+        delta = None if lora is None else lora.delta("gate_up_proj", x)
+        gate, up = self.gate_up_proj(x, delta)  # each [T, intermediate]
+        h = jax.nn.silu(gate) * up
+        return with_lora(lora, "down_proj", h, self.down_proj(h))
 
 
 def _attention_biases(config: Any) -> tuple[bool, bool]:
@@ -245,9 +248,10 @@ class LlamaAttention(nnx.Module):
         k_cache: jax.Array,
         v_cache: jax.Array,
         metadata: AttentionMetadata,
+        lora: LoRALayer | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x)
+        q, k, v = self.qkv_proj(x, None if lora is None else lora.delta("qkv_proj", x))
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -266,8 +270,8 @@ class LlamaAttention(nnx.Module):
             interpret=self.interpret,
             mesh=self.mesh,
         )
-        out = self.o_proj(out.astype(x.dtype).reshape(num_tokens, self.num_heads * self.head_dim))
-        return out, k_cache, v_cache
+        out = out.astype(x.dtype).reshape(num_tokens, self.num_heads * self.head_dim)
+        return with_lora(lora, "o_proj", out, self.o_proj(out)), k_cache, v_cache
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -288,12 +292,12 @@ class LlamaDecoderLayer(nnx.Module):
         self.mlp = LlamaMLP(config, num_shards=tp_size(mesh), dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, positions, k_cache, v_cache, metadata):
+    def __call__(self, x, positions, k_cache, v_cache, metadata, lora: LoRALayer | None = None):
         attn_out, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x), positions, k_cache, v_cache, metadata
+            self.input_layernorm(x), positions, k_cache, v_cache, metadata, lora
         )
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), lora)
         return x, k_cache, v_cache
 
 
@@ -327,17 +331,21 @@ class LlamaModel(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, input_ids, positions, kv_caches, metadata):
+    def __call__(self, input_ids, positions, kv_caches, metadata, lora: LoRABatch | None = None):
         x = self.embed_tokens(input_ids)
         new_caches = []
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x, k_cache, v_cache = layer(x, positions, k_cache, v_cache, metadata)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            layer_lora = None if lora is None else lora.layer(i)
+            x, k_cache, v_cache = layer(x, positions, k_cache, v_cache, metadata, layer_lora)
             new_caches.append((k_cache, v_cache))
         return self.norm(x), new_caches
 
 
 class LlamaForCausalLM(nnx.Module):
     """Llama / Mistral / Qwen2 causal LM over a paged KV cache.
+
+    Multi-LoRA (``models.lora``): ``__call__``'s ``lora`` adds each token's adapter to the
+    seven projections (q/k/v/o/gate/up/down); ``lora_projection_specs`` gives their sizes.
 
     Args:
         config: a transformers ``PretrainedConfig`` of the Llama family.
@@ -381,6 +389,7 @@ class LlamaForCausalLM(nnx.Module):
         positions: jax.Array,
         kv_caches: list[tuple[jax.Array, jax.Array]],
         metadata: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
         """One step over ``T`` packed tokens.
 
@@ -389,11 +398,15 @@ class LlamaForCausalLM(nnx.Module):
             positions: ``i32[T]``, the position of each token in its sequence.
             kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hkv, D]``.
             metadata: where the new K/V go and what each query reads.
+            lora: per-token LoRA adapters (``models.lora``); None runs the base model alone.
 
         Returns:
             ``(hidden [T, hidden_size] in the compute dtype, updated kv_caches)``.
         """
-        return self.model(input_ids, positions, kv_caches, metadata)
+        return self.model(input_ids, positions, kv_caches, metadata, lora)
+
+    # The layer projections LoRA adapters may target, by fused projection (``models.lora``).
+    lora_projection_specs = staticmethod(llama_projection_specs)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """``hidden [N, hidden_size] -> f32[N, vocab_size]`` (tied: ``hidden @ embed_tokens.T``)."""

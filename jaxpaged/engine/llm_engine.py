@@ -25,6 +25,8 @@ from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.engine.async_scheduling import InFlightStep, commit_with_placeholders, resolve
 from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.lora.manager import create_lora_manager
+from jaxpaged.lora.request import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
@@ -105,7 +107,12 @@ class LLMEngine:
         )
         self.kv_cache_spec = spec
         max_blocks_per_seq = -(-sc.max_model_len // cc.block_size)
+        # Multi-LoRA: adapter slots on the device and the host LRU (None: LoRA off).
+        self.lora_manager = create_lora_manager(
+            config.lora_config, model, self.hf_config, self.dtype
+        )
         runner_kwargs = dict(
+            lora_manager=self.lora_manager,
             block_size=cc.block_size,
             max_model_len=sc.max_model_len,
             max_num_seqs=sc.max_num_seqs,
@@ -154,7 +161,11 @@ class LLMEngine:
             enable_caching=cc.enable_prefix_caching,
             num_cpu_blocks=num_cpu_blocks,
         )
-        self.scheduler = Scheduler(sc, self.kv_cache_manager)
+        self.scheduler = Scheduler(
+            sc,
+            self.kv_cache_manager,
+            max_loras=self.lora_manager.max_loras if self.lora_manager else 0,
+        )
 
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         # Async scheduling: the dispatched step whose tokens are not yet on the host. The flag
@@ -235,6 +246,7 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         final_only: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request.
 
@@ -244,12 +256,16 @@ class LLMEngine:
                 ``BeamSearchParams`` for a beam search (its output holds the ranked beams).
             final_only: emit a ``RequestOutput`` only when the request finishes (overrides
                 ``params.output_kind``, as ``LLM.generate`` does; beam searches always do).
+            lora_request: the LoRA adapter to run with (None: the base model); registered
+                (read and checked) on first use. Its blocks are cached under its own key, so
+                no other adapter shares its prefix.
 
         Raises:
             ValueError: duplicate id, empty prompt, token ids outside the vocabulary, a prompt
                 that leaves no room under ``max_model_len`` or does not fit in the KV cache,
                 ``logprobs`` above ``max_logprobs``, ``best_of`` / ``beam_width`` above
-                ``max_num_seqs``.
+                ``max_num_seqs``, a ``lora_request`` without ``enable_lora`` or with a bad
+                adapter.
         """
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -265,6 +281,7 @@ class LLMEngine:
             )
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
+        self._check_lora(lora_request)
         group_kwargs = {}
         seq_params = params
         if isinstance(params, BeamSearchParams):
@@ -289,6 +306,8 @@ class LLMEngine:
             sampling_params=seq_params,
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            block_hash_extra_keys=lora_cache_keys(lora_request),
+            lora_request=lora_request,
         )
         seq.sampling_seed = self._request_seed(params)
         group = SequenceGroup(request_id, seq, **group_kwargs)
@@ -342,6 +361,20 @@ class LLMEngine:
                 f"prompt has {len(prompt_ids)} tokens but the KV cache holds only {capacity} "
                 f"tokens ({self.num_blocks} blocks)"
             )
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}"
+            )
+        if self.lora_manager is None:
+            raise ValueError(
+                f"lora_request {lora_request.lora_name!r} needs an engine built with "
+                "enable_lora=True"
+            )
+        self.lora_manager.add_adapter(lora_request)
 
     def _request_seed(self, params: SamplingParams | BeamSearchParams) -> int:
         seed = getattr(params, "seed", None)
@@ -451,6 +484,14 @@ def _resolve_dtype(dtype: str, hf_config_json: dict):
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {list(_DTYPE_NAMES)} or auto, got {dtype!r}")
     return _DTYPE_NAMES[dtype]
+
+
+def lora_cache_keys(lora_request: LoRARequest | None) -> tuple:
+    """Prefix-cache extra keys of a request's blocks: the adapter's id and name (K/V computed
+    under one adapter must never serve another), nothing for the base model."""
+    if lora_request is None:
+        return ()
+    return ("lora", lora_request.lora_int_id, lora_request.lora_name)
 
 
 def _head_dim(hf_config) -> int:
