@@ -296,6 +296,17 @@ class Scheduler:
             num_beam_candidates=2 * max(beam_widths, default=0),
         )
 
+    def lora_adapter_names(self) -> tuple[list[str], list[str]]:
+        """Sorted names of the LoRA adapters of the running and of the waiting requests
+        (vLLM's ``lora_requests_info`` labels)."""
+
+        def names(groups) -> list[str]:
+            # A copy first: metrics read this from another thread while the loop runs.
+            requests = (g.seqs[0].lora_request for g in list(groups))
+            return sorted({r.lora_name for r in requests if r is not None})
+
+        return names(self.running), names(self.waiting)
+
     def _lora_fits(self, group: SequenceGroup, loras: set[int]) -> bool:
         """Whether ``group`` may join the running groups, whose adapters are ``loras``, without
         exceeding ``max_loras`` distinct adapters (the base model, id 0, is free)."""

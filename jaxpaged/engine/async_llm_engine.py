@@ -142,7 +142,13 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------------------ requests
     async def add_request(
-        self, request_id: str, prompt, params, *, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt,
+        params,
+        *,
+        arrival_time: float | None = None,
+        lora_request=None,
     ) -> RequestStream:
         """Queue a request and return its output stream once the engine has accepted it.
 
@@ -159,7 +165,9 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, self)
         accepted = self._loop.create_future()
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self._submit(("add", request_id, prompt, params, arrival_time, stream, accepted))
+        self._submit(
+            ("add", request_id, prompt, params, arrival_time, stream, accepted, lora_request)
+        )
         try:
             await accepted
         except asyncio.CancelledError:
@@ -175,6 +183,16 @@ class AsyncLLMEngine:
                 yield output
         finally:
             stream.close()
+
+    async def run_between_steps(self, fn):
+        """``fn(llm_engine)`` on the engine thread between two steps; its result (or error).
+
+        For engine state the loop owns, e.g. loading a LoRA adapter (``add_lora``)."""
+        if self._loop is None:
+            raise RuntimeError("call start() before run_between_steps()")
+        done = self._loop.create_future()
+        self._submit(("call", fn, done))
+        return await done
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if unknown or finished); thread-safe, applied between steps."""
@@ -233,7 +251,11 @@ class AsyncLLMEngine:
                 if output is not None:
                     aborted.append(output)
                 continue
-            _, request_id, prompt, params, arrival_time, stream, accepted = op
+            if op[0] == "call":
+                _, fn, done = op
+                self._loop.call_soon_threadsafe(_settle, done, *_call(fn, engine))
+                continue
+            _, request_id, prompt, params, arrival_time, stream, accepted, lora = op
             limit = self.max_num_queued_requests
             if limit is not None and engine.scheduler.num_waiting >= limit:
                 error = QueueFullError(
@@ -243,7 +265,9 @@ class AsyncLLMEngine:
                 resolutions.append((accepted, error))
                 continue
             try:
-                engine.add_request(request_id, prompt, params, arrival_time=arrival_time)
+                engine.add_request(
+                    request_id, prompt, params, arrival_time=arrival_time, lora_request=lora
+                )
             except Exception as error:  # ValueError (400) or a bug (500): this request only
                 resolutions.append((accepted, error))
                 continue
@@ -278,11 +302,28 @@ class AsyncLLMEngine:
         with self._ops_lock:
             ops, self._ops = self._ops, collections.deque()
         resolutions = [(op[6], dead) for op in ops if op[0] == "add"]
+        resolutions += [(op[2], dead) for op in ops if op[0] == "call"]
         items = [(stream, dead) for stream in self._streams.values()]
         self._streams.clear()
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(_resolve_all, resolutions)
             self._loop.call_soon_threadsafe(_put_all, items)
+
+
+def _call(fn, engine) -> tuple:
+    try:
+        return fn(engine), None
+    except Exception as error:  # the caller's error, not the loop's
+        return None, error
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
 
 
 def _resolve_all(resolutions: list[tuple[asyncio.Future, BaseException | None]]) -> None:

@@ -362,9 +362,9 @@ class LLMEngine:
                 f"tokens ({self.num_blocks} blocks)"
             )
 
-    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+    def _check_lora(self, lora_request: LoRARequest | None) -> bool:
         if lora_request is None:
-            return
+            return False
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(
                 f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}"
@@ -374,7 +374,7 @@ class LLMEngine:
                 f"lora_request {lora_request.lora_name!r} needs an engine built with "
                 "enable_lora=True"
             )
-        self.lora_manager.add_adapter(lora_request)
+        return self.lora_manager.add_adapter(lora_request)
 
     def _request_seed(self, params: SamplingParams | BeamSearchParams) -> int:
         seed = getattr(params, "seed", None)
@@ -406,6 +406,24 @@ class LLMEngine:
         """Forget every cached prefix (blocks in use keep their K/V). Returns True."""
         self.kv_cache_manager.reset_prefix_cache()
         return True
+
+    # ------------------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register (read and check) an adapter ahead of its requests (vLLM's ``add_lora``);
+        False if it is already registered.
+
+        Raises:
+            ValueError: LoRA is off, the id or name is taken, or the adapter is bad.
+        """
+        return self._check_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter and zero its device slot; False if unknown or LoRA is off."""
+        return self.lora_manager is not None and self.lora_manager.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the registered adapters (vLLM's ``list_loras``)."""
+        return set() if self.lora_manager is None else set(self.lora_manager.list_adapters())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)

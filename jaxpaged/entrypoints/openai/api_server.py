@@ -32,15 +32,19 @@ from jaxpaged.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
     ModelList,
-    ModelPermission,
     TokenizeRequest,
     TokenizeResponse,
 )
 from jaxpaged.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from jaxpaged.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jaxpaged.metrics import ServerMetrics
+from jaxpaged.entrypoints.openai.serving_models import (
+    LoRAModulePath,
+    OpenAIServingModels,
+    add_lora_routes,
+)
+from jaxpaged.lora.metrics import LoRARequestsInfo
+from jaxpaged.metrics import PREFIX, ServerMetrics
 
 
 def build_app(
@@ -50,6 +54,7 @@ def build_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     max_num_queued_requests: int | None = None,
+    lora_modules: Sequence[LoRAModulePath] = (),
 ) -> FastAPI:
     """The server app over ``llm_engine`` (an ``LLMEngine``); its loop starts with the app's
     lifespan and stops with it.
@@ -60,11 +65,13 @@ def build_app(
         api_key: required as ``Authorization: Bearer <key>`` on ``/v1/*``; None: no key.
         chat_template: a file path or inline Jinja template replacing the tokenizer's.
         max_num_queued_requests: bound of the waiting queue (HTTP 429 beyond); None: unbounded.
+        lora_modules: LoRA adapters loaded at start-up (``--lora-modules``; needs enable_lora).
 
     ``app.state.engine`` is the ``AsyncLLMEngine``, ``app.state.metrics`` its ``ServerMetrics``.
 
     Raises:
-        ValueError: an empty served name list, a bad chat template or queue bound.
+        ValueError: an empty served name list, a bad chat template or queue bound, a bad
+            LoRA module.
     """
     model_config = llm_engine.config.model_config
     names = list(served_model_names or [model_config.model])
@@ -86,6 +93,11 @@ def build_app(
     )
     completion = OpenAIServingCompletion(**common)
     chat = OpenAIServingChat(**common, chat_template=load_chat_template(chat_template))
+    models = OpenAIServingModels(engine, names, model_config.model, max_model_len)
+    models.add_static_loras(lora_modules)
+    completion.models = chat.models = models
+    if models.lora_enabled:
+        metrics.registry.register(LoRARequestsInfo(llm_engine, PREFIX))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -113,18 +125,10 @@ def build_app(
         return JSONResponse({"version": jaxpaged.__version__})
 
     @app.get("/v1/models")
-    async def models() -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(
-                    id=name,
-                    root=model_config.model,
-                    max_model_len=max_model_len,
-                    permission=[ModelPermission(id=f"modelperm-{secrets.token_hex(16)}")],
-                )
-                for name in names
-            ]
-        )
+    async def list_models() -> ModelList:
+        return models.model_list()
+
+    add_lora_routes(app, models)
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
@@ -225,6 +229,7 @@ def run_server(
     chat_template: str | None = None,
     max_num_queued_requests: int | None = None,
     uvicorn_log_level: str = "info",
+    lora_modules: Sequence[LoRAModulePath] = (),
 ) -> None:
     """Build the engine from ``engine_args`` (``EngineArgs``) and serve until interrupted.
 
@@ -241,5 +246,6 @@ def run_server(
         api_key=api_key,
         chat_template=chat_template,
         max_num_queued_requests=max_num_queued_requests,
+        lora_modules=lora_modules,
     )
     uvicorn.run(app, host=host or "0.0.0.0", port=port, log_level=uvicorn_log_level)

@@ -118,7 +118,7 @@ class OpenAIServingChat(OpenAIServing):
             QueueFullError: the waiting queue is full (HTTP 429).
         """
         arrival_time = time.monotonic()
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         if request.tools:
             raise BadRequestError("tools are not supported by this server", param="tools")
         response_type = (request.response_format or {}).get("type", "text")
@@ -147,7 +147,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(values)
         request_id = random_id("chatcmpl")
         (stream,) = await self.add_requests(
-            request_id, [(prompt_text, ids)], [params], arrival_time
+            request_id, [(prompt_text, ids)], [params], arrival_time, lora_request
         )
         if request.stream:
             return StreamingResponse(

@@ -51,7 +51,7 @@ class OpenAIServingCompletion(OpenAIServing):
             QueueFullError: the waiting queue is full (HTTP 429).
         """
         arrival_time = time.monotonic()
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         if request.suffix is not None:
             raise BadRequestError("suffix is not supported", param="suffix")
         prompts = self._prompts(request.prompt)
@@ -71,7 +71,7 @@ class OpenAIServingCompletion(OpenAIServing):
             values["prompt_logprobs"] = prompt_logprobs
             params.append(self.sampling_params(values))
         request_id = random_id("cmpl")
-        streams = await self.add_requests(request_id, prompts, params, arrival_time)
+        streams = await self.add_requests(request_id, prompts, params, arrival_time, lora_request)
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, streams),
