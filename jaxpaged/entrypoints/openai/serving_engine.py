@@ -194,16 +194,13 @@ class OpenAIServing:
         already opened.
         """
         streams: list[RequestStream] = []
+        lora = {} if lora_request is None else {"lora_request": lora_request}
         try:
             for i, ((text, ids), p) in enumerate(zip(prompts, params, strict=True)):
                 prompt = {"prompt_token_ids": ids, "prompt": text}
                 streams.append(
                     await self.engine.add_request(
-                        f"{request_id}-{i}",
-                        prompt,
-                        p,
-                        arrival_time=arrival_time,
-                        lora_request=lora_request,
+                        f"{request_id}-{i}", prompt, p, arrival_time=arrival_time, **lora
                     )
                 )
         except BaseException:
