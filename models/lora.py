@@ -17,9 +17,10 @@ and a step computes, for all tokens at once,
     h = h * (slot(t) == slot(column))           (keep each token's own slot; -1 keeps nothing)
     y += h @ b                     [T, out]
 
-Two dense matmuls whose contraction sizes (``in`` and ``S * C``) never depend on which adapters
-are loaded, so loading, swapping or unloading an adapter only writes slot values and never
-changes a compiled shape. Zero-padded rank columns and unused slots contribute exact zeros.
+Below ``S`` tokens the step instead gathers each token's own ``A`` and ``B`` (BGMV-style), so
+a batch-1 decode reads one slot's weights, not all ``S``. Either way the shapes (``in``,
+``S * C``) never depend on which adapters are loaded, so loading, swapping or unloading an
+adapter only writes slot values and never changes a compiled shape. Zero-padded rank columns and unused slots contribute exact zeros.
 The cost grows with ``max_loras * max_lora_rank``, not with the batch's adapters; at the
 8 x rank-16 sizes of the benchmark the shrink is ~6% of ``qkv_proj``'s FLOPs (see
 ``benchmarks/results/lora/run.sh`` for the measured step cost).
@@ -30,6 +31,7 @@ Shape letters as in ``pallas_kernels``; ``S`` = ``max_loras``, ``C`` = columns p
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -135,14 +137,26 @@ def lora_delta(
         max_loras: ``S``.
 
     Matmuls accumulate in float32; float32 inputs use full float32 precision (no TF32).
+    With fewer tokens than slots (``T < S``, a static shape), each token's A/B are gathered
+    instead (the same sums, reading only the slots in use).
     """
     cols = a.shape[1]
-    column_slot = np.arange(cols, dtype=np.int32) // (cols // max_loras)  # static
+    per_slot = cols // max_loras
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    h = jnp.dot(x, a.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
+    dot = functools.partial(jnp.einsum, precision=precision, preferred_element_type=jnp.float32)
+    if x.shape[0] < max_loras:
+        # Fewer tokens than slots (small decode batches): gather each token's own A and B
+        # (BGMV), reading T slots' weights instead of all S.
+        index = jnp.maximum(token_slots, 0)
+        a_t = a.reshape(a.shape[0], max_loras, per_slot)[:, index, :]  # [in, T, C]
+        b_t = b.reshape(max_loras, per_slot, b.shape[1])[index]  # [T, C, out]
+        h = dot("ti,itc->tc", x, a_t.astype(x.dtype))
+        h = jnp.where(token_slots[:, None] >= 0, h, 0.0).astype(x.dtype)
+        return dot("tc,tco->to", h, b_t.astype(x.dtype)).astype(x.dtype)
+    column_slot = np.arange(cols, dtype=np.int32) // per_slot  # static
+    h = dot("ti,ic->tc", x, a.astype(x.dtype))
     h = jnp.where(token_slots[:, None] == column_slot[None, :], h, 0.0).astype(x.dtype)
-    y = jnp.dot(h, b.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    return dot("tc,co->to", h, b.astype(x.dtype)).astype(x.dtype)
 
 
 def lora_delta_reference(

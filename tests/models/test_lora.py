@@ -11,7 +11,8 @@ from jaxpaged.lora.slots import adapter_slot_arrays
 from models.lora import ProjectionSpec, lora_delta, lora_delta_reference
 
 
-@pytest.mark.parametrize("num_tokens", [1, 7])
+# 1 and 2 tokens take the gather path (fewer tokens than the 3 slots), 7 the dense one.
+@pytest.mark.parametrize("num_tokens", [1, 2, 7])
 def test_each_token_gets_its_own_slot_and_minus_one_gets_nothing(num_tokens):
     rng = np.random.default_rng(num_tokens)
     in_f, out_f, max_rank, ranks = 12, 10, 8, (3, 8, 1)
