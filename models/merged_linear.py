@@ -50,8 +50,7 @@ class MergedColumnParallelLinear(nnx.Linear):
         ValueError: an output size that does not divide by ``num_shards``.
     """
 
-    def __init__(self, in_features: int, output_sizes: Sequence[int], *, num_shards: int,
-                 **kwargs):
+    def __init__(self, in_features: int, output_sizes: Sequence[int], *, num_shards: int, **kwargs):
         for size in output_sizes:
             if size % num_shards:
                 raise ValueError(

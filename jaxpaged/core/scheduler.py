@@ -533,7 +533,9 @@ class Scheduler:
         logger.warning(
             "Request %s has %d sequences that need more KV-cache blocks than the %d the cache "
             "holds; it is finished early (finish_reason 'length').",
-            group.request_id, len(group.unfinished_seqs), self.kv_cache_manager.num_blocks,
+            group.request_id,
+            len(group.unfinished_seqs),
+            self.kv_cache_manager.num_blocks,
         )
         self._finish_group(group, SequenceStatus.FINISHED_IGNORED, queue_removed=queue_removed)
 
