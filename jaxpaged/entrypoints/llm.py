@@ -152,12 +152,14 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (vLLM's ``LLM.chat``).
 
         Each conversation (``[{"role": ..., "content": ...}, ...]``) is rendered with
         ``chat_template`` (None: the tokenizer's) and tokenized without adding special tokens,
-        then generated as by ``generate``; one output per conversation, in order.
+        then generated as by ``generate`` (``lora_request`` as there); one output per
+        conversation, in order.
 
         Raises:
             ValueError: a malformed conversation, no chat template, or as ``generate``.
@@ -177,7 +179,7 @@ class LLM:
             )
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run_engine(self, request_ids: list[str], *, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

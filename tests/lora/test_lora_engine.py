@@ -16,9 +16,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def lora_llm():
     # max_loras=2 slots for 3 adapters + base in flight; max_cpu_loras=2 makes the host LRU
-    # evict and re-read; 12 KV blocks for 12 requests of ~2 blocks force preemption.
+    # evict and re-read; 12 KV blocks for 12 requests of ~2 blocks force preemption; async
+    # scheduling (slots are written while the previous step may still run). The server test's
+    # engine schedules synchronously.
     return LLM(
         dtype="float32",
+        async_scheduling=True,
         enable_lora=True,
         max_loras=2,
         max_lora_rank=16,
