@@ -194,6 +194,14 @@ class AsyncLLMEngine:
         self._submit(("call", fn, done))
         return await done
 
+    async def add_lora(self, lora_request) -> bool:
+        """``LLMEngine.add_lora`` between steps (vLLM's ``AsyncLLM.add_lora``)."""
+        return await self.run_between_steps(lambda engine: engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """``LLMEngine.remove_lora`` between steps (vLLM's ``AsyncLLM.remove_lora``)."""
+        return await self.run_between_steps(lambda engine: engine.remove_lora(lora_int_id))
+
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if unknown or finished); thread-safe, applied between steps."""
         try:

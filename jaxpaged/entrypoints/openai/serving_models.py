@@ -160,7 +160,7 @@ class OpenAIServingModels:
             )
         request = self._new_request(name, body.lora_path)
         try:
-            await self.engine.run_between_steps(lambda engine: engine.add_lora(request))
+            await self.engine.add_lora(request)
         except ValueError as error:
             raise BadRequestError(str(error), param="lora_path") from None
         self.lora_requests[name] = request
@@ -177,7 +177,7 @@ class OpenAIServingModels:
             raise NotFoundError(
                 f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name"
             )
-        await self.engine.run_between_steps(lambda engine: engine.remove_lora(request.lora_int_id))
+        await self.engine.remove_lora(request.lora_int_id)
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
     def _new_request(self, name: str, path: str, base: str | None = None) -> LoRARequest:

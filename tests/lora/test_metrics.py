@@ -1,0 +1,36 @@
+"""``lora_requests_info``: vLLM's labels from the scheduler's running and waiting adapters."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from jaxpaged.core.kv_cache_manager import KVCacheManager
+from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.lora.metrics import LoRARequestsInfo
+from tests.core.test_scheduler import make_seq
+
+
+def test_labels_name_running_and_waiting_adapters_and_the_value_is_a_timestamp():
+    config = SimpleNamespace(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=32)
+    scheduler = Scheduler(config, KVCacheManager(64, 4), max_loras=2)
+    for seq_id, name in [("a", "sql"), ("b", None), ("c", "chat"), ("d", "sql")]:
+        seq = make_seq(seq_id)
+        seq.lora_request = name and SimpleNamespace(lora_int_id=len(name), lora_name=name)
+        scheduler.add_request(seq)
+    scheduler.schedule()  # max_num_seqs=2: a and b run, c and d wait
+    engine = SimpleNamespace(scheduler=scheduler, lora_manager=SimpleNamespace(max_loras=2))
+    registry = CollectorRegistry()
+    registry.register(LoRARequestsInfo(engine, "jaxpaged:"))
+    before = time.time()
+    (line,) = [
+        line
+        for line in generate_latest(registry).decode().splitlines()
+        if line.startswith("jaxpaged:lora_requests_info{")
+    ]
+    assert 'max_lora="2"' in line
+    assert 'running_lora_adapters="sql"' in line
+    assert 'waiting_lora_adapters="chat,sql"' in line
+    assert float(line.rsplit(" ", 1)[1]) >= before - 1
