@@ -184,17 +184,18 @@ def create_lora_manager(lora_config, model, hf_config, dtype) -> LoRAManager | N
     ``lora_config`` is None (LoRA off).
 
     Raises:
-        ValueError: the model family has no LoRA support (no ``lora_projection_specs``).
+        ValueError: the model family has no LoRA support: its class does not itself define
+            ``lora_projection_specs`` (a subclass must declare it, since one that overrides a
+            layer's forward without passing ``lora`` on would silently drop the adapters).
     """
     if lora_config is None:
         return None
-    specs_of = getattr(type(model), "lora_projection_specs", None)
-    if specs_of is None:
+    if "lora_projection_specs" not in vars(type(model)):
         raise ValueError(
             f"enable_lora: the model class {type(model).__name__} does not support LoRA"
         )
     slots = LoRASlots(
-        specs_of(hf_config),
+        type(model).lora_projection_specs(hf_config),
         num_layers=int(hf_config.num_hidden_layers),
         max_loras=lora_config.max_loras,
         max_lora_rank=lora_config.max_lora_rank,

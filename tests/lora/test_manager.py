@@ -113,3 +113,17 @@ def test_slot_writes_compile_once(requests):
         for request in requests[1:]:
             manager.slots_for_step([request])
         manager.remove_adapter(requests[3].lora_int_id)
+
+
+def test_a_model_class_must_declare_lora_support_itself():
+    from types import SimpleNamespace
+
+    from jaxpaged.lora.manager import create_lora_manager
+    from models.llama import LlamaForCausalLM
+
+    class Subclass(LlamaForCausalLM):  # e.g. a family overriding a layer's forward
+        pass
+
+    config = SimpleNamespace(max_loras=1, max_lora_rank=8, max_cpu_loras=1)
+    with pytest.raises(ValueError, match="model class Subclass does not support LoRA"):
+        create_lora_manager(config, object.__new__(Subclass), None, jnp.float32)
