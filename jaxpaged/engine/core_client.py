@@ -44,9 +44,11 @@ from jaxpaged.engine.core_messages import (
     decode,
     decode_output,
     encode,
+    lora_to_wire,
     params_to_wire,
     scheduler_stats,
 )
+from jaxpaged.lora.request import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
@@ -154,6 +156,8 @@ class EngineCoreClient:
         self.metrics = metrics
         self.dead_error: str | None = None
         self.num_steps = 0  # steps whose outputs arrived
+        # The core's stats after the last step whose outputs arrived (None before the first).
+        self.last_stats: dict | None = None
         self._context = context
         self._output = output_socket
         self._ipc_dir = ipc_dir
@@ -281,11 +285,14 @@ class EngineCoreClient:
         params: SamplingParams,
         *,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Send a tokenized request to the core; return its stream once the core accepted it.
 
         Args:
             prompt: ``{"prompt_token_ids": [...], "prompt": text or None}``.
+            lora_request: the LoRA adapter to run with (None: the base model); the core
+                registers it on first use.
 
         Raises:
             ValueError: the core refused the prompt or parameters (400).
@@ -303,7 +310,7 @@ class EngineCoreClient:
         self._requests[request_id] = (state, stream)
         self.core.outstanding.add(request_id)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        wire = [request_id, ids, params_to_wire(params), arrival_time]
+        wire = [request_id, ids, params_to_wire(params), arrival_time, lora_to_wire(lora_request)]
         self.core.send(Kind.ADD, wire)
         try:
             await accepted
@@ -353,6 +360,32 @@ class EngineCoreClient:
         """The core's ``EngineCore.get_stats()``."""
         return await self.call_utility("get_stats")
 
+    # ------------------------------------------------------------------------------ LoRA
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter in the core between steps (vLLM's ``AsyncLLM.add_lora``);
+        False if it is already registered.
+
+        Raises:
+            ValueError: the core refused it (LoRA off, id or name taken, a bad adapter).
+        """
+        try:
+            return await self.call_utility("add_lora", lora_to_wire(lora_request))
+        except RuntimeError as error:
+            prefix = f"{ValueError.__name__}: "
+            message = str(error)
+            if isinstance(error, EngineDeadError) or not message.startswith(prefix):
+                raise
+            raise ValueError(message[len(prefix) :]) from None
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter in the core (vLLM's ``AsyncLLM.remove_lora``); False if
+        unknown."""
+        return await self.call_utility("remove_lora", lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        """Ids of the adapters registered in the core (vLLM's ``AsyncLLM.list_loras``)."""
+        return set(await self.call_utility("list_loras"))
+
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine core has died: {self.dead_error}")
@@ -388,6 +421,7 @@ class EngineCoreClient:
     def _on_outputs(self, outputs: list, stats: dict) -> None:
         now = time.monotonic()
         self.num_steps += 1
+        self.last_stats = stats
         delivered = []
         for wire in outputs:
             delta = decode_output(wire)

@@ -162,6 +162,13 @@ def _add_serve_parser(sub) -> None:
         "(default: unbounded, as vLLM)",
     )
     serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help="LoRA adapters served at start-up (with --enable-lora): name=path, or JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}; clients select one by `model`',
+    )
+    serve.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -177,6 +184,7 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
         ValueError: MODEL and --model disagree, or a bad --max-num-queued-requests.
     """
     from jaxpaged.config import DEFAULT_MODEL_NAME
+    from jaxpaged.entrypoints.openai.serving_models import parse_lora_modules
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(
@@ -196,6 +204,7 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
         chat_template=args.chat_template,
         max_num_queued_requests=args.max_num_queued_requests,
         uvicorn_log_level=args.uvicorn_log_level,
+        lora_modules=parse_lora_modules(args.lora_modules),
     )
 
 

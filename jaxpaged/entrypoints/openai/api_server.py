@@ -37,15 +37,19 @@ from jaxpaged.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
     ModelList,
-    ModelPermission,
     TokenizeRequest,
     TokenizeResponse,
 )
 from jaxpaged.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from jaxpaged.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jaxpaged.metrics import ServerMetrics
+from jaxpaged.entrypoints.openai.serving_models import (
+    LoRAModulePath,
+    OpenAIServingModels,
+    add_lora_routes,
+)
+from jaxpaged.lora.metrics import LoRARequestsInfo
+from jaxpaged.metrics import PREFIX, ServerMetrics
 
 
 def build_app(
@@ -56,6 +60,7 @@ def build_app(
     served_model_names: Sequence[str] | None = None,
     api_key: str | None = None,
     chat_template: str | None = None,
+    lora_modules: Sequence[LoRAModulePath] = (),
 ) -> FastAPI:
     """The server app over ``client`` (a spawned ``EngineCoreClient``); the client's tasks
     start with the app's lifespan, and the core is shut down with it.
@@ -67,11 +72,14 @@ def build_app(
             is the ``model_name`` metric label. None: ``model``.
         api_key: required as ``Authorization: Bearer <key>`` on ``/v1/*``; None: no key.
         chat_template: a file path or inline Jinja template replacing the tokenizer's.
+        lora_modules: LoRA adapters loaded at start-up (``--lora-modules``; needs an engine
+            core built with ``enable_lora``), in the core once the app's lifespan starts.
 
     ``app.state.engine`` is the client, ``app.state.metrics`` its ``ServerMetrics``.
 
     Raises:
-        ValueError: an empty served name list or a bad chat template.
+        ValueError: an empty served name list, a bad chat template, ``lora_modules``
+            without LoRA or with a name used twice.
     """
     names = list(served_model_names or [model])
     if not names or not all(names):
@@ -88,11 +96,18 @@ def build_app(
     )
     completion = OpenAIServingCompletion(**common)
     chat = OpenAIServingChat(**common, chat_template=load_chat_template(chat_template))
+    models = OpenAIServingModels(engine, names, model, max_model_len)
+    models.check_static_loras(lora_modules)
+    completion.models = chat.models = models
+    if models.lora_enabled:
+        info = LoRARequestsInfo(lambda: client.last_stats, client.info["max_loras"], PREFIX)
+        metrics.registry.register(info)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await engine.start()
         try:
+            await models.init_static_loras(lora_modules)
             yield
         finally:
             await engine.shutdown()
@@ -115,18 +130,10 @@ def build_app(
         return JSONResponse({"version": jaxpaged.__version__})
 
     @app.get("/v1/models")
-    async def models() -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(
-                    id=name,
-                    root=model,
-                    max_model_len=max_model_len,
-                    permission=[ModelPermission(id=f"modelperm-{secrets.token_hex(16)}")],
-                )
-                for name in names
-            ]
-        )
+    async def list_models() -> ModelList:
+        return models.model_list()
+
+    add_lora_routes(app, models)
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
@@ -229,6 +236,7 @@ def run_server(
     chat_template: str | None = None,
     max_num_queued_requests: int | None = None,
     uvicorn_log_level: str = "info",
+    lora_modules: Sequence[LoRAModulePath] = (),
 ) -> None:
     """Start the engine core for ``engine_args`` (``EngineArgs``) and serve until interrupted.
 
@@ -257,6 +265,7 @@ def run_server(
         served_model_names=served_model_names,
         api_key=api_key,
         chat_template=chat_template,
+        lora_modules=lora_modules,
     )
     uvicorn.run(app, host=host or "0.0.0.0", port=port, log_level=uvicorn_log_level)
 
