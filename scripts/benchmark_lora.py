@@ -24,12 +24,12 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from jaxpaged.benchmarks.dataset import make_requests  # noqa: E402
 from jaxpaged.entrypoints.cli import (  # noqa: E402
     add_engine_args,
     engine_args_from,
     set_jax_memory_fraction,
 )
-from scripts.benchmark_dataset import make_requests  # noqa: E402
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -53,7 +53,7 @@ def write_adapters(engine, args, root: str) -> list:
     from jaxpaged.lora.request import LoRARequest
     from models.lora import llama_projection_specs
 
-    config = engine.hf_config
+    config = engine.worker.hf_config
     requests = []
     for i in range(args.num_adapters):
         path = write_random_peft_adapter(
@@ -209,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         result["lora_slot_bytes"] = engine.lora_manager.slots.nbytes
     if args.micro:
         result["micro"] = micro_benchmark(
-            engine.hf_config, engine.dtype, max(args.num_adapters, 1), args.adapter_rank
+            engine.worker.hf_config,
+            engine.worker.dtype,
+            max(args.num_adapters, 1),
+            args.adapter_rank,
         )
     print(
         f"Throughput: {result['requests_per_second']:.2f} requests/s, "
