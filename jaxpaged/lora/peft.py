@@ -7,6 +7,11 @@ A PEFT adapter directory (``peft.PeftModel.save_pretrained``) holds ``adapter_co
 ``[out, in]`` Linear layout. PEFT computes ``y = x W^T + (x A^T B^T) * scaling`` with
 ``scaling = lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA (Kalajdzievski 2023,
 arXiv:2312.03732; peft ``LoraLayer.update_layer``).
+
+Phi-3's checkpoints fuse ``qkv_proj`` and ``gate_up_proj``, so its adapters target those
+names: one ``A`` for all parts and one ``B`` whose rows are the parts' (q, k, v / gate, up, in
+the checkpoint's order). Part ``p``'s update is ``x A B_p``: the adapter is read as one
+``(A, B_p)`` pair per part, the same as separate q/k/v adapters sharing their ``A``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The seven HF module names an adapter may target.
 TARGET_MODULES = tuple(name for parts in LORA_PROJECTIONS.values() for name in parts)
+# Fused HF modules (Phi-3's checkpoint names) -> their parts, in row order.
+FUSED_MODULES = {"qkv_proj": LORA_PROJECTIONS["qkv_proj"], "gate_up_proj": ("gate_proj", "up_proj")}
+_ACCEPTED = (*TARGET_MODULES, *FUSED_MODULES)
 _TENSOR = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # Config options whose non-default values change the adapter's maths; refused by name.
 _UNSUPPORTED = {
@@ -117,11 +125,11 @@ def load_peft_adapter(
         )
     targets = config.get("target_modules") or []
     if isinstance(targets, (list, tuple)):
-        unknown = sorted(set(targets) - set(TARGET_MODULES))
+        unknown = sorted(set(targets) - set(_ACCEPTED))
         if unknown:
             raise ValueError(
                 f"adapter {path!r}: target_modules {unknown} are not supported; supported: "
-                f"{list(TARGET_MODULES)}"
+                f"{list(_ACCEPTED)}"
             )
     alpha = float(config.get("lora_alpha", 8))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
@@ -131,16 +139,18 @@ def load_peft_adapter(
         for spec_name, spec in specs.items()
         for module, size in zip(LORA_PROJECTIONS[spec_name], spec.part_sizes, strict=True)
     }
+    for fused, parts in FUSED_MODULES.items():
+        if all(part in sizes for part in parts):
+            sizes[fused] = (sizes[parts[0]][0], sum(sizes[part][1] for part in parts))
     if isinstance(targets, (list, tuple)):
         _check_model_has(path, set(targets), sizes)
     tensors = safetensors.numpy.load_file(os.path.join(path, WEIGHTS_FILE))
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for name, tensor in tensors.items():
         match = _TENSOR.search(name)
-        if match is None or match.group(2) not in TARGET_MODULES:
+        if match is None or match.group(2) not in _ACCEPTED:
             raise ValueError(
-                f"adapter {path!r}: tensor {name!r} is not a LoRA A/B weight of "
-                f"{list(TARGET_MODULES)}"
+                f"adapter {path!r}: tensor {name!r} is not a LoRA A/B weight of {list(_ACCEPTED)}"
             )
         layer, module, which = int(match.group(1)), match.group(2), match.group(3)
         _check_model_has(path, {module}, sizes)
@@ -158,14 +168,21 @@ def load_peft_adapter(
             )
         pairs.setdefault((layer, module), {})[which] = tensor.astype(np.float32)
     weights = {}
-    for key, pair in pairs.items():
+    for (layer, module), pair in pairs.items():
         if len(pair) != 2:
-            raise ValueError(f"adapter {path!r}: layer {key[0]} {key[1]} lacks lora_A or lora_B")
+            raise ValueError(f"adapter {path!r}: layer {layer} {module} lacks lora_A or lora_B")
         # torch [r, in] / [out, r] -> [in, r] / [r, out]; the scale goes into B once, here.
-        weights[key] = (
-            np.ascontiguousarray(pair["A"].T),
-            np.ascontiguousarray(pair["B"].T) * np.float32(scaling),
-        )
+        a = np.ascontiguousarray(pair["A"].T)
+        b = pair["B"].T * np.float32(scaling)
+        parts = FUSED_MODULES.get(module, (module,))
+        bounds = np.cumsum([0] + [sizes[part][1] for part in parts])
+        for part, lo, hi in zip(parts, bounds[:-1], bounds[1:], strict=True):
+            if (layer, part) in weights:
+                raise ValueError(
+                    f"adapter {path!r}: layer {layer} {part} is adapted twice (on its own and "
+                    "inside a fused module)"
+                )
+            weights[(layer, part)] = (a, np.ascontiguousarray(b[:, lo:hi]))
     if not weights:
         raise ValueError(f"adapter {path!r}: {WEIGHTS_FILE} holds no LoRA weights")
     return LoRAAdapter(rank=rank, scaling=scaling, weights=weights)

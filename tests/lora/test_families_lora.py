@@ -1,9 +1,11 @@
-"""LoRA through the reshaped decoder of Qwen3, Gemma-2 and Mixtral, against HF transformers +
-peft (float32, greedy), on the tiny random checkpoints of ``tests/models/test_families.py``.
+"""LoRA through the reshaped decoder of Qwen3, Gemma-2, Mixtral and Phi-3, against HF
+transformers + peft (float32, greedy), on the tiny random checkpoints of
+``tests/models/test_families.py``.
 
 Qwen3's q/k norms act on the adapted projections' outputs, Gemma-2's extra norms wrap the
-adapted o_proj and MLP, and Mixtral takes adapters on its attention only: an adapter that
-targets its MLP is refused by name. Each family runs two adapters and the base model in one
+adapted o_proj and MLP, Mixtral takes adapters on its attention only (an adapter that targets
+its MLP is refused by name), and Phi-3's adapters target its fused ``qkv_proj`` /
+``gate_up_proj`` (written here by peft itself). Each family runs two adapters and the base model in one
 batch, so every token must pick its own slot.
 """
 
@@ -137,3 +139,52 @@ def test_mixtral_refuses_an_adapter_on_its_experts(tmp_path, stories_dir):
             lora_request=LoRARequest("mlp", 1, path),
             use_tqdm=False,
         )
+
+
+def _peft_phi3_adapter(base: str, out: pathlib.Path, rank: int, seed: int) -> str:
+    """A PEFT adapter on Phi-3's own (fused) module names, with random A and B."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0)
+    model = get_peft_model(model, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn_like(param) * 0.3)
+    model.save_pretrained(str(out))
+    return str(out)
+
+
+def test_phi3_fused_module_adapters_match_hf_peft(tmp_path, stories_dir):
+    base = make_hf_checkpoint(str(tmp_path / "phi3"), "phi3")
+    paths = [_peft_phi3_adapter(base, tmp_path / f"a{i}", 4 * (i + 1), seed=i) for i in range(2)]
+    expected = {i: _hf_greedy(base, path) for i, path in enumerate(paths)}
+    expected[None] = _hf_greedy(base, None)
+    assert expected[0] != expected[None] and expected[1] != expected[None]
+    llm = LLM(
+        model=base,
+        tokenizer=stories_dir,
+        dtype="float32",
+        block_size=8,
+        max_model_len=32,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+    )
+    loras = [LoRARequest(f"phi3-{i}", i + 1, path) for i, path in enumerate(paths)]
+    picks = [0, 1, None]
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        lora_request=[None if k is None else loras[k] for k in picks],
+        use_tqdm=False,
+    )
+    got = [list(o.outputs[0].token_ids) for o in outputs]
+    assert got == [expected[k][i] for i, k in enumerate(picks)]
