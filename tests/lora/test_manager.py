@@ -127,3 +127,16 @@ def test_a_model_class_must_declare_lora_support_itself():
     config = SimpleNamespace(max_loras=1, max_lora_rank=8, max_cpu_loras=1)
     with pytest.raises(ValueError, match="model class Subclass does not support LoRA"):
         create_lora_manager(config, object.__new__(Subclass), None, jnp.float32)
+
+
+@pytest.mark.parametrize("class_name", ["GPT2LMHeadModel", "BloomForCausalLM"])
+def test_layernorm_families_refuse_lora_by_class_name(class_name):
+    from types import SimpleNamespace
+
+    import models.gpt2
+    from jaxpaged.lora.manager import create_lora_manager
+
+    cls = getattr(models.gpt2, class_name)
+    config = SimpleNamespace(max_loras=1, max_lora_rank=8, max_cpu_loras=1)
+    with pytest.raises(ValueError, match=f"model class {class_name} does not support LoRA"):
+        create_lora_manager(config, object.__new__(cls), None, jnp.float32)
