@@ -58,6 +58,9 @@ __all__ = ["EngineCoreClient", "EngineDeadError", "QueueFullError", "RequestStre
 
 # How often the watch task looks at the core process (seconds).
 _WATCH_INTERVAL_S = 0.1
+# After the core process exits, how long its "dead" message may take to be read (a killed
+# core sends none: its streams fail this much later).
+_DEAD_MESSAGE_GRACE_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -446,7 +449,11 @@ class EngineCoreClient:
         while self.dead_error is None:
             await asyncio.sleep(_WATCH_INTERVAL_S)
             if not process.is_alive():
-                await asyncio.sleep(_WATCH_INTERVAL_S)  # let a last "dead" message arrive
+                # Let a last "dead" message (sent just before the exit) arrive: on a loaded
+                # host the receive task may need more than one interval to read it.
+                deadline = time.monotonic() + _DEAD_MESSAGE_GRACE_S
+                while self.dead_error is None and time.monotonic() < deadline:
+                    await asyncio.sleep(_WATCH_INTERVAL_S)
                 self._die(f"the engine core process exited with code {process.exitcode}")
             elif time.monotonic() - self.core.last_seen > self.heartbeat_timeout_s:
                 self._die(f"the engine core did not answer for {self.heartbeat_timeout_s} s")
