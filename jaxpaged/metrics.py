@@ -154,6 +154,11 @@ class ServerMetrics:
     def observe_added(self, request_id: str, arrival_time: float) -> None:
         self._requests[request_id] = _RequestTimes(arrival=arrival_time)
 
+    def forget(self, request_id: str) -> None:
+        """Drop a request that never entered the engine (refused or cancelled before its ack):
+        nothing is counted."""
+        self._requests.pop(request_id, None)
+
     def observe_aborted(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None:
             self.request_success["abort"].inc()

@@ -314,17 +314,23 @@ class EngineCoreClient:
         self.core.outstanding.add(request_id)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         wire = [request_id, ids, params_to_wire(params), arrival_time, lora_to_wire(lora_request)]
+        # Before the send: the receive task may read the ack and the first step's outputs
+        # before this coroutine resumes, and those outputs must count.
+        if self.metrics is not None:
+            self.metrics.observe_added(request_id, arrival_time)
         self.core.send(Kind.ADD, wire)
         try:
             await accepted
         except asyncio.CancelledError:
+            if self.metrics is not None:
+                self.metrics.forget(request_id)
             self.abort(request_id)  # the add is ahead of the abort in the core's queue
             raise
         except BaseException:
+            if self.metrics is not None:
+                self.metrics.forget(request_id)
             self._forget(request_id)
             raise
-        if self.metrics is not None:
-            self.metrics.observe_added(request_id, arrival_time)
         return stream
 
     def abort(self, request_id: str) -> None:
