@@ -21,6 +21,7 @@ DEFAULT_MODEL_NAME = "stories260k"
 
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def default_model_path() -> str:
@@ -141,6 +142,19 @@ class EngineArgs:
         20, "Most logprobs / prompt_logprobs a request may ask for per token, >= 0 (vLLM's cap)."
     )
 
+    enable_lora: bool = _arg(
+        False, "Serve LoRA adapters (PEFT directories) on top of the base model, per request."
+    )
+    max_loras: int = _arg(
+        1, "Most distinct LoRA adapters in one step (device slots), >= 1; with enable_lora."
+    )
+    max_lora_rank: int = _arg(
+        16, f"Largest LoRA rank served; one of {list(_LORA_RANKS)} (vLLM's choices)."
+    )
+    max_cpu_loras: int | None = _arg(
+        None, "LoRA adapters kept in host memory (LRU), >= max_loras; None means max_loras."
+    )
+
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and derive the typed configs.
 
@@ -196,6 +210,32 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA limits (``jaxpaged.lora``); present only with ``enable_lora``."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+
+
+def _lora_config(args: EngineArgs) -> LoRAConfig | None:
+    if not args.enable_lora:
+        return None
+    if args.max_loras < 1:
+        raise ValueError(f"max_loras must be at least 1, got {args.max_loras}")
+    _check_choice("max_lora_rank", args.max_lora_rank, _LORA_RANKS)
+    max_cpu_loras = args.max_loras if args.max_cpu_loras is None else args.max_cpu_loras
+    if max_cpu_loras < args.max_loras:
+        raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({args.max_loras})")
+    if args.tensor_parallel_size > 1:
+        raise ValueError(
+            "enable_lora is not supported with tensor_parallel_size > 1 yet, got "
+            f"tensor_parallel_size={args.tensor_parallel_size}"
+        )
+    return LoRAConfig(args.max_loras, args.max_lora_rank, max_cpu_loras)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -206,6 +246,8 @@ class EngineConfig:
     async_scheduling: bool = False
     enable_compilation_cache: bool = True
     compilation_cache_dir: str | None = None  # None: compilation_cache.DEFAULT_CACHE_ROOT
+    # Multi-LoRA limits; None without enable_lora.
+    lora_config: LoRAConfig | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -306,6 +348,7 @@ class EngineConfig:
             async_scheduling=args.async_scheduling,
             enable_compilation_cache=bool(args.enable_compilation_cache),
             compilation_cache_dir=args.compilation_cache_dir,
+            lora_config=_lora_config(args),
         )
 
 

@@ -225,8 +225,9 @@ class ServerMetrics:
     def observe_added(self, request_id: str, arrival_time: float) -> None:
         self._requests[request_id] = _RequestTimes(arrival=arrival_time)
 
-    def observe_refused(self, request_id: str) -> None:
-        """Forget a request the engine refused (counted nowhere)."""
+    def forget(self, request_id: str) -> None:
+        """Drop a request that never entered the engine (refused or cancelled before its ack):
+        nothing is counted."""
         self._requests.pop(request_id, None)
 
     def observe_aborted(self, request_id: str) -> None:

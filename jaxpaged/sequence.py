@@ -74,6 +74,7 @@ class Sequence:
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         block_hash_extra_keys: tuple = (),
+        lora_request=None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"prompt of sequence {seq_id!r} must have at least 1 token, got 0")
@@ -102,6 +103,9 @@ class Sequence:
         # Prefix caching: keys mixed into every block hash besides the tokens (e.g. a LoRA id),
         # and the hashes of the full blocks of token_ids computed so far (append-only, like them).
         self.block_hash_extra_keys = tuple(block_hash_extra_keys)
+        # The LoRA adapter (``jaxpaged.lora.request.LoRARequest``) it runs with; None = base
+        # model. Forks share it. The scheduler reads ``lora_int_id`` (``max_loras`` per step).
+        self.lora_request = lora_request
         self.block_hashes: list[bytes] = []
         # Beam search: the top candidates' {token_id: logprob} at each generated position.
         self.beam_logprobs: list[dict[int, float]] = []
@@ -117,6 +121,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model (vLLM's convention)."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

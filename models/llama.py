@@ -40,6 +40,7 @@ in ``pallas_kernels``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -53,6 +54,7 @@ import pallas_kernels
 from models.attention import attention, kv_cache_head_dim
 from models.attention_backends import check_attention_backend
 from models.attention_metadata import AttentionMetadata
+from models.lora import LoRABatch, LoRALayer, llama_projection_specs, with_lora
 from models.merged_linear import MergedColumnParallelLinear
 from models.moe import SparseMoeBlock
 from models.rope import apply_rope, rope_inv_freq, rope_parameters
@@ -159,9 +161,11 @@ class LlamaMLP(nnx.Module):
                                                        num_shards=num_shards, **kw)
         self.down_proj = nnx.Linear(inter, hidden, **kw)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = self.gate_up_proj(x)  # each [T, intermediate]
-        return self.down_proj(_ACTIVATIONS[self.hidden_act](gate) * up)
+    def __call__(self, x: jax.Array, lora: LoRALayer | None = None) -> jax.Array:
+        delta = None if lora is None else lora.delta("gate_up_proj", x)
+        gate, up = self.gate_up_proj(x, delta)  # each [T, intermediate]
+        h = _ACTIVATIONS[self.hidden_act](gate) * up
+        return with_lora(lora, "down_proj", h, self.down_proj(h))
 
 
 def _attention_biases(config: Any) -> tuple[bool, bool]:
@@ -235,9 +239,10 @@ class LlamaAttention(nnx.Module):
         k_cache: jax.Array,
         v_cache: jax.Array,
         metadata: AttentionMetadata,
+        lora: LoRALayer | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x)
+        q, k, v = self.qkv_proj(x, None if lora is None else lora.delta("qkv_proj", x))
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -263,8 +268,8 @@ class LlamaAttention(nnx.Module):
             mesh=self.mesh,
         )
         out = out[..., : self.head_dim].astype(x.dtype)  # drop the padding columns, if any
-        out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
-        return out, k_cache, v_cache
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return with_lora(lora, "o_proj", out, self.o_proj(out)), k_cache, v_cache
 
 
 def _grouped_matmul_backend(dtype: Any, attention_backend: str, interpret: bool) -> str:
@@ -316,11 +321,14 @@ class LlamaDecoderLayer(nnx.Module):
             self.mlp = LlamaMLP(config, num_shards=tp_size(mesh), hidden_act=options.hidden_act,
                                 dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, positions, k_cache, v_cache, metadata):
+    def __call__(self, x, positions, k_cache, v_cache, metadata, lora: LoRALayer | None = None):
         attn_out, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x), positions, k_cache, v_cache, metadata
+            self.input_layernorm(x), positions, k_cache, v_cache, metadata, lora
         )
-        mlp = self.mlp if self.block_sparse_moe is None else self.block_sparse_moe
+        if self.block_sparse_moe is None:
+            mlp = functools.partial(self.mlp, lora=lora)
+        else:  # MoE experts take no LoRA (llama_projection_specs offers attention only)
+            mlp = self.block_sparse_moe
         if self.gemma_norms:
             x = x + self.post_attention_layernorm(attn_out)
             x = x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
@@ -364,14 +372,15 @@ class LlamaModel(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs, unit_offset=options.gemma_norms)
 
-    def __call__(self, input_ids, positions, kv_caches, metadata):
+    def __call__(self, input_ids, positions, kv_caches, metadata, lora: LoRABatch | None = None):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             # HF multiplies by sqrt(hidden) rounded to the weights' dtype (bf16: 48.0 for 2304).
             x = x * jnp.asarray(self.embed_scale, dtype=self.dtype)
         new_caches = []
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x, k_cache, v_cache = layer(x, positions, k_cache, v_cache, metadata)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            layer_lora = None if lora is None else lora.layer(i)
+            x, k_cache, v_cache = layer(x, positions, k_cache, v_cache, metadata, layer_lora)
             new_caches.append((k_cache, v_cache))
         return self.norm(x), new_caches
 
@@ -379,6 +388,11 @@ class LlamaModel(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     """Causal LM of the Llama-style family over a paged KV cache (the module docstring lists
     the members and what their configs switch).
+
+    Multi-LoRA (``models.lora``): ``__call__``'s ``lora`` adds each token's adapter to the
+    seven projections (q/k/v/o/gate/up/down) of every member; Mixtral's experts take none
+    (``lora_projection_specs`` offers its attention projections only and the adapter loader
+    refuses the rest by name).
 
     Args:
         config: a transformers ``PretrainedConfig`` of the family.
@@ -422,6 +436,7 @@ class LlamaForCausalLM(nnx.Module):
         positions: jax.Array,
         kv_caches: list[tuple[jax.Array, jax.Array]],
         metadata: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
         """One step over ``T`` packed tokens.
 
@@ -430,11 +445,15 @@ class LlamaForCausalLM(nnx.Module):
             positions: ``i32[T]``, the position of each token in its sequence.
             kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hkv, D]``.
             metadata: where the new K/V go and what each query reads.
+            lora: per-token LoRA adapters (``models.lora``); None runs the base model alone.
 
         Returns:
             ``(hidden [T, hidden_size] in the compute dtype, updated kv_caches)``.
         """
-        return self.model(input_ids, positions, kv_caches, metadata)
+        return self.model(input_ids, positions, kv_caches, metadata, lora)
+
+    # The layer projections LoRA adapters may target, by fused projection (``models.lora``).
+    lora_projection_specs = staticmethod(llama_projection_specs)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """``hidden [N, hidden_size] -> f32[N, vocab_size]`` (tied: ``hidden @ embed_tokens.T``;

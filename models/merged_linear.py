@@ -50,8 +50,7 @@ class MergedColumnParallelLinear(nnx.Linear):
         ValueError: an output size that does not divide by ``num_shards``.
     """
 
-    def __init__(self, in_features: int, output_sizes: Sequence[int], *, num_shards: int,
-                 **kwargs):
+    def __init__(self, in_features: int, output_sizes: Sequence[int], *, num_shards: int, **kwargs):
         for size in output_sizes:
             if size % num_shards:
                 raise ValueError(
@@ -62,8 +61,14 @@ class MergedColumnParallelLinear(nnx.Linear):
         self.output_sizes = tuple(int(size) for size in output_sizes)
         self.num_shards = int(num_shards)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:  # type: ignore[override]
+    def __call__(  # type: ignore[override]
+        self, x: jax.Array, delta: jax.Array | None = None
+    ) -> tuple[jax.Array, ...]:
+        """``delta`` (``[..., sum(output_sizes)]``, same column order, e.g. a LoRA update) is
+        added to the fused output before it is split."""
         y = super().__call__(x)  # [..., sum(output_sizes)], shard-major columns
+        if delta is not None:
+            y = y + delta
         # [..., tp, per_shard]: the shard axis is exactly the one the tp mesh axis splits, and
         # the slices below cut only the per-shard axis, so under the SPMD partitioner every
         # device slices its own block and nothing moves between devices.

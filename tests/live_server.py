@@ -35,6 +35,7 @@ class HookedEngineCore(EngineCore):
         "set_max_num_queued_requests",
         "die_when_unfinished",
         "pause_steps",
+        "num_compilations",
     )
 
     def __init__(self, engine, **kwargs):
@@ -53,6 +54,10 @@ class HookedEngineCore(EngineCore):
     def die_when_unfinished(self, count: int, message: str) -> None:
         """Raise ``RuntimeError(message)`` from the first step with ``count`` requests."""
         self._die_at = (count, message)
+
+    def num_compilations(self) -> int:
+        """Step executables the core's model runner has compiled so far."""
+        return self.engine.worker.model_runner.num_compilations
 
     def pause_steps(self) -> None:
         """From now on steps run no model: requests stay unfinished (and nothing compiles)."""
@@ -137,7 +142,14 @@ def spawn_client(**overrides):
     return EngineCoreClient.spawn(args, tokenizer=tokenizer, **client_kwargs)
 
 
-def start_server(*, served_model_names=(MODEL_NAME,), api_key=None, chat_template=None, **kw):
+def start_server(
+    *,
+    served_model_names=(MODEL_NAME,),
+    api_key=None,
+    chat_template=None,
+    lora_modules=(),
+    **kw,
+):
     """A ``RunningServer`` over a freshly spawned core (``spawn_client(**kw)``)."""
     from jaxpaged.config import default_model_path
     from jaxpaged.entrypoints.openai.api_server import build_app
@@ -150,6 +162,7 @@ def start_server(*, served_model_names=(MODEL_NAME,), api_key=None, chat_templat
         served_model_names=list(served_model_names),
         api_key=api_key,
         chat_template=chat_template,
+        lora_modules=lora_modules,
     )
     return RunningServer(app)
 

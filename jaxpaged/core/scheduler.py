@@ -57,14 +57,20 @@ class Scheduler:
          served, reusing their longest cached prefix (prefix caching). A long prompt takes what
          budget is left and continues next step (chunked prefill). If the head of the queue
          cannot get blocks, admission stops and it waits (no skipping ahead).
+    Multi-LoRA (`max_loras` > 0): a swapped or waiting group is admitted only if its adapter is
+    already running or fewer than `max_loras` adapters run; a waiting group that would exceed
+    the limit is skipped (it keeps its place) and later ones may go first, as in vLLM v1.
     Preemption (`preemption_mode`, vLLM v0's rule when None): recompute for single-sequence
     groups (free the blocks; prefill again later, which prefix caching makes cheap), swap for
     multi-sequence ones (copy the blocks to host memory), falling back to recompute when the
     host lacks room.
     """
 
-    def __init__(self, config, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config, kv_cache_manager: KVCacheManager, *, max_loras: int = 0) -> None:
         self.max_num_seqs: int = config.max_num_seqs
+        # Multi-LoRA: most distinct adapters among the running groups (so in any step), the
+        # engine's device slots; 0 = LoRA off (no limit).
+        self.max_loras = max_loras
         self.max_num_batched_tokens: int = config.max_num_batched_tokens
         self.max_model_len: int = config.max_model_len
         self.long_prefill_token_threshold: int = (
@@ -219,15 +225,19 @@ class Scheduler:
 
         # 2. Swapped groups, oldest first; not after a preemption, since the blocks just freed
         #    belong to the running groups that needed them.
+        loras = {g.seqs[0].lora_int_id for g in self.running} - {0}
         while not preempted and self.swapped and budget > 0:
             group = self.swapped[0]
             if num_seats + group.num_seats > self.max_num_seqs:
+                break
+            if not self._lora_fits(group, loras):
                 break
             seqs = group.unfinished_seqs
             # One spare block per sequence lets each decode right away; alone, just fit.
             if not kv.can_swap_in(seqs, len(seqs) if self.running else 0):
                 break
             self.swapped.pop(0)
+            loras.add(group.seqs[0].lora_int_id)
             kv.swap_in(seqs)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
@@ -242,10 +252,14 @@ class Scheduler:
                 budget -= sum(n for _, n in plan)
 
         # 3. Waiting groups, first come first served.
+        skipped: list[SequenceGroup] = []  # over the LoRA limit; they keep their places
         while not preempted and not self.swapped and self.waiting and budget > 0:
             group = self.waiting[0]
             if num_seats + group.num_seats > self.max_num_seqs:
                 break
+            if not self._lora_fits(group, loras):
+                skipped.append(self.waiting.popleft())
+                continue
             items = self._admit(group, budget)
             if items is None:
                 if self.running:
@@ -258,9 +272,11 @@ class Scheduler:
                 continue
             self.waiting.popleft()
             self.running.append(group)
+            loras.add(group.seqs[0].lora_int_id)
             num_seats += group.num_seats
             scheduled[group.request_id] = items
             budget -= sum(item.num_new_tokens for item in items)
+        self.waiting.extendleft(reversed(skipped))
 
         items = [item for group_items in scheduled.values() for item in group_items]
         # Stable partition: 1-token decodes first, then prefill chunks (the runner's layout).
@@ -281,6 +297,25 @@ class Scheduler:
             blocks_to_copy=copies,
             num_beam_candidates=2 * max(beam_widths, default=0),
         )
+
+    def lora_adapter_names(self) -> tuple[list[str], list[str]]:
+        """Sorted names of the LoRA adapters of the running and of the waiting requests
+        (vLLM's ``lora_requests_info`` labels)."""
+
+        def names(groups) -> list[str]:
+            # A copy first: metrics read this from another thread while the loop runs.
+            requests = (g.seqs[0].lora_request for g in list(groups))
+            return sorted({r.lora_name for r in requests if r is not None})
+
+        return names(self.running), names(self.waiting)
+
+    def _lora_fits(self, group: SequenceGroup, loras: set[int]) -> bool:
+        """Whether ``group`` may join the running groups, whose adapters are ``loras``, without
+        exceeding ``max_loras`` distinct adapters (the base model, id 0, is free)."""
+        lora_id = group.seqs[0].lora_int_id
+        if not self.max_loras or lora_id == 0 or lora_id in loras:
+            return True
+        return len(loras - {0}) < self.max_loras
 
     def _plan(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
         """(sequence, tokens to compute) for this step; empty when the group waits this step."""

@@ -33,8 +33,10 @@ from jaxpaged.engine.core_messages import (
     decode,
     encode,
     encode_output,
+    lora_from_wire,
     params_from_wire,
 )
+from jaxpaged.lora.metrics import lora_stats
 from jaxpaged.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -57,7 +59,14 @@ class EngineCore:
     """
 
     # Methods the API process may call by name (``utility`` messages); subclasses may add.
-    UTILITY_METHODS = ("get_stats", "reset_prefix_cache", "check_idle")
+    UTILITY_METHODS = (
+        "get_stats",
+        "reset_prefix_cache",
+        "check_idle",
+        "add_lora",
+        "remove_lora",
+        "list_loras",
+    )
 
     def __init__(self, engine, *, max_num_queued_requests: int | None = None):
         self.engine = engine
@@ -74,12 +83,22 @@ class EngineCore:
             "max_logprobs": engine.config.model_config.max_logprobs,
             "num_blocks": engine.num_blocks,
             "eos_token_id": engine.eos_token_id,
+            # Device LoRA slots; None: the engine was built without enable_lora.
+            "max_loras": None if engine.lora_manager is None else engine.lora_manager.max_loras,
             "pid": os.getpid(),
         }
 
-    def add_request(self, request_id: str, prompt_token_ids, params: dict, arrival_time: float):
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids,
+        params: dict,
+        arrival_time: float,
+        lora: list | None = None,
+    ):
         """Admit one tokenized request; returns None, or ``[class name, message, parameter]``
-        of the error that refused it (the API process re-raises it)."""
+        of the error that refused it (the API process re-raises it). ``lora``: the adapter
+        (``core_messages.lora_to_wire``), None for the base model."""
         try:
             limit = self.max_num_queued_requests
             waiting = self.engine.scheduler.num_waiting
@@ -102,6 +121,7 @@ class EngineCore:
                 {"prompt_token_ids": [int(t) for t in prompt_token_ids]},
                 sampling,
                 arrival_time=arrival_time,
+                lora_request=lora_from_wire(lora),
             )
         except (ValueError, QueueFullError) as error:
             return [type(error).__name__, str(error), getattr(error, "parameter", None)]
@@ -141,7 +161,26 @@ class EngineCore:
         stats["num_steps"] = self.num_steps
         stats["num_unfinished_requests"] = self.engine.get_num_unfinished_requests()
         stats["num_free_blocks"] = self.engine.kv_cache_manager.num_free_blocks
+        if self.engine.lora_manager is not None:
+            stats |= lora_stats(self.engine.scheduler, self.engine.lora_manager)
         return stats
+
+    def add_lora(self, lora: list) -> bool:
+        """``LLMEngine.add_lora`` of ``lora`` (``core_messages.lora_to_wire``): read and check
+        the adapter; False if it is already registered.
+
+        Raises:
+            ValueError: LoRA is off, the id or name is taken, or the adapter is bad.
+        """
+        return self.engine.add_lora(lora_from_wire(lora))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """``LLMEngine.remove_lora``: False if unknown or LoRA is off."""
+        return self.engine.remove_lora(int(lora_int_id))
+
+    def list_loras(self) -> list[int]:
+        """``LLMEngine.list_loras`` as a sorted list (msgpack has no sets)."""
+        return sorted(self.engine.list_loras())
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

@@ -45,9 +45,11 @@ from jaxpaged.engine.core_messages import (
     decode,
     decode_output,
     encode,
+    lora_to_wire,
     params_to_wire,
     scheduler_stats,
 )
+from jaxpaged.lora.request import LoRARequest
 from jaxpaged.metrics import ServerMetrics
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
@@ -58,6 +60,9 @@ __all__ = ["EngineCoreClient", "EngineDeadError", "QueueFullError", "RequestStre
 
 # How often the watch task looks at the core process (seconds).
 _WATCH_INTERVAL_S = 0.1
+# After the core process exits, how long its "dead" message may take to be read (a killed
+# core sends none: its streams fail this much later).
+_DEAD_MESSAGE_GRACE_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -159,6 +164,8 @@ class EngineCoreClient:
         self.metrics = metrics
         self.dead_error: str | None = None
         self.num_steps = 0  # steps whose outputs arrived
+        # The core's stats after the last step whose outputs arrived (None before the first).
+        self.last_stats: dict | None = None
         self._context = context
         self._output = output_socket
         self._ipc_dir = ipc_dir
@@ -301,11 +308,14 @@ class EngineCoreClient:
         params: SamplingParams,
         *,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Send a tokenized request to the core; return its stream once the core accepted it.
 
         Args:
             prompt: ``{"prompt_token_ids": [...], "prompt": text or None}``.
+            lora_request: the LoRA adapter to run with (None: the base model); the core
+                registers it on first use.
 
         Raises:
             ValueError: the core refused the prompt or parameters (400).
@@ -323,21 +333,23 @@ class EngineCoreClient:
         self._requests[request_id] = (state, stream)
         self.core.outstanding.add(request_id)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        wire = [request_id, ids, params_to_wire(params), arrival_time]
-        # Before the send: the core's first outputs (even its last, for a short request) may
-        # arrive in the same receive batch as its acknowledgement.
+        wire = [request_id, ids, params_to_wire(params), arrival_time, lora_to_wire(lora_request)]
+        # Before the send: the receive task may read the ack and the first step's outputs
+        # before this coroutine resumes, and those outputs must count.
         if self.metrics is not None:
             self.metrics.observe_added(request_id, arrival_time)
         self.core.send(Kind.ADD, wire)
         try:
             await accepted
         except asyncio.CancelledError:
+            if self.metrics is not None:
+                self.metrics.forget(request_id)
             self.abort(request_id)  # the add is ahead of the abort in the core's queue
             raise
         except BaseException:
-            self._forget(request_id)
             if self.metrics is not None:
-                self.metrics.observe_refused(request_id)
+                self.metrics.forget(request_id)
+            self._forget(request_id)
             raise
         return stream
 
@@ -380,6 +392,32 @@ class EngineCoreClient:
         """The core's ``EngineCore.get_stats()``."""
         return await self.call_utility("get_stats")
 
+    # ------------------------------------------------------------------------------ LoRA
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter in the core between steps (vLLM's ``AsyncLLM.add_lora``);
+        False if it is already registered.
+
+        Raises:
+            ValueError: the core refused it (LoRA off, id or name taken, a bad adapter).
+        """
+        try:
+            return await self.call_utility("add_lora", lora_to_wire(lora_request))
+        except RuntimeError as error:
+            prefix = f"{ValueError.__name__}: "
+            message = str(error)
+            if isinstance(error, EngineDeadError) or not message.startswith(prefix):
+                raise
+            raise ValueError(message[len(prefix) :]) from None
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter in the core (vLLM's ``AsyncLLM.remove_lora``); False if
+        unknown."""
+        return await self.call_utility("remove_lora", lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        """Ids of the adapters registered in the core (vLLM's ``AsyncLLM.list_loras``)."""
+        return set(await self.call_utility("list_loras"))
+
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine core has died: {self.dead_error}")
@@ -415,6 +453,7 @@ class EngineCoreClient:
     def _on_outputs(self, outputs: list, stats: dict) -> None:
         now = time.monotonic()
         self.num_steps += 1
+        self.last_stats = stats
         delivered = []
         for wire in outputs:
             delta = decode_output(wire)
@@ -433,13 +472,21 @@ class EngineCoreClient:
             self.metrics.observe_step(
                 scheduler_stats(stats), delivered, stats["step_start"], now, stats["scheduled"]
             )
+            if "running_lora_adapters" in stats:  # jaxpaged.lora.metrics.lora_stats
+                self.metrics.observe_lora_adapters(
+                    stats["running_lora_adapters"], stats["waiting_lora_adapters"]
+                )
 
     async def _watch(self) -> None:
         process = self.core.process
         while self.dead_error is None:
             await asyncio.sleep(_WATCH_INTERVAL_S)
             if not process.is_alive():
-                await asyncio.sleep(_WATCH_INTERVAL_S)  # let a last "dead" message arrive
+                # Let a last "dead" message (sent just before the exit) arrive: on a loaded
+                # host the receive task may need more than one interval to read it.
+                deadline = time.monotonic() + _DEAD_MESSAGE_GRACE_S
+                while self.dead_error is None and time.monotonic() < deadline:
+                    await asyncio.sleep(_WATCH_INTERVAL_S)
                 self._die(f"the engine core process exited with code {process.exitcode}")
             elif time.monotonic() - self.core.last_seen > self.heartbeat_timeout_s:
                 self._die(f"the engine core did not answer for {self.heartbeat_timeout_s} s")

@@ -8,8 +8,10 @@ pickled, so a peer can only ever send data, never code.
 
 API process -> core (``INPUT_*`` kinds):
 
-- ``add``: ``[request_id, prompt_token_ids i32[P], sampling params dict, arrival_time]``
-  (``EngineCoreRequest``; ``arrival_time`` is ``time.monotonic()``, one clock per host).
+- ``add``: ``[request_id, prompt_token_ids i32[P], sampling params dict, arrival_time,
+  lora]`` (``EngineCoreRequest``; ``arrival_time`` is ``time.monotonic()``, one clock per
+  host; ``lora`` is None for the base model, else ``[lora_name, lora_int_id, lora_path]``,
+  ``lora_to_wire``).
 - ``abort``: ``[request_id, ...]``.
 - ``utility``: ``[call_id, method name, args list]`` (answered by an ``utility`` output).
 - ``shutdown``: ``None``.
@@ -20,7 +22,9 @@ Core -> API process (``OUTPUT_*`` kinds):
   ``add`` applied before a step; an error means the request never entered the engine.
 - ``outputs``: ``[[EngineCoreOutput, ...], stats dict]`` after each step: per request only what
   is new (DELTA), see ``encode_output``; ``stats`` is ``LLMEngine.get_stats()`` as a dict plus
-  ``num_steps`` and ``scheduled`` (ids that entered the running batch this step).
+  ``num_steps`` and ``scheduled`` (ids that entered the running batch this step), and with
+  LoRA ``max_loras``, ``running_lora_adapters`` and ``waiting_lora_adapters``
+  (``jaxpaged.lora.metrics.lora_stats``).
 - ``utility``: ``[call_id, result, error message or None]``.
 - ``heartbeat``: ``None``, every ``HEARTBEAT_INTERVAL_S`` from a thread of the core process.
 - ``dead``: ``error message``: the loop died on an exception; the process exits after it.
@@ -35,6 +39,7 @@ import msgpack
 import numpy as np
 
 from jaxpaged.core.stats import SchedulerStats
+from jaxpaged.lora.request import LoRARequest
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
@@ -123,6 +128,28 @@ def params_from_wire(values: dict) -> SamplingParams:
     params = SamplingParams(**values)
     params.bad_words_token_ids = bad_words_token_ids
     return params
+
+
+# ----------------------------------------------------------------------------------- LoRA
+def lora_to_wire(request: LoRARequest | None) -> list | None:
+    """``[lora_name, lora_int_id, lora_path]`` of an adapter, None for the base model."""
+    if request is None:
+        return None
+    return [request.lora_name, request.lora_int_id, request.lora_path]
+
+
+def lora_from_wire(wire: list | None) -> LoRARequest | None:
+    """The ``LoRARequest`` of ``lora_to_wire`` (re-validated by its constructor).
+
+    Raises:
+        ValueError: a malformed entry, or one ``LoRARequest`` refuses.
+    """
+    if wire is None:
+        return None
+    if not isinstance(wire, (list, tuple)) or len(wire) != 3:
+        raise ValueError(f"a LoRA request travels as [name, int id, path], got {wire!r}")
+    name, lora_int_id, path = wire
+    return LoRARequest(name, int(lora_int_id), path)
 
 
 # --------------------------------------------------------------------------------- outputs

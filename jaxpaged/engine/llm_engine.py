@@ -24,6 +24,7 @@ from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.core.step_history import StepHistory
 from jaxpaged.engine.async_scheduling import InFlightStep, commit_with_placeholders, resolve
 from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.lora.request import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
@@ -59,6 +60,8 @@ class LLMEngine:
         self.worker.initialize_cache(self.num_blocks)
         self.vocab_size = self.worker.vocab_size
         self.eos_token_id = _first_eos(self.worker.hf_config, self.tokenizer)
+        # Multi-LoRA (None: off): the worker's, which its model runner steps with.
+        self.lora_manager = self.worker.lora_manager
 
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks,
@@ -66,7 +69,11 @@ class LLMEngine:
             enable_caching=cc.enable_prefix_caching,
             num_cpu_blocks=self.worker.num_cpu_blocks,
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.scheduler = Scheduler(
+            config.scheduler_config,
+            self.kv_cache_manager,
+            max_loras=self.lora_manager.max_loras if self.lora_manager else 0,
+        )
         # What each step scheduled (jaxpaged.viz draws it; bounded, oldest dropped).
         self.step_history = StepHistory()
 
@@ -103,6 +110,7 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         final_only: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request.
 
@@ -112,12 +120,16 @@ class LLMEngine:
                 ``BeamSearchParams`` for a beam search (its output holds the ranked beams).
             final_only: emit a ``RequestOutput`` only when the request finishes (overrides
                 ``params.output_kind``, as ``LLM.generate`` does; beam searches always do).
+            lora_request: the LoRA adapter to run with (None: the base model); registered
+                (read and checked) on first use. Its blocks are cached under its own key, so
+                no other adapter shares its prefix.
 
         Raises:
             ValueError: duplicate id, empty prompt, token ids outside the vocabulary, a prompt
                 that leaves no room under ``max_model_len`` or does not fit in the KV cache,
                 ``logprobs`` above ``max_logprobs``, ``best_of`` / ``beam_width`` above
-                ``max_num_seqs``.
+                ``max_num_seqs``, a ``lora_request`` without ``enable_lora`` or with a bad
+                adapter.
         """
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -135,6 +147,7 @@ class LLMEngine:
             )
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
+        self._check_lora(lora_request)
         group_kwargs = {}
         seq_params = params
         if isinstance(params, BeamSearchParams):
@@ -159,6 +172,8 @@ class LLMEngine:
             sampling_params=seq_params,
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            block_hash_extra_keys=lora_cache_keys(lora_request),
+            lora_request=lora_request,
         )
         seq.sampling_seed = self._request_seed(params)
         group = SequenceGroup(request_id, seq, **group_kwargs)
@@ -213,6 +228,20 @@ class LLMEngine:
                 f"tokens ({self.num_blocks} blocks)"
             )
 
+    def _check_lora(self, lora_request: LoRARequest | None) -> bool:
+        if lora_request is None:
+            return False
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}"
+            )
+        if self.lora_manager is None:
+            raise ValueError(
+                f"lora_request {lora_request.lora_name!r} needs an engine built with "
+                "enable_lora=True"
+            )
+        return self.lora_manager.add_adapter(lora_request)
+
     def _request_seed(self, params: SamplingParams | BeamSearchParams) -> int:
         seed = getattr(params, "seed", None)
         if seed is not None:
@@ -252,6 +281,24 @@ class LLMEngine:
         """Forget every cached prefix (blocks in use keep their K/V). Returns True."""
         self.kv_cache_manager.reset_prefix_cache()
         return True
+
+    # ------------------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register (read and check) an adapter ahead of its requests (vLLM's ``add_lora``);
+        False if it is already registered.
+
+        Raises:
+            ValueError: LoRA is off, the id or name is taken, or the adapter is bad.
+        """
+        return self._check_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter and zero its device slot; False if unknown or LoRA is off."""
+        return self.lora_manager is not None and self.lora_manager.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the registered adapters (vLLM's ``list_loras``)."""
+        return set() if self.lora_manager is None else set(self.lora_manager.list_adapters())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
@@ -313,6 +360,14 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         self.step_history.record(scheduler_output, self.kv_cache_manager.usage)
         return self._commit(scheduler_output, self._run_sync(scheduler_output))
+
+
+def lora_cache_keys(lora_request: LoRARequest | None) -> tuple:
+    """Prefix-cache extra keys of a request's blocks: the adapter's id and name (K/V computed
+    under one adapter must never serve another), nothing for the base model."""
+    if lora_request is None:
+        return ()
+    return ("lora", lora_request.lora_int_id, lora_request.lora_name)
 
 
 def _first_eos(hf_config, tokenizer) -> int | None:

@@ -187,6 +187,13 @@ def _add_serve_parser(sub) -> None:
         "share a prefix share a prefix cache) (default: least_loaded)",
     )
     serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help="LoRA adapters served at start-up (with --enable-lora): name=path, or JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}; clients select one by `model`',
+    )
+    serve.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -203,6 +210,7 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
             --data-parallel-size.
     """
     from jaxpaged.config import DEFAULT_MODEL_NAME
+    from jaxpaged.entrypoints.openai.serving_models import parse_lora_modules
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(
@@ -227,6 +235,7 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
         data_parallel_size=args.data_parallel_size,
         dp_routing=args.dp_routing,
         uvicorn_log_level=args.uvicorn_log_level,
+        lora_modules=parse_lora_modules(args.lora_modules),
     )
 
 

@@ -13,6 +13,7 @@ from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine, PromptType
 from jaxpaged.entrypoints.beam_search import beam_search_outputs
 from jaxpaged.entrypoints.chat import Conversation, chat_prompt, is_single_conversation
+from jaxpaged.lora.request import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.distributed import is_driver
@@ -119,6 +120,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
@@ -128,9 +130,12 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt; None means
                 ``SamplingParams()``.
             use_tqdm: show a progress bar with output tokens/s.
+            lora_request: one LoRA adapter for all prompts, or one per prompt (None entries:
+                the base model); needs ``enable_lora=True``.
 
         Raises:
-            ValueError: for a bad prompt or a parameter list of the wrong length. Requests are
+            ValueError: for a bad prompt, a bad adapter, or a parameter list of the wrong
+                length. Requests are
                 validated before any is queued, so one bad prompt queues nothing.
         """
         if isinstance(prompts, (str, Mapping)):
@@ -147,16 +152,28 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
                     "give one, or one per prompt"
                 )
-        request_ids = self._add_requests(prompts, params_list)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompts)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(lora_list)} lora_request for {len(prompts)} prompts; "
+                    "give one, or one per prompt"
+                )
+        request_ids = self._add_requests(prompts, params_list, lora_list)
         return self._run_engine(request_ids, use_tqdm=use_tqdm)
 
-    def _add_requests(self, prompts: list, params_list: list) -> list[str]:
+    def _add_requests(self, prompts: list, params_list: list, lora_list=None) -> list[str]:
         engine = self.llm_engine
         request_ids = [str(next(self._request_counter)) for _ in prompts]
+        lora_list = lora_list or [None] * len(prompts)
         added = []
         try:
-            for request_id, prompt, params in zip(request_ids, prompts, params_list, strict=True):
-                engine.add_request(request_id, prompt, params, final_only=True)
+            for request_id, prompt, params, lora in zip(
+                request_ids, prompts, params_list, lora_list, strict=True
+            ):
+                engine.add_request(request_id, prompt, params, final_only=True, lora_request=lora)
                 added.append(request_id)
         except ValueError:
             for request_id in added:  # one bad prompt must not leave the others queued
@@ -174,12 +191,14 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (vLLM's ``LLM.chat``).
 
         Each conversation (``[{"role": ..., "content": ...}, ...]``) is rendered with
         ``chat_template`` (None: the tokenizer's) and tokenized without adding special tokens,
-        then generated as by ``generate``; one output per conversation, in order.
+        then generated as by ``generate`` (``lora_request`` as there); one output per
+        conversation, in order.
 
         Raises:
             ValueError: a malformed conversation, no chat template, or as ``generate``.
@@ -199,7 +218,7 @@ class LLM:
             )
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run_engine(self, request_ids: list[str], *, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -117,12 +117,15 @@ class PackedInputBuilder:
         *,
         profile: bool = False,
         prev_scheduled: list = (),
+        lora_slots: np.ndarray | None = None,
     ) -> np.ndarray:
         """The packed buffer, i32[layout.size], for ``scheduled`` (``ScheduledSequence``s)
         padded to ``layout``; ``slots[i]`` is row i's LogitsState slot or None. ``profile``:
         every token asks for a prompt logprob (the memory-profiling step). ``prev_scheduled``: the
         previous step's ``ScheduledSequence`` s in row order; a ``PLACEHOLDER_TOKEN_ID`` input
-        reads its real id on the device from its sequence's row there (``prev_index``)."""
+        reads its real id on the device from its sequence's row there (``prev_index``).
+        ``lora_slots``: i32[len(scheduled)], each sequence's LoRA slot (-1: base model), copied
+        to its tokens; None leaves every token on the base model."""
         template, spans = self._template(layout)
         packed = template.copy()
         view = {name: packed[span] for name, span in spans.items()}
@@ -168,6 +171,8 @@ class PackedInputBuilder:
             view["prev_index"][placeholders] = [
                 prev_rows[scheduled[token_rows[t]].seq.seq_id] for t in placeholders
             ]
+        if lora_slots is not None:
+            view["lora_slots"][:num_tokens] = lora_slots[token_rows]
         bs = self.block_size
         view["positions"][:num_tokens] = positions
         view["slot_mapping"][:num_tokens] = (

@@ -38,6 +38,7 @@ from jaxpaged.worker.input_prep import PackedInputBuilder
 from jaxpaged.worker.step_buffer import PackedLayout
 from jaxpaged.worker.step_timeline import StepTimeline
 from models.attention_metadata import AttentionMetadata
+from models.lora import LoRABatch
 
 # Smallest token bucket of a step that carries a prefill chunk; decode-only steps use the
 # sequence buckets, which start at 1.
@@ -84,6 +85,8 @@ class ModelRunner:
             the KV caches keep their head sharding through every (donated) step.
         vocab_size: rows of the per-request ``LogitsState`` are this wide.
         max_logprobs: top logprobs computed per sampled or prompt token (static).
+        lora_manager: multi-LoRA (``jaxpaged.lora.manager.LoRAManager``): its slot weights
+            join every step and each scheduled sequence's adapter gets a slot; None: base only.
     """
 
     def __init__(
@@ -98,7 +101,9 @@ class ModelRunner:
         vocab_size: int,
         max_logprobs: int = 20,
         mesh: Mesh | None = None,
+        lora_manager=None,
     ):
+        self.lora_manager = lora_manager
         # Split once: jitting a pure function of the flat state keeps the HLO free of baked-in
         # weights and avoids re-traversing NNX objects every step (milliseconds on big models).
         # The weights travel as a flat list of arrays: each dispatch then flattens its arguments
@@ -243,6 +248,7 @@ class ModelRunner:
             self.logits_state,
             self._prev_tokens,
             packed,
+            self._lora_weights(),
             layout=layout,
             decode_only=key.decode_only,
             num_beam_candidates=key.num_beam_candidates,
@@ -269,6 +275,7 @@ class ModelRunner:
             self.logits_state,
             self._prev_tokens,
             jax.device_put(packed, self._input_sharding),
+            self._lora_weights(),
         )
         out["token_ids"].block_until_ready()
 
@@ -280,6 +287,7 @@ class ModelRunner:
         logits_state,
         prev_tokens,
         packed,
+        lora_weights,
         *,
         layout: PackedLayout,
         decode_only: bool,
@@ -301,7 +309,10 @@ class ModelRunner:
         )
         sampling = SamplingMetadata.from_packed(arrays)
         model = nnx.merge(self._graphdef, jax.tree.unflatten(self._weights_treedef, weights))
-        hidden, kv_caches = model(input_ids, arrays["positions"], kv_caches, metadata)
+        lora = None
+        if lora_weights is not None:
+            lora = LoRABatch(arrays["lora_slots"], lora_weights, self.lora_manager.max_loras)
+        hidden, kv_caches = model(input_ids, arrays["positions"], kv_caches, metadata, lora)
         # Only the rows that sample reach the LM head.
         logits = model.compute_logits(hidden[arrays["logits_indices"]])
         token_ids, logprobs, logits_state = sample(
@@ -367,6 +378,7 @@ class ModelRunner:
             self.logits_state,
             self._prev_tokens,
             jax.device_put(packed, self._input_sharding),
+            self._lora_weights(),
         )
         self._prev_tokens = out.pop("next_prev_tokens")
         self._prev_scheduled = scheduled
@@ -437,6 +449,18 @@ class ModelRunner:
     def _prepare_inputs(
         self, scheduled, layout: PackedLayout, slots: list, *, profile: bool = False
     ) -> np.ndarray:
+        lora_slots = None
+        if self.lora_manager is not None and scheduled:
+            lora_slots = self.lora_manager.slots_for_step([s.seq.lora_request for s in scheduled])
         return self._input_builder.build(
-            scheduled, layout, slots, profile=profile, prev_scheduled=self._prev_scheduled
+            scheduled,
+            layout,
+            slots,
+            profile=profile,
+            prev_scheduled=self._prev_scheduled,
+            lora_slots=lora_slots,
         )
+
+    def _lora_weights(self):
+        """The LoRA slot arrays every step reads (None without LoRA: no argument at all)."""
+        return None if self.lora_manager is None else self.lora_manager.slots.weights

@@ -33,6 +33,8 @@ SECTIONS: tuple[tuple[str, str, type, object], ...] = (
     # Per token: the row of the previous step's sampled tokens that holds this token's id
     # (async scheduling's placeholders), or -1 to use ``input_ids``.
     ("prev_index", "T", np.int32, -1),
+    # Per token: its LoRA adapter's device slot, -1 = base model (``models.lora``).
+    ("lora_slots", "T", np.int32, -1),
     # Sampling columns, one per sequence; padding rows are neutral (greedy, no filter, no
     # penalty, no logprobs). See ``SamplingMetadata`` for each column's meaning.
     ("temperature", "B", np.float32, 0.0),

@@ -26,6 +26,7 @@ import jax
 
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.scheduler_output import SchedulerOutput
+from jaxpaged.lora.manager import LoRAManager, create_lora_manager
 from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.worker.compilation_cache import enable_compilation_cache
 from jaxpaged.worker.distributed import agree_on_min, initialize_distributed, is_driver
@@ -88,6 +89,9 @@ class Worker:
         self.dtype = None
         self.kv_cache_spec: KVCacheSpec | None = None
         self._model = None
+        # Multi-LoRA: adapter slots on the device and the host LRU (None: LoRA off); every
+        # runner the worker builds (the profiling one too) steps with its slot weights.
+        self.lora_manager: LoRAManager | None = None
         # Set by determine_num_blocks (None without device memory statistics, e.g. on CPU):
         self.memory_budget: MemoryBudget | None = None
         # Set by initialize_cache:
@@ -104,7 +108,8 @@ class Worker:
 
         Raises:
             ValueError: from ``models.weights.load_model`` (missing files, unknown dtype,
-                unsupported architecture, a missing or misshapen tensor).
+                unsupported architecture, a missing or misshapen tensor); ``enable_lora`` with
+                a model class that does not support LoRA.
         """
         mc = self.config.model_config
         load = (
@@ -133,6 +138,10 @@ class Worker:
             head_dim=kv_cache_head_dim(_head_dim(self.hf_config), self.attention_backend),
             block_size=self.config.cache_config.block_size,
             dtype=self.dtype,
+        )
+        # The slots are allocated here, before profiling, so they count as weights.
+        self.lora_manager = create_lora_manager(
+            self.config.lora_config, self._model, self.hf_config, self.dtype
         )
 
     @property
@@ -231,6 +240,7 @@ class Worker:
             mesh=self.mesh,
             vocab_size=self.vocab_size,
             max_logprobs=self.config.model_config.max_logprobs,
+            lora_manager=self.lora_manager,
         )
 
     def reset_kv_caches(self, fill_value: float = 0.0) -> None:

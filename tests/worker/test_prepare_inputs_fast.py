@@ -109,6 +109,7 @@ def reference_packed(scheduled, layout, slots, *, profile=False) -> np.ndarray:
         "cu_q_lens": cu_q_lens,
         "logits_indices": logits_indices,
         "prev_index": np.full(t_pad, -1, np.int32),  # no async placeholders here
+        "lora_slots": np.full(t_pad, -1, np.int32),  # no LoRA here
         **sampling.packed(),
     }
     return np.concatenate([parts[name] for name, _ in layout.sections()])

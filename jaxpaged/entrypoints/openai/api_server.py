@@ -38,14 +38,17 @@ from jaxpaged.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
     ModelList,
-    ModelPermission,
     TokenizeRequest,
     TokenizeResponse,
 )
 from jaxpaged.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from jaxpaged.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxpaged.entrypoints.openai.serving_models import (
+    LoRAModulePath,
+    OpenAIServingModels,
+    add_lora_routes,
+)
 from jaxpaged.metrics import ServerMetrics, render_all
 
 
@@ -58,6 +61,7 @@ def build_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     metrics_prefix: str = "jaxpaged",
+    lora_modules: Sequence[LoRAModulePath] = (),
 ) -> FastAPI:
     """The server app over ``client`` (a spawned ``EngineCoreClient``); the client's tasks
     start with the app's lifespan, and the core is shut down with it.
@@ -71,18 +75,26 @@ def build_app(
         chat_template: a file path or inline Jinja template replacing the tokenizer's.
         metrics_prefix: ``/metrics`` name prefix, ``"jaxpaged"`` or ``"vllm"`` (vLLM's names,
             for gateways and autoscalers; ``jaxpaged.metrics``).
+        lora_modules: LoRA adapters loaded at start-up (``--lora-modules``; needs an engine
+            core built with ``enable_lora``), in the core once the app's lifespan starts.
 
     ``app.state.engine`` is the client, ``app.state.metrics`` its ``ServerMetrics``.
 
     Raises:
-        ValueError: an empty served name list, a bad chat template or metrics prefix.
+        ValueError: an empty served name list, a bad chat template or metrics prefix,
+            ``lora_modules`` without LoRA or with a name used twice.
     """
     names = list(served_model_names or [model])
     if not names or not all(names):
         raise ValueError(f"served_model_names must be non-empty names, got {names!r}")
     # One ServerMetrics per engine core (``engine`` label), rendered as one exposition.
     engine_metrics = client.attach_metrics(
-        lambda index: ServerMetrics(names[0], prefix=metrics_prefix, engine_index=index)
+        lambda index: ServerMetrics(
+            names[0],
+            prefix=metrics_prefix,
+            engine_index=index,
+            max_loras=client.info.get("max_loras") or 0,
+        )
     )
     metrics = engine_metrics[0]
     engine = client
@@ -95,11 +107,15 @@ def build_app(
     )
     completion = OpenAIServingCompletion(**common)
     chat = OpenAIServingChat(**common, chat_template=load_chat_template(chat_template))
+    models = OpenAIServingModels(engine, names, model, max_model_len)
+    models.check_static_loras(lora_modules)
+    completion.models = chat.models = models
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await engine.start()
         try:
+            await models.init_static_loras(lora_modules)
             yield
         finally:
             await engine.shutdown()
@@ -126,18 +142,10 @@ def build_app(
         return JSONResponse({"version": jaxpaged.__version__})
 
     @app.get("/v1/models")
-    async def models() -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(
-                    id=name,
-                    root=model,
-                    max_model_len=max_model_len,
-                    permission=[ModelPermission(id=f"modelperm-{secrets.token_hex(16)}")],
-                )
-                for name in names
-            ]
-        )
+    async def list_models() -> ModelList:
+        return models.model_list()
+
+    add_lora_routes(app, models)
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
@@ -243,6 +251,7 @@ def run_server(
     data_parallel_size: int = 1,
     dp_routing: str = "least_loaded",
     uvicorn_log_level: str = "info",
+    lora_modules: Sequence[LoRAModulePath] = (),
 ) -> None:
     """Start the engine core for ``engine_args`` (``EngineArgs``) and serve until interrupted.
 
@@ -276,6 +285,7 @@ def run_server(
         api_key=api_key,
         chat_template=chat_template,
         metrics_prefix=metrics_prefix,
+        lora_modules=lora_modules,
     )
     uvicorn.run(app, host=host or "0.0.0.0", port=port, log_level=uvicorn_log_level)
 

@@ -120,7 +120,7 @@ class OpenAIServingChat(OpenAIServing):
             QueueFullError: the waiting queue is full (HTTP 429).
         """
         arrival_time = time.monotonic()
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         self.check_supported(request)
         prompt_text = self.render_messages(
             request.messages,
@@ -152,7 +152,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(values)
         request_id = self.response_id("chatcmpl", request)
         (stream,) = await self.add_requests(
-            request_id, [(prompt_text, ids)], [params], arrival_time
+            request_id, [(prompt_text, ids)], [params], arrival_time, lora_request
         )
         if request.stream:
             return StreamingResponse(

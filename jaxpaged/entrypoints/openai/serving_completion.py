@@ -50,7 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
             QueueFullError: the waiting queue is full (HTTP 429).
         """
         arrival_time = time.monotonic()
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         self.check_supported(request)
         prompts = [
             self.truncate(p, request.truncate_prompt_tokens)
@@ -72,7 +72,9 @@ class OpenAIServingCompletion(OpenAIServing):
             values["prompt_logprobs"] = prompt_logprobs
             params.append(self.sampling_params(values))
         request_id = self.response_id("cmpl", request)
-        streams = await self.add_requests(request_id, prompts, params, arrival_time)
+        streams = await self.add_requests(
+            request_id, prompts, params, arrival_time, lora_request
+        )
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, streams),

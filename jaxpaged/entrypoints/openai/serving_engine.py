@@ -130,13 +130,19 @@ class OpenAIServing:
         self.served_model_names = list(served_model_names)
         self.max_model_len = max_model_len
         self._sampling_fields = set(inspect.signature(SamplingParams).parameters)
+        # Base names and LoRA adapters (``serving_models``); set by the app, None: base only.
+        self.models = None
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        """Raises NotFoundError for a ``model`` that is not served (None means the default)."""
+    def check_model(self, model: str | None):
+        """The LoRA adapter ``model`` names (None: the base model, also for None).
+
+        Raises NotFoundError for a ``model`` that is neither served nor an adapter."""
+        if self.models is not None:
+            return self.models.lora_request_for(model)
         if model is not None and model not in self.served_model_names:
             raise NotFoundError(f"The model `{model}` does not exist.", param="model")
 
@@ -288,6 +294,7 @@ class OpenAIServing:
         prompts: Sequence[tuple[str | None, list[int]]],
         params: Sequence[SamplingParams],
         arrival_time: float,
+        lora_request=None,
     ) -> list[RequestStream]:
         """Submit one engine request per prompt (ids ``<request_id>-<i>``); all or none.
 
@@ -295,12 +302,13 @@ class OpenAIServing:
         already opened.
         """
         streams: list[RequestStream] = []
+        lora = {} if lora_request is None else {"lora_request": lora_request}
         try:
             for i, ((text, ids), p) in enumerate(zip(prompts, params, strict=True)):
                 prompt = {"prompt_token_ids": ids, "prompt": text}
                 streams.append(
                     await self.engine.add_request(
-                        f"{request_id}-{i}", prompt, p, arrival_time=arrival_time
+                        f"{request_id}-{i}", prompt, p, arrival_time=arrival_time, **lora
                     )
                 )
         except BaseException:

@@ -1,0 +1,182 @@
+"""LoRA inside the step: each token adds its own adapter's low-rank update to a projection.
+
+LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685)
+replaces a frozen projection ``y = x W`` by ``y = x W + (x A) B * scale`` with ``A [in, r]``,
+``B [r, out]``. Serving many adapters at once (S-LoRA, Punica's BGMV/SGMV) gives every token of a
+step its own adapter. Here ``S = max_loras`` adapters sit in fixed device *slots*; per projection
+the slots are stacked along the rank axis, each padded to ``C = P * max_lora_rank`` columns
+(``P`` parts of a fused projection: 3 for ``qkv_proj``, 2 for ``gate_up_proj``, else 1)::
+
+    a: [in, S * C]     slot s owns columns s*C .. (s+1)*C-1   (part p: its p-th max_lora_rank block)
+    b: [S * C, out]    slot s owns rows    s*C .. (s+1)*C-1   (block-diagonal over the parts;
+                       ``scale`` already multiplied in; out columns in the fused kernel's order)
+
+and a step computes, for all tokens at once,
+
+    h = x @ a                      [T, S * C]   (every slot's shrink; cheap: S * C is small)
+    h = h * (slot(t) == slot(column))           (keep each token's own slot; -1 keeps nothing)
+    y += h @ b                     [T, out]
+
+Below ``S`` tokens the step instead gathers each token's own ``A`` and ``B`` (BGMV-style), so
+a batch-1 decode reads one slot's weights, not all ``S``. Either way the shapes (``in``,
+``S * C``) never depend on which adapters are loaded, so loading, swapping or unloading an
+adapter only writes slot values and never changes a compiled shape. Zero-padded rank columns and unused slots contribute exact zeros.
+The cost grows with ``max_loras * max_lora_rank``, not with the batch's adapters; at the
+8 x rank-16 sizes of the benchmark the shrink is ~6% of ``qkv_proj``'s FLOPs (see
+``benchmarks/results/lora/run.sh`` for the measured step cost).
+
+Shape letters as in ``pallas_kernels``; ``S`` = ``max_loras``, ``C`` = columns per slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Fused projection -> the HF module names of its parts, in the fused kernel's part order
+# (``models.merged_linear``). These are the seven target modules LoRA may adapt.
+LORA_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionSpec:
+    """Sizes of one (possibly fused) projection: input size and each part's output size."""
+
+    in_features: int
+    part_sizes: tuple[int, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.part_sizes)
+
+
+def llama_projection_specs(config: Any) -> dict[str, ProjectionSpec]:
+    """The LoRA-able projections of one Llama-family layer, from its HF config.
+
+    ``qkv_proj``: ``hidden -> (Hq * D, Hkv * D, Hkv * D)``; ``o_proj``: ``Hq * D -> hidden``;
+    ``gate_up_proj``: ``hidden -> (intermediate, intermediate)``; ``down_proj``:
+    ``intermediate -> hidden``. A sparse-MoE config (Mixtral's ``num_local_experts``) has no
+    dense MLP and LoRA does not reach its experts: only ``qkv_proj`` and ``o_proj``.
+    """
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    specs = {
+        "qkv_proj": ProjectionSpec(
+            hidden, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+        ),
+        "o_proj": ProjectionSpec(heads * head_dim, (hidden,)),
+    }
+    if not getattr(config, "num_local_experts", 0):
+        specs["gate_up_proj"] = ProjectionSpec(hidden, (inter, inter))
+        specs["down_proj"] = ProjectionSpec(inter, (hidden,))
+    return specs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRAWeights:
+    """Every slot's adapter for one projection of one layer (module docstring layout)."""
+
+    # [in, S * C]: the A matrices, slot-major, rank-padded with zeros.
+    a: jax.Array
+    # [S * C, out]: the B matrices times their scale, block-diagonal over a fused projection's
+    # parts, out columns in the fused kernel's order.
+    b: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRABatch:
+    """What a step needs to apply LoRA: per token its slot, per layer the slot weights."""
+
+    # i32[T]: the slot of each token's adapter in [0, max_loras); -1 = base model (and padding).
+    token_slots: jax.Array
+    # Per layer: projection name (``LORA_PROJECTIONS``) -> weights. Every projection is present
+    # (an adapter that skips one leaves its columns zero), so the pytree never changes shape.
+    layers: tuple[dict[str, LoRAWeights], ...]
+    # Static: S, the number of slots stacked in each ``LoRAWeights``.
+    max_loras: int = dataclasses.field(metadata=dict(static=True))
+
+    def layer(self, index: int) -> LoRALayer:
+        return LoRALayer(self.token_slots, self.layers[index], self.max_loras)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRALayer:
+    """One layer's view of a ``LoRABatch`` (built inside the traced step; not a pytree)."""
+
+    token_slots: jax.Array
+    weights: dict[str, LoRAWeights]
+    max_loras: int
+
+    def delta(self, name: str, x: jax.Array) -> jax.Array:
+        """``[T, out]``: the LoRA update of projection ``name`` for input ``x [T, in]``."""
+        w = self.weights[name]
+        return lora_delta(x, self.token_slots, w.a, w.b, max_loras=self.max_loras)
+
+
+def lora_delta(
+    x: jax.Array, token_slots: jax.Array, a: jax.Array, b: jax.Array, *, max_loras: int
+) -> jax.Array:
+    """Batched LoRA update ``[T, out]`` in ``x``'s dtype: row t is ``x[t] @ A_s @ B_s`` for
+    ``s = token_slots[t]`` (zero when ``s == -1``).
+
+    Args:
+        x: ``[T, in]`` activations.
+        token_slots: ``i32[T]``, each in ``[-1, max_loras)``.
+        a: ``[in, S * C]``; b: ``[S * C, out]`` (module docstring layout; scale folded into b).
+        max_loras: ``S``.
+
+    Matmuls accumulate in float32; float32 inputs use full float32 precision (no TF32).
+    With fewer tokens than slots (``T < S``, a static shape), each token's A/B are gathered
+    instead (the same sums, reading only the slots in use).
+    """
+    cols = a.shape[1]
+    per_slot = cols // max_loras
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    dot = functools.partial(jnp.einsum, precision=precision, preferred_element_type=jnp.float32)
+    if x.shape[0] < max_loras:
+        # Fewer tokens than slots (small decode batches): gather each token's own A and B
+        # (BGMV), reading T slots' weights instead of all S.
+        index = jnp.maximum(token_slots, 0)
+        a_t = a.reshape(a.shape[0], max_loras, per_slot)[:, index, :]  # [in, T, C]
+        b_t = b.reshape(max_loras, per_slot, b.shape[1])[index]  # [T, C, out]
+        h = dot("ti,itc->tc", x, a_t.astype(x.dtype))
+        h = jnp.where(token_slots[:, None] >= 0, h, 0.0).astype(x.dtype)
+        return dot("tc,tco->to", h, b_t.astype(x.dtype)).astype(x.dtype)
+    column_slot = np.arange(cols, dtype=np.int32) // per_slot  # static
+    h = dot("ti,ic->tc", x, a.astype(x.dtype))
+    h = jnp.where(token_slots[:, None] == column_slot[None, :], h, 0.0).astype(x.dtype)
+    return dot("tc,co->to", h, b.astype(x.dtype)).astype(x.dtype)
+
+
+def lora_delta_reference(
+    x: np.ndarray, token_slots: np.ndarray, a_list: list, b_list: list
+) -> np.ndarray:
+    """Plain per-token reference, float32: ``x[t] @ a_list[s] @ b_list[s]`` (unpadded, one
+    ``[in, r_s]`` / ``[r_s, out]`` pair per slot ``s``), zero for ``s == -1``."""
+    x = np.asarray(x, np.float32)
+    out = np.zeros((x.shape[0], np.asarray(b_list[0]).shape[1]), np.float32)
+    for t, s in enumerate(np.asarray(token_slots)):
+        if s >= 0:
+            out[t] = (x[t] @ np.asarray(a_list[s], np.float32)) @ np.asarray(b_list[s], np.float32)
+    return out
+
+
+def with_lora(lora: LoRALayer | None, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """``y`` plus projection ``name``'s LoRA update of ``x`` (``y`` itself without LoRA)."""
+    if lora is None:
+        return y
+    return y + lora.delta(name, x)
