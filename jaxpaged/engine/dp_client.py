@@ -166,6 +166,28 @@ class DPEngineCoreClient:
             )
         return results
 
+    async def add_lora(self, lora_request) -> bool:
+        """Load the adapter in every live core (any core may serve its requests).
+
+        Raises:
+            ValueError: a core refused the adapter (bad path, rank, target modules).
+        """
+        results = [await c.add_lora(lora_request) for c in self.clients if not c.is_dead]
+        return all(results)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload the adapter from every live core; True if one of them had it."""
+        results = [await c.remove_lora(lora_int_id) for c in self.clients if not c.is_dead]
+        return any(results)
+
+    async def list_loras(self) -> set[int]:
+        """Adapter ids loaded in the live cores."""
+        loaded: set[int] = set()
+        for client in self.clients:
+            if not client.is_dead:
+                loaded |= await client.list_loras()
+        return loaded
+
     # ------------------------------------------------------------------------------ internal
     def _finished(self, request_id: str) -> None:
         self.balancer.finish_request(request_id)
