@@ -40,6 +40,7 @@ from jaxpaged.worker.kv_cache import (
     measure_kv_budget,
     num_blocks_for_budget,
 )
+from jaxpaged.worker.kv_size_memo import memo_key, remembered_num_blocks
 from jaxpaged.worker.memory_pool import configure_memory_pool
 from jaxpaged.worker.model_runner import ModelRunner, PendingStep
 from jaxpaged.worker.step_timeline import StepTimeline
@@ -177,8 +178,27 @@ class Worker:
             else:
                 per_device = self.memory_budget.kv_bytes
                 num_blocks = num_blocks_for_budget(spec, per_device * tp, cap=_MAX_NUM_BLOCKS)
+                if self.compilation_cache_dir is not None:
+                    # Same count as the last start when it still fits: its executables match.
+                    num_blocks = remembered_num_blocks(
+                        self.compilation_cache_dir, self._kv_size_key(), num_blocks
+                    )
         # Every process must hold the same number of blocks, or their schedules diverge.
         return agree_on_min(num_blocks)
+
+    def _kv_size_key(self) -> str:
+        """What decides the step's shapes and the profiled budget (``kv_size_memo``)."""
+        mc, cc = self.config.model_config, self.config.cache_config
+        return memo_key(
+            hf_config=mc.hf_config_json,
+            load_format=mc.load_format,
+            dtype=str(self.dtype),
+            spec=str(self.kv_cache_spec),
+            scheduler=str(self.config.scheduler_config),
+            tensor_parallel_size=self.tensor_parallel_size,
+            gpu_memory_utilization=cc.gpu_memory_utilization,
+            attention_backend=self.attention_backend,
+        )
 
     def _profile_memory(self) -> MemoryBudget | None:
         """Per-device memory left for KV blocks after one profiling step at the full token

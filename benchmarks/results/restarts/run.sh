@@ -55,7 +55,7 @@ t0=$(now)
 timeout $T $PY -m jaxpaged.entrypoints.cli convert $WORK/st $WORK/orbax --dtype $DT \
   > $OUT/convert.log 2>&1
 rc=$?
-echo "{\"seconds\": $(echo "$(now) - $t0" | bc)}" > $OUT/convert.json
+echo "{\"seconds\": $($PY -c "print($(now) - $t0)")}" > $OUT/convert.json
 echo "[convert] rc=$rc $(tail -1 $OUT/convert.log)"
 du -sh $WORK/st $WORK/orbax > $OUT/checkpoint_sizes.txt 2>&1
 for fmt in safetensors orbax; do
