@@ -76,9 +76,16 @@ def grouped_matmul(
             )
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # GPU-only imports
 
-        return ragged_dot_mgpu.ragged_dot(
-            lhs, rhs, group_sizes=group_sizes.astype(jnp.int32), **_MOSAIC_TILES
-        )
+        # Its TMA loads need M below 8 or a multiple of 8 (M = 130 failed on the H200): pad
+        # with zero rows counted in the last group, and drop their output rows.
+        m = lhs.shape[0]
+        padded = m if m < 8 else -(-m // 8) * 8
+        sizes = group_sizes.astype(jnp.int32)
+        if padded != m:
+            lhs = jnp.pad(lhs, ((0, padded - m), (0, 0)))
+            sizes = sizes.at[-1].add(padded - m)
+        out = ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, **_MOSAIC_TILES)
+        return out[:m]
     raise ValueError(f"grouped_matmul backend must be one of {list(BACKENDS)}, got {backend!r}")
 
 
