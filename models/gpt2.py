@@ -342,7 +342,8 @@ class LayerNormDecoderModel(nnx.Module):
 
 
 class _LayerNormCausalLM(nnx.Module):
-    """The causal LM of both families; subclasses pass their family's options.
+    """The causal LM of both families; subclasses give their family's options
+    (``family_options``).
 
     Args:
         config: a transformers ``GPT2Config`` / ``BloomConfig``.
@@ -363,14 +364,14 @@ class _LayerNormCausalLM(nnx.Module):
         self,
         config: Any,
         *,
-        family: dict,
         dtype: Any,
         param_dtype: Any,
-        attention_backend: str,
-        interpret: bool,
-        mesh: Mesh | None,
+        attention_backend: str = "reference",
+        interpret: bool = False,
+        mesh: Mesh | None = None,
         rngs: nnx.Rngs,
     ):
+        family = self.family_options(config)
         if attention_backend not in ("reference", "pallas"):
             raise ValueError(
                 f"attention_backend must be 'reference' or 'pallas', got {attention_backend!r}"
@@ -428,19 +429,10 @@ class _LayerNormCausalLM(nnx.Module):
 class GPT2LMHeadModel(_LayerNormCausalLM):
     """GPT-2 (HF ``GPT2LMHeadModel``): learned positions, ``activation_function`` MLP."""
 
-    def __init__(
-        self,
-        config: Any,
-        *,
-        dtype: Any,
-        param_dtype: Any,
-        attention_backend: str = "reference",
-        interpret: bool = False,
-        mesh: Mesh | None = None,
-        rngs: nnx.Rngs,
-    ):
+    @staticmethod
+    def family_options(config: Any) -> dict:
         head_dim = config.hidden_size // config.num_attention_heads
-        family = dict(
+        return dict(
             learned_positions=True,
             embedding_layernorm=False,
             alibi=False,
@@ -449,34 +441,15 @@ class GPT2LMHeadModel(_LayerNormCausalLM):
             attention_scale=head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0,
             residual_post_layernorm=False,
         )
-        super().__init__(
-            config,
-            family=family,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            attention_backend=attention_backend,
-            interpret=interpret,
-            mesh=mesh,
-            rngs=rngs,
-        )
 
 
 class BloomForCausalLM(_LayerNormCausalLM):
     """BLOOM (HF ``BloomForCausalLM``): ALiBi, embedding LayerNorm, tanh-GELU MLP."""
 
-    def __init__(
-        self,
-        config: Any,
-        *,
-        dtype: Any,
-        param_dtype: Any,
-        attention_backend: str = "reference",
-        interpret: bool = False,
-        mesh: Mesh | None = None,
-        rngs: nnx.Rngs,
-    ):
+    @staticmethod
+    def family_options(config: Any) -> dict:
         head_dim = config.hidden_size // config.num_attention_heads
-        family = dict(
+        return dict(
             learned_positions=False,
             embedding_layernorm=True,
             alibi=True,
@@ -486,14 +459,4 @@ class BloomForCausalLM(_LayerNormCausalLM):
             residual_post_layernorm=bool(
                 getattr(config, "apply_residual_connection_post_layernorm", False)
             ),
-        )
-        super().__init__(
-            config,
-            family=family,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            attention_backend=attention_backend,
-            interpret=interpret,
-            mesh=mesh,
-            rngs=rngs,
         )
