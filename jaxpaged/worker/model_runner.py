@@ -312,7 +312,9 @@ class ModelRunner:
         lora = None
         if lora_weights is not None:
             lora = LoRABatch(arrays["lora_slots"], lora_weights, self.lora_manager.max_loras)
-        hidden, kv_caches = model(input_ids, arrays["positions"], kv_caches, metadata, lora)
+        # Families without LoRA support (GPT-2, BLOOM) take no adapter argument.
+        extra = () if lora is None else (lora,)
+        hidden, kv_caches = model(input_ids, arrays["positions"], kv_caches, metadata, *extra)
         # Only the rows that sample reach the LM head.
         logits = model.compute_logits(hidden[arrays["logits_indices"]])
         token_ids, logprobs, logits_state = sample(
