@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from models.registry import get_model_class
 from models.sharding import TP_AXIS, param_partition_spec, tp_model_config
 from models.tp_layout import TPLayout
-from models.weights import load_config, resolve_dtype
+from models.weights import abstract_model, load_config, resolve_dtype
 
 MARKER = "jaxpaged_checkpoint.json"
 FORMAT = "jaxpaged-orbax"
@@ -191,22 +191,18 @@ def load_orbax_model(
     hf_config = load_config(model_dir)
     model_class = get_model_class(hf_config)
     resolved = resolve_dtype(dtype, hf_config)
-    kwargs = {}
     physical_config = hf_config
     if mesh is not None:
         layout = TPLayout.from_hf_config(hf_config, tp)
         physical_config = tp_model_config(hf_config, layout)
-        kwargs["mesh"] = mesh
-    abstract = nnx.eval_shape(
-        lambda: model_class(
-            physical_config,
-            dtype=resolved,
-            param_dtype=resolved,
-            attention_backend=attention_backend,
-            interpret=interpret,
-            rngs=nnx.Rngs(seed),
-            **kwargs,
-        )
+    abstract = abstract_model(
+        model_class,
+        physical_config,
+        resolved,
+        attention_backend=attention_backend,
+        interpret=interpret,
+        seed=seed,
+        mesh=mesh,
     )
     graphdef, abstract_state = nnx.split(abstract)
     flat_state = nnx.to_flat_state(abstract_state)

@@ -45,6 +45,7 @@ from models.weights import (
     FUSED_MODULES,
     _TensorReader,
     _weight_files,
+    abstract_model,
     check_tensor,
     expert_hf_names,
     fused_checkpoint_views,
@@ -89,16 +90,14 @@ def load_sharded_model(
     layout = TPLayout.from_hf_config(hf_config, mesh.shape[TP_AXIS])
     physical_config = tp_model_config(hf_config, layout)
 
-    abstract = nnx.eval_shape(
-        lambda: model_class(
-            physical_config,
-            dtype=resolved,
-            param_dtype=resolved,
-            attention_backend=attention_backend,
-            interpret=interpret,
-            mesh=mesh,
-            rngs=nnx.Rngs(seed),
-        )
+    abstract = abstract_model(
+        model_class,
+        physical_config,
+        resolved,
+        attention_backend=attention_backend,
+        interpret=interpret,
+        seed=seed,
+        mesh=mesh,
     )
     graphdef, abstract_state = nnx.split(abstract)
     flat_state = nnx.to_flat_state(abstract_state)

@@ -388,6 +388,34 @@ def load_config(model_dir: str) -> transformers.PretrainedConfig:
     return transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
 
 
+
+def abstract_model(
+    model_class: type,
+    hf_config: Any,
+    dtype: Any,
+    *,
+    attention_backend: str,
+    interpret: bool,
+    seed: int,
+    mesh: Any = None,
+):
+    """``model_class`` built with shapes and dtypes only (``nnx.eval_shape``): a big model's
+    random initialisation is never materialised. ``dtype`` is both the compute and the parameter
+    dtype; with ``mesh`` (tensor parallelism) ``hf_config`` is the physical config
+    (``models.sharding.tp_model_config``)."""
+    kwargs = {} if mesh is None else {"mesh": mesh}
+    return nnx.eval_shape(
+        lambda: model_class(
+            hf_config,
+            dtype=dtype,
+            param_dtype=dtype,
+            attention_backend=attention_backend,
+            interpret=interpret,
+            rngs=nnx.Rngs(seed),
+            **kwargs,
+        )
+    )
+
 def load_model(
     model_dir: str,
     *,
@@ -424,13 +452,10 @@ def load_model(
     model_class = get_model_class(hf_config)
     resolved = resolve_dtype(dtype, hf_config)
 
-    # Shapes only: a big model's random init is never materialised.
-    abstract = nnx.eval_shape(
-        lambda: model_class(
-            hf_config, dtype=resolved, param_dtype=resolved,
-            attention_backend=attention_backend, interpret=interpret, rngs=nnx.Rngs(seed),
-        )
-    )
+    abstract = abstract_model(
+        model_class, hf_config, resolved,
+        attention_backend=attention_backend, interpret=interpret, seed=seed,
+    )  # fmt: skip
     graphdef, abstract_state = nnx.split(abstract)
     flat_state = nnx.to_flat_state(abstract_state)
     if load_format == "dummy":
