@@ -111,6 +111,8 @@ def save_checkpoint(
         ValueError: ``out_dir`` exists and is not empty.
     """
     out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"output path {out_dir} exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ValueError(f"output directory {out_dir} exists and is not empty")
     os.makedirs(out_dir, exist_ok=True)

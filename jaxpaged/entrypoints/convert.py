@@ -50,6 +50,8 @@ def convert(
             f"quantization must be one of {list(SUPPORTED_QUANTIZATION)} for jaxpaged convert, "
             f"got {quantization!r} (quantized checkpoints are not supported yet)"
         )
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"output path {out} exists and is not a directory")
     if os.path.isdir(out) and os.listdir(out):  # before loading anything big
         raise ValueError(f"output directory {out} exists and is not empty")
     from models.orbax_checkpoint import save_checkpoint

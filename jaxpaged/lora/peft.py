@@ -74,7 +74,8 @@ def read_adapter_config(path: str) -> dict:
     """The adapter directory's ``adapter_config.json`` as a dict.
 
     Raises:
-        ValueError: ``path`` is not a directory, or lacks the config or the weights file.
+        ValueError: ``path`` is not a directory, lacks the config or the weights file, or its
+            config is not a JSON object.
     """
     if not os.path.isdir(path):
         raise ValueError(f"lora_path {path!r} is not a directory")
@@ -82,7 +83,15 @@ def read_adapter_config(path: str) -> dict:
         if not os.path.isfile(os.path.join(path, name)):
             raise ValueError(f"lora_path {path!r} has no {name}")
     with open(os.path.join(path, CONFIG_FILE)) as f:
-        return json.load(f)
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"lora_path {path!r}: {CONFIG_FILE} is not valid JSON: {error}"
+            ) from None
+    if not isinstance(config, dict):
+        raise ValueError(f"lora_path {path!r}: {CONFIG_FILE} must hold a JSON object")
+    return config
 
 
 def load_peft_adapter(
@@ -144,7 +153,10 @@ def load_peft_adapter(
             sizes[fused] = (sizes[parts[0]][0], sum(sizes[part][1] for part in parts))
     if isinstance(targets, (list, tuple)):
         _check_model_has(path, set(targets), sizes)
-    tensors = safetensors.numpy.load_file(os.path.join(path, WEIGHTS_FILE))
+    try:
+        tensors = safetensors.numpy.load_file(os.path.join(path, WEIGHTS_FILE))
+    except safetensors.SafetensorError as error:
+        raise ValueError(f"lora_path {path!r}: {WEIGHTS_FILE} is unreadable: {error}") from None
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for name, tensor in tensors.items():
         match = _TENSOR.search(name)

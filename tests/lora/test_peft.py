@@ -113,3 +113,14 @@ def test_lora_request_validation(kwargs, message):
 def test_lora_requests_compare_by_name_as_in_vllm():
     assert LoRARequest("a", 1, "/x") == LoRARequest("a", 2, "/y")
     assert len({LoRARequest("a", 1, "/x"), LoRARequest("b", 1, "/x")}) == 2
+
+
+def test_a_corrupt_config_or_weights_file_is_refused_naming_the_path(tmp_path):
+    _write(tmp_path / "a")
+    (tmp_path / "a" / "adapter_config.json").write_text("not json")
+    with pytest.raises(ValueError, match="adapter_config.json is not valid JSON"):
+        _load(tmp_path / "a")
+    _write(tmp_path / "b")
+    (tmp_path / "b" / "adapter_model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="adapter_model.safetensors is unreadable"):
+        _load(tmp_path / "b")

@@ -61,6 +61,8 @@ def test_output_directory_must_be_new_or_empty(stories_dir, tmp_path):
     (tmp_path / "keep.txt").write_text("x")
     with pytest.raises(ValueError, match="exists and is not empty"):
         convert(stories_dir, str(tmp_path), load_format="dummy")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        convert(stories_dir, str(tmp_path / "keep.txt"), load_format="dummy")
 
 
 def test_a_converted_directory_is_recognised_and_its_version_checked(tmp_path):
