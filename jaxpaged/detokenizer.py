@@ -129,8 +129,14 @@ def _unfinished_tail(decode, prompt_token_ids: list[int]) -> int:
     that does not end in U+FFFD (0 when none does, e.g. bytes that are not UTF-8 at all)."""
     n = len(prompt_token_ids)
     for tail in range(min(_MAX_TAIL, n - 1) + 1):
-        window = prompt_token_ids[max(0, n - tail - _CONTEXT_TOKENS) : n - tail]
-        if not decode(window).endswith("\ufffd"):
+        end = n - tail
+        start = max(0, end - _CONTEXT_TOKENS)
+        # A window that starts inside a character decodes its whole byte run as U+FFFD, its
+        # finished last character too: move the start back to a character boundary.
+        floor = max(0, start - _MAX_TAIL)
+        while start > floor and decode(prompt_token_ids[start:end]).startswith("\ufffd"):
+            start -= 1
+        if not decode(prompt_token_ids[start:end]).endswith("\ufffd"):
             return tail
     return 0
 
