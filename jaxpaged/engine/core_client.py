@@ -60,9 +60,9 @@ __all__ = ["EngineCoreClient", "EngineDeadError", "QueueFullError", "RequestStre
 
 # How often the watch task looks at the core process (seconds).
 _WATCH_INTERVAL_S = 0.1
-# After the core process exits, how long its "dead" message may take to be read (a killed
-# core sends none: its streams fail this much later).
-_DEAD_MESSAGE_GRACE_S = 1.0
+# After a core exits by itself, how long its "dead" message may take to be read (a core killed
+# by a signal sends none and counts as dead at once).
+_DEAD_MESSAGE_GRACE_S = 5.0
 
 
 class EngineDeadError(RuntimeError):
@@ -482,9 +482,11 @@ class EngineCoreClient:
         while self.dead_error is None:
             await asyncio.sleep(_WATCH_INTERVAL_S)
             if not process.is_alive():
-                # Let a last "dead" message (sent just before the exit) arrive: on a loaded
-                # host the receive task may need more than one interval to read it.
-                deadline = time.monotonic() + _DEAD_MESSAGE_GRACE_S
+                # A core that exits by itself (code >= 0) sent a last "dead" message naming the
+                # error first: let it arrive (on a loaded host the receive task may need
+                # seconds). A core killed by a signal (code < 0) sent none.
+                grace = _DEAD_MESSAGE_GRACE_S if (process.exitcode or 0) >= 0 else 0.0
+                deadline = time.monotonic() + grace
                 while self.dead_error is None and time.monotonic() < deadline:
                     await asyncio.sleep(_WATCH_INTERVAL_S)
                 self._die(f"the engine core process exited with code {process.exitcode}")
