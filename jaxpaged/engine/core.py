@@ -212,8 +212,11 @@ def run_engine_core(
         engine_args: ``EngineArgs`` of the engine (its tokenizer is not loaded here).
         input_address / output_address: ZMQ addresses the API process binds (PUSH to us /
             PULL from us).
-        ready_pipe: a ``multiprocessing`` connection; receives the msgpack of
-            ``EngineCore.info()``, or of ``{"error": message}`` if building failed.
+        ready_pipe: a ``multiprocessing`` connection (the status pipe); receives the msgpack of
+            ``EngineCore.info()`` once the engine is built, and a ``Kind.DEAD`` message naming
+            the error if building or the loop fails. A pipe write is in the OS's buffer before
+            ``os._exit``, unlike a ZMQ send still queued in its I/O thread, so the API process
+            always learns why the core died.
         core_class: ``module:Class`` of the ``EngineCore`` (tests give a subclass).
         cuda_visible_devices: the GPUs this core may use, as indices into the ones the process
             sees (``"2,3"``; JAX's ``jax_cuda_visible_devices``); None: all of them.
@@ -241,18 +244,31 @@ def run_engine_core(
     inputs.connect(input_address)
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
-    threading.Thread(target=_heartbeat, args=(context, output_address, parent), daemon=True).start()
+    # The heartbeat has a context of its own, so that ours can be terminated (which flushes
+    # what we sent) while the heartbeat thread still holds its socket.
+    threading.Thread(target=_heartbeat, args=(output_address, parent), daemon=True).start()
     ready_pipe.send_bytes(encode(Kind.ACKS, core.info()))
-    ready_pipe.close()
     try:
         _loop(core, inputs, outputs)
     except BaseException as error:
         logger.exception("engine core loop died")
-        outputs.send(encode(Kind.DEAD, f"{type(error).__name__}: {error}"))
-        outputs.close(linger=2000)
-        os._exit(1)
+        message = encode(Kind.DEAD, f"{type(error).__name__}: {error}")
+        ready_pipe.send_bytes(message)  # reliable: read by the client once we have exited
+        outputs.send(message)  # fast: read while the API process waits for the exit
+        _flush_and_exit(context, inputs, outputs, 1)
+    _flush_and_exit(context, inputs, outputs, 0)
+
+
+def _flush_and_exit(context, inputs, outputs, code: int) -> None:
+    """Deliver what was sent (acks and outputs before a death too), for up to 2 s, then exit.
+
+    ``socket.close(linger)`` only marks messages for delivery by ZMQ's I/O thread;
+    ``context.term()`` waits for it. ``os._exit`` skips the daemon heartbeat thread.
+    """
+    inputs.close(linger=0)
     outputs.close(linger=2000)
-    os._exit(0)  # the heartbeat thread holds a socket: no context.term()
+    context.term()
+    os._exit(code)
 
 
 def _loop(core: EngineCore, inputs, outputs) -> None:
@@ -289,9 +305,9 @@ def _loop(core: EngineCore, inputs, outputs) -> None:
             outputs.send(encode(Kind.OUTPUTS, core.step()))
 
 
-def _heartbeat(context, address: str, parent: int) -> None:
+def _heartbeat(address: str, parent: int) -> None:
     """Tell the API process we live; leave when it is gone (we would be orphaned)."""
-    socket = context.socket(zmq.PUSH)
+    socket = zmq.Context().socket(zmq.PUSH)
     socket.connect(address)
     frame = encode(Kind.HEARTBEAT, None)
     while True:

@@ -14,7 +14,8 @@ task. Lifecycle of a request::
     finally:
         stream.close()                    # aborts the request in the core unless finished
 
-Core death: the process exits, sends ``dead`` (its loop raised), or sends nothing (not even
+Core death: the process exits (a core whose loop raised names the error on its status pipe
+and in a ``dead`` message), or sends nothing (not even
 its heartbeat) for ``heartbeat_timeout_s``. Then every open stream and pending call fails with
 ``EngineDeadError``, later calls raise it at once, and ``is_dead`` turns True (``/health`` 503).
 
@@ -60,9 +61,8 @@ __all__ = ["EngineCoreClient", "EngineDeadError", "QueueFullError", "RequestStre
 
 # How often the watch task looks at the core process (seconds).
 _WATCH_INTERVAL_S = 0.1
-# After a core exits by itself, how long its "dead" message may take to be read (a core killed
-# by a signal sends none and counts as dead at once).
-_DEAD_MESSAGE_GRACE_S = 5.0
+# How long an exited core's last messages may take to be read before its death is declared.
+_DRAIN_TIMEOUT_S = 5.0
 
 
 class EngineDeadError(RuntimeError):
@@ -112,11 +112,14 @@ class CoreConnection:
         process: the ``multiprocessing.Process`` running ``run_engine_core``.
         input_socket: sync PUSH socket bound by the client (never blocks: no high-water mark).
         info: ``EngineCore.info()`` from the core's ready message.
+        status_pipe: read end of the core's status pipe (``run_engine_core``'s ``ready_pipe``),
+            where a core whose loop failed leaves its ``Kind.DEAD`` message before exiting.
     """
 
-    def __init__(self, index: int, process, input_socket, info: dict):
+    def __init__(self, index: int, process, input_socket, info: dict, status_pipe=None):
         self.index = index
         self.process = process
+        self.status_pipe = status_pipe
         self.input_socket = input_socket
         self.info = info
         self.outstanding: set[str] = set()
@@ -129,6 +132,30 @@ class CoreConnection:
 
     def send(self, kind: Kind, payload) -> None:
         self.input_socket.send(encode(kind, payload), copy=False)
+
+    def close(self) -> None:
+        """Close the input socket and the status pipe (after the process is gone)."""
+        self.input_socket.close()
+        if self.status_pipe is not None:
+            self.status_pipe.close()
+            self.status_pipe = None
+
+    def exit_reason(self) -> str:
+        """Why the (exited) core died: the error it left on its status pipe, else its exit code."""
+        reason = f"the engine core process exited with code {self.process.exitcode}"
+        pipe, self.status_pipe = self.status_pipe, None
+        if pipe is None:
+            return reason
+        try:
+            while pipe.poll(0):
+                kind, payload = decode(pipe.recv_bytes())
+                if kind is Kind.DEAD:
+                    reason = payload
+        except (EOFError, OSError):
+            pass
+        finally:
+            pipe.close()
+        return reason
 
 
 class EngineCoreClient:
@@ -241,11 +268,12 @@ class EngineCoreClient:
             process.join(5)
             kind, payload = Kind.DEAD, f"the engine core exited with code {process.exitcode}"
         if kind is Kind.DEAD:
+            reader.close()
             input_socket.close()
             output_socket.close()
             shutil.rmtree(ipc_dir, ignore_errors=True)
             raise RuntimeError(f"the engine core failed to start: {payload}")
-        connection = CoreConnection(0, process, input_socket, payload)
+        connection = CoreConnection(0, process, input_socket, payload, status_pipe=reader)
         return cls(
             connection,
             context=context,
@@ -288,7 +316,7 @@ class EngineCoreClient:
         self._die("the engine core was shut down", expected=True)
         for task in self._tasks:
             task.cancel()
-        self.core.input_socket.close()
+        self.core.close()
         self._output.close()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
@@ -482,17 +510,24 @@ class EngineCoreClient:
         while self.dead_error is None:
             await asyncio.sleep(_WATCH_INTERVAL_S)
             if not process.is_alive():
-                # A core that exits by itself (code >= 0) sent a last "dead" message naming the
-                # error first: let it arrive (on a loaded host the receive task may need
-                # seconds). A core killed by a signal (code < 0) sent none.
-                grace = _DEAD_MESSAGE_GRACE_S if (process.exitcode or 0) >= 0 else 0.0
-                deadline = time.monotonic() + grace
-                while self.dead_error is None and time.monotonic() < deadline:
-                    await asyncio.sleep(_WATCH_INTERVAL_S)
-                self._die(f"the engine core process exited with code {process.exitcode}")
+                # The core flushed its sends before exiting: let the receive task read them in
+                # order (acks before outputs before "dead"), then take the reason it left on its
+                # status pipe (the only one left by a core killed mid-send).
+                await self._drain_output()
+                self._die(self.core.exit_reason())
             elif time.monotonic() - self.core.last_seen > self.heartbeat_timeout_s:
                 self._die(f"the engine core did not answer for {self.heartbeat_timeout_s} s")
                 process.kill()
+
+    async def _drain_output(self) -> None:
+        """Wait (up to ``_DRAIN_TIMEOUT_S``) until the receive task has read every message
+        waiting on the output socket, seen empty twice ``_WATCH_INTERVAL_S`` apart."""
+        deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+        empty_checks = 0
+        while self.dead_error is None and empty_checks < 2 and time.monotonic() < deadline:
+            pending = self._output.getsockopt(zmq.EVENTS) & zmq.POLLIN
+            empty_checks = 0 if pending else empty_checks + 1
+            await asyncio.sleep(_WATCH_INTERVAL_S / 2 if pending else _WATCH_INTERVAL_S)
 
     def _die(self, message: str, *, expected: bool = False) -> None:
         if self.dead_error is not None:
