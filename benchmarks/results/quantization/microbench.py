@@ -1,0 +1,164 @@
+"""Quantized linears vs bf16 at Llama-3-8B layer shapes: time per layer and what XLA compiled.
+
+One decoder layer's four projections (``qkv_proj`` 4096->6144, ``o_proj`` 4096->4096,
+``gate_up_proj`` 4096->28672, ``down_proj`` 14336->4096), applied for ``LAYERS`` distinct
+layers in one jitted chain (so weights stream from HBM, not L2), per method and token count T:
+
+- ``bf16``: ``x @ W`` (the floor the others are compared with);
+- ``fp8``: FP8 W8A8, dynamic per-token activation scales (``models.quantization.fp8``);
+- ``int8``: INT8 W8A8 (``models.quantization.w8a8``);
+- ``awq``: AWQ GEMM 4-bit, group 128, unpacked from int32 words in the jitted step
+  (``models.quantization.awq``);
+- ``int4``: the same values stored as ``jnp.int4 [in, out]`` (XLA's native s4 operand).
+
+Prints a table (µs per layer, ratio to bf16, GB/s of weight bytes) and, for T=1 and T=1024,
+the custom calls and the fusions' result shapes of the compiled module, which says whether the
+FP8 dot runs as a cuBLASLt FP8 GEMM (``__cublas$lt$matmul$f8``) and whether the int4 unpack
+writes a full-size bf16 weight before the dot. ``--small`` runs tiny shapes on any backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.quantization.awq import awq_linear
+from models.quantization.fp8 import fp8_linear, quantize_weight_fp8
+from models.quantization.w8a8 import w8a8_linear
+
+FULL = dict(hidden=4096, q=4096, kv=1024, inter=14336, layers=8)
+SMALL = dict(hidden=256, q=256, kv=64, inter=512, layers=2)
+GROUP = 128
+
+
+def projections(s):
+    h = s["hidden"]
+    return [(h, s["q"] + 2 * s["kv"]), (s["q"], h), (h, 2 * s["inter"]), (s["inter"], h)]
+
+
+def make_weights(method, shapes, layers, rng):
+    out = []
+    for _ in range(layers):
+        layer = []
+        for k, n in shapes:
+            if method == "bf16":
+                layer.append(jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16))
+            elif method == "fp8":
+                w = rng.standard_normal((n, k), np.float32) * 0.02
+                layer.append({key: jnp.asarray(v) for key, v in quantize_weight_fp8(w).items()})
+            elif method == "int8":
+                layer.append(
+                    {
+                        "weight": jnp.asarray(rng.integers(-127, 128, (n, k), np.int8)),
+                        "weight_scale": jnp.full((n,), 1e-3, jnp.float32),
+                    }
+                )
+            elif method == "awq":
+                g = k // GROUP
+                layer.append(
+                    {
+                        "qweight": jnp.asarray(rng.integers(-(2**31), 2**31, (k, n // 8), np.int64).astype(np.int32)),
+                        "qzeros": jnp.asarray(rng.integers(-(2**31), 2**31, (g, n // 8), np.int64).astype(np.int32)),
+                        "scales": jnp.asarray(rng.random((g, n), np.float32) * 1e-3, jnp.bfloat16),
+                    }
+                )
+            elif method == "int4":
+                g = k // GROUP
+                layer.append(
+                    {
+                        "w": jnp.asarray(rng.integers(-8, 8, (k, n), np.int8), jnp.int4),
+                        "scales": jnp.asarray(rng.random((g, n), np.float32) * 1e-3, jnp.bfloat16),
+                    }
+                )
+        out.append(layer)
+    return out
+
+
+def apply(method, x, w):
+    if method == "bf16":
+        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    if method == "fp8":
+        return fp8_linear(x, w)
+    if method == "int8":
+        return w8a8_linear(x, w["weight"], w["weight_scale"])
+    if method == "awq":
+        return awq_linear(x, w["qweight"], w["qzeros"], w["scales"])
+    k, n = w["w"].shape
+    deq = (w["w"].astype(x.dtype).reshape(k // GROUP, GROUP, n) * w["scales"][:, None, :]).reshape(k, n)
+    return jnp.dot(x, deq, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def chain(method, s):
+    def run(x, weights):
+        for qkv, o, gate_up, down in weights:
+            a = apply(method, x, qkv)[:, : s["q"]]
+            x = x + apply(method, a, o)
+            gu = apply(method, x, gate_up)
+            m = jax.nn.silu(gu[:, : s["inter"]]) * gu[:, s["inter"] :]
+            x = x + apply(method, m, down)
+        return x
+
+    return jax.jit(run)
+
+
+def weight_bytes(weights):
+    """Bytes the weights occupy in HBM (``jnp.int4``: half a byte each)."""
+    return sum(
+        leaf.size // 2 if leaf.dtype == jnp.int4 else leaf.nbytes for leaf in jax.tree.leaves(weights)
+    )
+
+
+def compiled_summary(text: str) -> str:
+    calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
+    fusions = re.findall(r"^\s*(\S+) = (\S+) fusion\(.*kind=(\w+)", text, re.M)
+    big = [f"{shape} {kind}" for _, shape, kind in fusions if re.search(r"\[\d{4,},\d{4,}\]", shape)]
+    return f"custom calls: {calls}\n  full-size fusion results: {big[:6] or 'none'}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--tokens", default="1,256,1024")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--methods", default="bf16,fp8,int8,awq,int4")
+    args = parser.parse_args()
+    s = SMALL if args.small else FULL
+    shapes, layers = projections(s), s["layers"]
+    rng = np.random.default_rng(0)
+    print(f"backend {jax.default_backend()} {jax.devices()[0].device_kind}; shapes {shapes} x {layers} layers")
+    rows, base = [], {}
+    for method in args.methods.split(","):
+        weights = make_weights(method, shapes, layers, rng)
+        wb = weight_bytes(weights) / layers
+        fn = chain(method, s)
+        for t in map(int, args.tokens.split(",")):
+            x = jnp.asarray(rng.standard_normal((t, s["hidden"]), np.float32), jnp.bfloat16)
+            compiled = fn.lower(x, weights).compile()
+            if t in (1, 1024) and method != "bf16":
+                print(f"[{method} T={t}] {compiled_summary(compiled.as_text())}", flush=True)
+            compiled(x, weights).block_until_ready()
+            times = []
+            for _ in range(args.iters):
+                start = time.perf_counter()
+                compiled(x, weights).block_until_ready()
+                times.append(time.perf_counter() - start)
+            us = float(np.median(times)) / layers * 1e6
+            if method == "bf16":
+                base[t] = us
+            rows.append((method, t, us, us / base.get(t, us), wb / (us * 1e-6) / 1e9, wb / 1e6))
+            print(f"{method:5s} T={t:5d} {us:9.1f} us/layer  x{rows[-1][3]:.2f} of bf16  "
+                  f"{rows[-1][4]:7.0f} GB/s of weights ({wb / 1e6:.1f} MB/layer)", flush=True)
+    print("\n| method | T | µs/layer | time / bf16 | weight GB/s | weight MB/layer |")
+    print("|---|---|---|---|---|---|")
+    for method, t, us, ratio, gbs, mb in rows:
+        print(f"| {method} | {t} | {us:.1f} | {ratio:.2f} | {gbs:.0f} | {mb:.1f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
