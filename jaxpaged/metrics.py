@@ -253,6 +253,7 @@ class ServerMetrics:
             times = self._requests.get(request_id)
             if times is not None and times.scheduled is None:
                 times.scheduled = step_start
+        step_tokens = 0  # counted once per step: at saturation a step has hundreds of outputs
         for output in outputs:
             times = self._requests.get(output.request_id)
             if times is None:
@@ -263,7 +264,7 @@ class ServerMetrics:
             num_tokens = sum(len(c.token_ids) for c in output.outputs)
             new_tokens = num_tokens - times.num_output_tokens
             if new_tokens > 0:
-                self.generation_tokens.inc(new_tokens)
+                step_tokens += new_tokens
                 if times.first_token is None:
                     times.first_token = now
                     self.time_to_first_token.observe(now - times.arrival)
@@ -275,6 +276,8 @@ class ServerMetrics:
                 times.num_output_tokens = num_tokens
             if output.finished:
                 self._observe_finished(output, times, now)
+        if step_tokens:
+            self.generation_tokens.inc(step_tokens)
         self.observe_engine_state(stats)
 
     def _observe_finished(self, output, times: _RequestTimes, now: float) -> None:

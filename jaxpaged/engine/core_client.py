@@ -70,17 +70,29 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestStream:
-    """The outputs of one request as an async iterator (consumed on the event loop)."""
+    """The outputs of one request as an async iterator (consumed on the event loop).
+
+    Outputs are cumulative (``RequestState.update``), so a stream holds only the newest one: if
+    the consumer falls behind (a slow client, or an event loop busy with many streams at
+    saturation), the steps it missed arrive merged into one output instead of queueing up,
+    as vLLM v1's ``RequestOutputCollector`` does. An error is raised after the newest output.
+    """
 
     def __init__(self, request_id: str, client: EngineCoreClient):
         self.request_id = request_id
         self._client = client
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
         self.finished = False
         self._closed = False
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        if isinstance(item, BaseException):
+            self._error = item
+        else:
+            self._latest = item  # includes any unread older output
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -88,10 +100,13 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
+        if self._latest is None and self._error is None:
+            await self._ready.wait()
+        self._ready.clear()
+        item, self._latest = self._latest, None
+        if item is None:
             self.finished = True
-            raise item
+            raise self._error
         if item.finished:
             self.finished = True
         return item

@@ -194,3 +194,45 @@ def test_tokenizing_a_multi_megabyte_prompt_does_not_stall_health(server):
     assert took > 1.0 and len(latencies) >= 10
     worst = max(latency for _, latency in latencies)
     assert worst < min(1.0, took / 4), [(round(t, 2), round(lat, 3)) for t, lat in latencies]
+
+
+def test_a_lagging_consumer_gets_the_newest_cumulative_output_then_the_error():
+    """Outputs are cumulative: steps a consumer missed arrive merged into the newest one (no
+    queue grows at saturation); an error that follows is raised after that output."""
+    from jaxpaged.engine.core_client import RequestStream
+    from jaxpaged.outputs import CompletionOutput, RequestOutput
+
+    def output(num_tokens: int, finished: bool = False) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0, text="x" * num_tokens, token_ids=list(range(num_tokens)),
+            cumulative_logprob=None, logprobs=None, finish_reason=None,
+        )  # fmt: skip
+        return RequestOutput(
+            request_id="r", prompt=None, prompt_token_ids=[1], outputs=[completion],
+            finished=finished,
+        )  # fmt: skip
+
+    async def scenario():
+        stream = RequestStream("r", client=None)
+        for n in (1, 2, 3):
+            stream._put(output(n))
+        first = await asyncio.wait_for(anext(stream), 1)
+        stream._put(output(4))
+        stream._put(RuntimeError("core died"))
+        second = await asyncio.wait_for(anext(stream), 1)
+        with pytest.raises(RuntimeError, match="core died"):
+            await asyncio.wait_for(anext(stream), 1)
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        late = RequestStream("r", client=None)
+        waiter = asyncio.create_task(anext(late))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # nothing put yet: the consumer waits
+        late._put(output(5, finished=True))
+        last = await asyncio.wait_for(waiter, 1)
+        return first, second, last, late
+
+    first, second, last, late = asyncio.run(scenario())
+    assert first.outputs[0].token_ids == [0, 1, 2]
+    assert second.outputs[0].token_ids == [0, 1, 2, 3]
+    assert last.finished and late.finished
