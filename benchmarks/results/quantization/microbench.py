@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.quantization.awq import awq_linear
-from models.quantization.fp8 import fp8_linear, quantize_weight_fp8
-from models.quantization.w8a8 import w8a8_linear
+from models.quantization.fp8 import fp8_linear
+from models.quantization.w8a8 import FP8_E4M3_MAX, w8a8_linear
 
 FULL = dict(hidden=4096, q=4096, kv=1024, inter=14336, layers=8)
 SMALL = dict(hidden=256, q=256, kv=64, inter=512, layers=2)
@@ -42,42 +42,34 @@ def projections(s):
     return [(h, s["q"] + 2 * s["kv"]), (s["q"], h), (h, 2 * s["inter"]), (s["inter"], h)]
 
 
-def make_weights(method, shapes, layers, rng):
+def make_weights(method, shapes, layers, key):
+    """Random weights drawn on the device (host-side drawing of 8 layers takes minutes)."""
     out = []
     for _ in range(layers):
         layer = []
         for k, n in shapes:
+            key, k1, k2, k3 = jax.random.split(key, 4)
+            g = k // GROUP
             if method == "bf16":
-                layer.append(jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16))
+                layer.append(jax.random.normal(k1, (k, n), jnp.bfloat16) * 0.02)
             elif method == "fp8":
-                w = rng.standard_normal((n, k), np.float32) * 0.02
-                layer.append({key: jnp.asarray(v) for key, v in quantize_weight_fp8(w).items()})
+                w = jax.random.normal(k1, (n, k), jnp.float32) * 0.02
+                scale = jnp.max(jnp.abs(w)) / FP8_E4M3_MAX
+                layer.append({"weight": (w / scale).astype(jnp.float8_e4m3fn),
+                              "weight_scale": scale.reshape(1)})  # fmt: skip
             elif method == "int8":
-                layer.append(
-                    {
-                        "weight": jnp.asarray(rng.integers(-127, 128, (n, k), np.int8)),
-                        "weight_scale": jnp.full((n,), 1e-3, jnp.float32),
-                    }
-                )
+                layer.append({"weight": jax.random.randint(k1, (n, k), -127, 128, jnp.int8),
+                              "weight_scale": jnp.full((n,), 1e-3, jnp.float32)})  # fmt: skip
             elif method == "awq":
-                g = k // GROUP
-                layer.append(
-                    {
-                        "qweight": jnp.asarray(rng.integers(-(2**31), 2**31, (k, n // 8), np.int64).astype(np.int32)),
-                        "qzeros": jnp.asarray(rng.integers(-(2**31), 2**31, (g, n // 8), np.int64).astype(np.int32)),
-                        "scales": jnp.asarray(rng.random((g, n), np.float32) * 1e-3, jnp.bfloat16),
-                    }
-                )
+                words = lambda key, shape: jax.lax.bitcast_convert_type(
+                    jax.random.bits(key, shape, jnp.uint32), jnp.int32)  # fmt: skip
+                layer.append({"qweight": words(k1, (k, n // 8)), "qzeros": words(k2, (g, n // 8)),
+                              "scales": jax.random.uniform(k3, (g, n), jnp.bfloat16) * 1e-3})  # fmt: skip
             elif method == "int4":
-                g = k // GROUP
-                layer.append(
-                    {
-                        "w": jnp.asarray(rng.integers(-8, 8, (k, n), np.int8), jnp.int4),
-                        "scales": jnp.asarray(rng.random((g, n), np.float32) * 1e-3, jnp.bfloat16),
-                    }
-                )
+                layer.append({"w": jax.random.randint(k1, (k, n), -8, 8, jnp.int8).astype(jnp.int4),
+                              "scales": jax.random.uniform(k3, (g, n), jnp.bfloat16) * 1e-3})  # fmt: skip
         out.append(layer)
-    return out
+    return jax.block_until_ready(out)
 
 
 def apply(method, x, w):
@@ -131,10 +123,11 @@ def main() -> None:
     s = SMALL if args.small else FULL
     shapes, layers = projections(s), s["layers"]
     rng = np.random.default_rng(0)
+    key = jax.random.key(0)
     print(f"backend {jax.default_backend()} {jax.devices()[0].device_kind}; shapes {shapes} x {layers} layers")
     rows, base = [], {}
     for method in args.methods.split(","):
-        weights = make_weights(method, shapes, layers, rng)
+        weights = make_weights(method, shapes, layers, key)
         wb = weight_bytes(weights) / layers
         fn = chain(method, s)
         for t in map(int, args.tokens.split(",")):
