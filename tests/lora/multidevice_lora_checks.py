@@ -78,9 +78,22 @@ def main() -> None:
         assert manager.slots.num_writes >= len(SPECS)
         print("tp=2: greedy tokens with mixed adapters equal peft's", flush=True)
 
+        # Row-parallel LoRA: each o_proj / down_proj shrink [T, S * C] is reduced in the same
+        # collective as its base output [T, hidden] (XLA combines the two all-reduces).
+        runner = engine.worker.model_runner
+        key = runner.bucket_for(1, 1, True)
+        hlo = runner._executables.get(key) or runner._compile(key)
+        reduces = [line for line in hlo.as_text().splitlines() if " all-reduce(" in line]
+        config = engine.worker.hf_config
+        shrink = f"f32[1,{ENGINE['max_loras'] * ENGINE['max_lora_rank']}]"
+        base = f"f32[1,{config.hidden_size}]"
+        with_shrink = [line for line in reduces if shrink in line]
+        assert len(with_shrink) == 2 * config.num_hidden_layers, with_shrink
+        assert all(base in line for line in with_shrink), with_shrink
+        print("tp=2: row-parallel LoRA shrinks reduced with the base outputs", flush=True)
+
         # The same batch again (the same step shapes, compiled above) after an unload and a
         # load at run time: the third adapter comes back under a new id and a new name.
-        runner = engine.worker.model_runner
         compiled = runner.num_compilations
         assert compiled > 0
         llm.reset_prefix_cache()

@@ -41,6 +41,7 @@ def test_tp2_engine_with_mixed_adapters_matches_peft_and_never_compiles_on_swaps
     for line in (
         "tp=2: slot arrays split like their base layers",
         "tp=2: greedy tokens with mixed adapters equal peft's",
+        "tp=2: row-parallel LoRA shrinks reduced with the base outputs",
         "tp=2: loading, swapping and unloading adapters compiled nothing",
         "ALL OK",
     ):
