@@ -227,11 +227,6 @@ def _lora_config(args: EngineArgs) -> LoRAConfig | None:
     max_cpu_loras = args.max_loras if args.max_cpu_loras is None else args.max_cpu_loras
     if max_cpu_loras < args.max_loras:
         raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({args.max_loras})")
-    if args.tensor_parallel_size > 1:
-        raise ValueError(
-            "enable_lora is not supported with tensor_parallel_size > 1 yet, got "
-            f"tensor_parallel_size={args.tensor_parallel_size}"
-        )
     return LoRAConfig(args.max_loras, args.max_lora_rank, max_cpu_loras)
 
 

@@ -17,13 +17,21 @@ and a step computes, for all tokens at once,
     h = h * (slot(t) == slot(column))           (keep each token's own slot; -1 keeps nothing)
     y += h @ b                     [T, out]
 
-Below ``S`` tokens the step instead gathers each token's own ``A`` and ``B`` (BGMV-style), so
-a batch-1 decode reads one slot's weights, not all ``S``. Either way the shapes (``in``,
+This is the *dense* path. The other, *gather* (BGMV-style), gathers each token's own ``A``
+and ``B`` first (``a.reshape(in, S, C)[:, slot(t), :]``), so it reads ``T`` slots' weights
+instead of all ``S``, but as strided gathers over the large ``in`` axis, separate small kernels
+for every projection of every layer. Which path a step takes is one static policy,
+:func:`lora_path` (``T`` is a compiled shape): gather only for steps of at most
+:data:`LORA_GATHER_MAX_TOKENS` tokens, and only with fewer tokens than slots. The dense path
+reads all ``S`` slots (at Llama-3-8B sizes, 8 x rank 16: ~7% more weight bytes per layer) in
+two plain matmuls, the first of which shares its input ``x`` with the base projection's (XLA may
+schedule or merge the two sibling dots); on the H200 the batch-1 decode overhead with the gather
+path below ``S`` tokens was +86%, so the gather is off by default until
+``benchmarks/results/lora/microbench.py`` shows where it wins. Either way the shapes (``in``,
 ``S * C``) never depend on which adapters are loaded, so loading, swapping or unloading an
-adapter only writes slot values and never changes a compiled shape. Zero-padded rank columns and unused slots contribute exact zeros.
-The cost grows with ``max_loras * max_lora_rank``, not with the batch's adapters; at the
-8 x rank-16 sizes of the benchmark the shrink is ~6% of ``qkv_proj``'s FLOPs (see
-``benchmarks/results/lora/run.sh`` for the measured step cost).
+adapter only writes slot values and never changes a compiled shape. Zero-padded rank columns
+and unused slots contribute exact zeros. The cost grows with ``max_loras * max_lora_rank``,
+not with the batch's adapters (``benchmarks/results/lora/run.sh`` measures the step cost).
 
 Shape letters as in ``pallas_kernels``; ``S`` = ``max_loras``, ``C`` = columns per slot.
 """
@@ -46,6 +54,23 @@ LORA_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
+
+
+# The step's LoRA path policy (see the module docstring and :func:`lora_path`): steps of at most
+# this many tokens, and fewer tokens than slots, gather each token's A and B (BGMV); all others
+# take the dense path. 0: always dense. Read while tracing (T is a compiled shape), so it only
+# affects steps compiled after a change.
+LORA_GATHER_MAX_TOKENS = 0
+
+LORA_PATHS = ("dense", "gather")
+
+
+def lora_path(num_tokens: int, max_loras: int) -> str:
+    """The path (``"dense"`` or ``"gather"``) of a step of ``num_tokens`` tokens over
+    ``max_loras`` slots, by the :data:`LORA_GATHER_MAX_TOKENS` policy."""
+    if num_tokens <= LORA_GATHER_MAX_TOKENS and num_tokens < max_loras:
+        return "gather"
+    return "dense"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +153,13 @@ class LoRALayer:
 
 
 def lora_delta(
-    x: jax.Array, token_slots: jax.Array, a: jax.Array, b: jax.Array, *, max_loras: int
+    x: jax.Array,
+    token_slots: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    *,
+    max_loras: int,
+    path: str | None = None,
 ) -> jax.Array:
     """Batched LoRA update ``[T, out]`` in ``x``'s dtype: row t is ``x[t] @ A_s @ B_s`` for
     ``s = token_slots[t]`` (zero when ``s == -1``).
@@ -138,18 +169,24 @@ def lora_delta(
         token_slots: ``i32[T]``, each in ``[-1, max_loras)``.
         a: ``[in, S * C]``; b: ``[S * C, out]`` (module docstring layout; scale folded into b).
         max_loras: ``S``.
+        path: ``"dense"`` or ``"gather"`` (module docstring; the same sums); None:
+            :func:`lora_path`'s choice for ``T``.
 
     Matmuls accumulate in float32; float32 inputs use full float32 precision (no TF32).
-    With fewer tokens than slots (``T < S``, a static shape), each token's A/B are gathered
-    instead (the same sums, reading only the slots in use).
+
+    Raises:
+        ValueError: ``path`` not one of ``LORA_PATHS``.
     """
+    if path is None:
+        path = lora_path(x.shape[0], max_loras)
+    if path not in LORA_PATHS:
+        raise ValueError(f"path must be one of {list(LORA_PATHS)}, got {path!r}")
     cols = a.shape[1]
     per_slot = cols // max_loras
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     dot = functools.partial(jnp.einsum, precision=precision, preferred_element_type=jnp.float32)
-    if x.shape[0] < max_loras:
-        # Fewer tokens than slots (small decode batches): gather each token's own A and B
-        # (BGMV), reading T slots' weights instead of all S.
+    if path == "gather":
+        # Each token's own A and B (BGMV): T slots' weights instead of all S.
         index = jnp.maximum(token_slots, 0)
         a_t = a.reshape(a.shape[0], max_loras, per_slot)[:, index, :]  # [in, T, C]
         b_t = b.reshape(max_loras, per_slot, b.shape[1])[index]  # [T, C, out]

@@ -178,7 +178,7 @@ def _checkpoint_size(axis_map: AxisMap, size: int) -> int:
 
 
 @functools.cache
-def _map_indices(axis_map: tuple, size: int) -> np.ndarray:
+def map_indices(axis_map: tuple, size: int) -> np.ndarray:
     """``i64[size]``: the checkpoint index of each physical index, ``-1`` for zero padding.
 
     ``"fused"``: physical column -> (part, its physical index in the part) by the per-shard
@@ -201,7 +201,7 @@ def _map_indices(axis_map: tuple, size: int) -> np.ndarray:
             selected = part_of == p
             index = whole[selected] - physical_offsets[p]
             if part_map is not None:
-                index = _map_indices(part_map, n)[index]
+                index = map_indices(part_map, n)[index]
             out[selected] = np.where(index >= 0, index + checkpoint_offsets[p], -1)
         return out
     return np.where(physical < axis_map[1], physical, -1)
@@ -309,7 +309,7 @@ def _read_shard(
     sources = []  # per axis: checkpoint index of each element of the block, -1 = zero
     for axis_map, size, sl in zip(maps, shape, index, strict=True):
         physical = np.arange(size)[sl]
-        sources.append(physical if axis_map is None else _map_indices(axis_map, size)[physical])
+        sources.append(physical if axis_map is None else map_indices(axis_map, size)[physical])
     if all(m is None for m in maps):  # one tensor, one contiguous box: read it as it is
         (name, _, _), = parts
         box = tuple(slice(int(src[0]), int(src[-1]) + 1) for src in sources)
@@ -378,7 +378,7 @@ def _make_initializer(
         for axis, axis_map in enumerate(maps):
             if axis_map is None:
                 continue
-            indices = _map_indices(axis_map, shape[axis])
+            indices = map_indices(axis_map, shape[axis])
             value = jnp.take(value, np.maximum(indices, 0), axis=axis)
             keep = np.expand_dims(indices >= 0, [a for a in range(len(shape)) if a != axis])
             value = jnp.where(keep, value, jnp.zeros((), dtype))

@@ -126,6 +126,28 @@ def param_partition_spec(path: tuple, layout: TPLayout) -> P:
     raise ValueError(f"no tensor-parallel rule for parameter {'.'.join(str(p) for p in path)}")
 
 
+def lora_partition_specs(projection: str) -> tuple[P, P]:
+    """Specs of a LoRA adapter's ``(A [in, S * C], B [S * C, out])`` on projection
+    ``projection`` (``models.lora``), consistent with the base layer's split:
+
+    - column-parallel (``qkv_proj``, ``gate_up_proj``): A replicated, B split along ``out``
+      like the kernel's columns, so each device computes the whole shrink ``x A`` (``S * C``
+      columns, small) and its own output columns of the update;
+    - row-parallel (``o_proj``, ``down_proj``): A split along ``in`` like the kernel's rows, B
+      replicated; the shrink's partial sums are reduced over ``tp`` as the base output is.
+      The two reductions are independent, so XLA's all-reduce combiner issues them as one
+      collective (one tuple all-reduce in the compiled HLO on CPU).
+
+    Raises:
+        ValueError: a projection that is neither (no LoRA rule).
+    """
+    if projection in _COLUMN_PARALLEL:
+        return P(), P(None, TP_AXIS)
+    if projection in _ROW_PARALLEL:
+        return P(TP_AXIS, None), P()
+    raise ValueError(f"no tensor-parallel LoRA rule for projection {projection!r}")
+
+
 @functools.cache
 def kv_cache_partition_spec() -> P:
     """Spec of one layer's K (or V) cache: split over the ``Hkv`` axis of ``kv_cache_shape``.

@@ -21,8 +21,11 @@ import collections
 import numpy as np
 
 from jaxpaged.lora.peft import LoRAAdapter, load_peft_adapter
+from jaxpaged.lora.placement import SlotPlacement
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.lora.slots import LoRASlots
+from models.sharding import tp_model_config, tp_size
+from models.tp_layout import TPLayout
 
 # Token slot of the base model (no adapter) in the step's per-token slot array.
 NO_LORA_SLOT = -1
@@ -179,9 +182,11 @@ class LoRAManager:
             raise RuntimeError(f"host LRU over capacity: {len(self._host)=} {self.max_cpu_loras=}")
 
 
-def create_lora_manager(lora_config, model, hf_config, dtype) -> LoRAManager | None:
-    """The engine's ``LoRAManager`` with zeroed slots on the default device, or None when
-    ``lora_config`` is None (LoRA off).
+def create_lora_manager(lora_config, model, hf_config, dtype, mesh=None) -> LoRAManager | None:
+    """The engine's ``LoRAManager`` with zeroed slots, or None when ``lora_config`` is None
+    (LoRA off). With a ``mesh`` (tensor parallelism) the slots take the sharded model's layout
+    and are split over the mesh like the base layers (``jaxpaged.lora.placement``); else they
+    live on the default device.
 
     Raises:
         ValueError: the model family has no LoRA support: its class does not itself define
@@ -190,15 +195,22 @@ def create_lora_manager(lora_config, model, hf_config, dtype) -> LoRAManager | N
     """
     if lora_config is None:
         return None
-    if "lora_projection_specs" not in vars(type(model)):
+    model_class = type(model)
+    if "lora_projection_specs" not in vars(model_class):
         raise ValueError(
-            f"enable_lora: the model class {type(model).__name__} does not support LoRA"
+            f"enable_lora: the model class {model_class.__name__} does not support LoRA"
         )
+    placement = None
+    if mesh is not None and tp_size(mesh) > 1:
+        layout = TPLayout.from_hf_config(hf_config, tp_size(mesh))
+        physical = model_class.lora_projection_specs(tp_model_config(hf_config, layout))
+        placement = SlotPlacement.for_mesh(physical, hf_config, mesh)
     slots = LoRASlots(
-        type(model).lora_projection_specs(hf_config),
+        model_class.lora_projection_specs(hf_config),
         num_layers=int(hf_config.num_hidden_layers),
         max_loras=lora_config.max_loras,
         max_lora_rank=lora_config.max_lora_rank,
         dtype=dtype,
+        placement=placement,
     )
     return LoRAManager(slots, max_cpu_loras=lora_config.max_cpu_loras)

@@ -9,11 +9,14 @@ and no step ever compiles again because an adapter came or went.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.lora.peft import LoRAAdapter
+from jaxpaged.lora.placement import SlotPlacement
 from models.lora import LORA_PROJECTIONS, LoRAWeights, ProjectionSpec
 
 
@@ -76,12 +79,15 @@ class LoRASlots:
     """The device arrays of ``max_loras`` adapter slots and the slot writer.
 
     Args:
-        specs: projection sizes of one layer (``models.lora.llama_projection_specs``).
+        specs: projection sizes of one layer in the checkpoint's layout
+            (``models.lora.llama_projection_specs``); adapters are read and checked against it.
         num_layers: layers of the base model.
         max_loras: ``S``, slots (adapters one step can use).
         max_lora_rank: ``R``; every slot is padded to it.
         dtype: the model's compute dtype (slot arrays are stored in it).
-        sharding: where the arrays live (replicated on a mesh); None = default device.
+        placement: tensor parallelism (``jaxpaged.lora.placement``): the arrays take the
+            sharded model's layout and are split over its mesh like the base layers; None:
+            the checkpoint's layout on the default device.
     """
 
     def __init__(
@@ -92,29 +98,34 @@ class LoRASlots:
         max_loras: int,
         max_lora_rank: int,
         dtype,
-        sharding=None,
+        placement: SlotPlacement | None = None,
     ):
         self.specs = specs
         self.num_layers = num_layers
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        self.placement = placement
+        physical = specs if placement is None else placement.physical_specs
 
-        def zeros(shape):
-            array = jnp.zeros(shape, dtype)
-            return array if sharding is None else jax.device_put(array, sharding)
+        def zeros(name: str, spec: ProjectionSpec) -> LoRAWeights:
+            cols = max_loras * slot_columns(name, max_lora_rank)
+            shapes = ((spec.in_features, cols), (cols, spec.out_features))
+            shardings = (None, None) if placement is None else placement.shardings(name)
+            a, b = (
+                jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)()
+                for shape, sharding in zip(shapes, shardings, strict=True)
+            )
+            return LoRAWeights(a=a, b=b)
 
         self.weights: tuple[dict[str, LoRAWeights], ...] = tuple(
-            {
-                name: LoRAWeights(
-                    a=zeros((spec.in_features, max_loras * slot_columns(name, max_lora_rank))),
-                    b=zeros((max_loras * slot_columns(name, max_lora_rank), spec.out_features)),
-                )
-                for name, spec in specs.items()
-            }
-            for _ in range(num_layers)
+            {name: zeros(name, spec) for name, spec in physical.items()} for _ in range(num_layers)
         )
-        # Donated: a write updates the slot arrays in place instead of copying all slots.
-        self._write = jax.jit(_write_slot, donate_argnums=0)
+        self._shardings = jax.tree.map(lambda x: x.sharding, self.weights)
+        # Donated: a write updates the slot arrays in place instead of copying all slots. On a
+        # mesh the output keeps the slot arrays' shardings, so the step's executables stay
+        # valid (one device: uncommitted arrays in and out, the same every write).
+        placed = {} if placement is None else {"out_shardings": self._shardings}
+        self._write = jax.jit(_write_slot, donate_argnums=0, **placed)
         self.num_writes = 0
 
     def write(self, slot: int, adapter: LoRAAdapter | None) -> None:
@@ -126,6 +137,16 @@ class LoRASlots:
         if not 0 <= slot < self.max_loras:
             raise ValueError(f"slot must be in [0, {self.max_loras}), got {slot}")
         arrays = adapter_slot_arrays(adapter, self.specs, self.num_layers, self.max_lora_rank)
+        if self.placement is not None:
+            # Physical layout, and each device receives only its own part of the slot.
+            arrays = tuple(
+                {name: self.placement.place(name, *pair) for name, pair in layer.items()}
+                for layer in arrays
+            )
+            shardings = tuple(
+                {name: (w.a, w.b) for name, w in layer.items()} for layer in self._shardings
+            )
+            arrays = jax.device_put(arrays, shardings)
         self.weights = self._write(self.weights, np.int32(slot), arrays)
         self.num_writes += 1
 

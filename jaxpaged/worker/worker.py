@@ -142,7 +142,7 @@ class Worker:
         )
         # The slots are allocated here, before profiling, so they count as weights.
         self.lora_manager = create_lora_manager(
-            self.config.lora_config, self._model, self.hf_config, self.dtype
+            self.config.lora_config, self._model, self.hf_config, self.dtype, self.mesh
         )
 
     @property

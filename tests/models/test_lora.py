@@ -8,12 +8,19 @@ import pytest
 
 from jaxpaged.lora.peft import LoRAAdapter
 from jaxpaged.lora.slots import adapter_slot_arrays
-from models.lora import ProjectionSpec, lora_delta, lora_delta_reference
+from models.lora import (
+    LORA_PATHS,
+    ProjectionSpec,
+    lora_delta,
+    lora_delta_reference,
+    lora_path,
+)
 
 
-# 1 and 2 tokens take the gather path (fewer tokens than the 3 slots), 7 the dense one.
+# Both paths at fewer tokens than the 3 slots (where the gather may be chosen) and at more.
+@pytest.mark.parametrize("path", LORA_PATHS)
 @pytest.mark.parametrize("num_tokens", [1, 2, 7])
-def test_each_token_gets_its_own_slot_and_minus_one_gets_nothing(num_tokens):
+def test_each_token_gets_its_own_slot_and_minus_one_gets_nothing(num_tokens, path):
     rng = np.random.default_rng(num_tokens)
     in_f, out_f, max_rank, ranks = 12, 10, 8, (3, 8, 1)
     spec = {"o_proj": ProjectionSpec(in_f, (out_f,))}
@@ -34,6 +41,7 @@ def test_each_token_gets_its_own_slot_and_minus_one_gets_nothing(num_tokens):
         jnp.asarray(a_all),
         jnp.asarray(b_all),
         max_loras=len(ranks),
+        path=path,
     )
     expected = lora_delta_reference(x, token_slots, a_list, b_list)
     # float32 at full precision: only summation order differs (contractions of <= 24 terms).
@@ -52,3 +60,17 @@ def test_fused_projection_places_each_part_in_its_own_columns():
     delta = x @ a @ b
     np.testing.assert_allclose(delta[:, 6:8], x @ a_k @ b_k, rtol=1e-5)
     assert not delta[:, :6].any() and not delta[:, 8:].any()
+
+
+def test_path_policy_gathers_only_small_steps_below_the_slot_count(monkeypatch):
+    import models.lora
+
+    monkeypatch.setattr(models.lora, "LORA_GATHER_MAX_TOKENS", 4)
+    assert [lora_path(t, 8) for t in (1, 4, 5, 16)] == ["gather", "gather", "dense", "dense"]
+    assert lora_path(3, 2) == "dense"  # never with more tokens than slots
+    monkeypatch.setattr(models.lora, "LORA_GATHER_MAX_TOKENS", 0)
+    assert lora_path(1, 8) == "dense"
+    x = jnp.zeros((1, 4))
+    with pytest.raises(ValueError, match="path must be one of"):
+        lora_delta(x, jnp.zeros(1, jnp.int32), jnp.zeros((4, 8)), jnp.zeros((8, 3)),
+                   max_loras=2, path="sparse")  # fmt: skip

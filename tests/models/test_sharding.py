@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels
 from jaxpaged import LLM
 from jaxpaged.config import EngineArgs
-from models.sharded_weights import _map_indices, axis_maps
+from models.sharded_weights import axis_maps, map_indices
 from models.sharding import kv_cache_partition_spec, make_mesh, param_partition_spec
 from models.tp_layout import TPLayout
 from models.weights import load_config
@@ -143,11 +143,11 @@ def test_index_maps_repeat_kv_heads_in_place_and_pad_with_minus_one():
     layout = TPLayout(4, num_heads=4, num_kv_heads=2, intermediate_size=6, vocab_size=8)
     k_maps = axis_maps(("self_attn", "k_proj", "kernel"), (5, 4 * 3), layout)
     assert k_maps[0] is None
-    np.testing.assert_array_equal(_map_indices(k_maps[1], 12), [0, 1, 2, 0, 1, 2, 3, 4, 5, 3, 4, 5])
+    np.testing.assert_array_equal(map_indices(k_maps[1], 12), [0, 1, 2, 0, 1, 2, 3, 4, 5, 3, 4, 5])
     bias_maps = axis_maps(("self_attn", "v_proj", "bias"), (12,), layout)
     assert bias_maps == (k_maps[1],)
     down = axis_maps(("mlp", "down_proj", "kernel"), (8, 5), layout)
-    np.testing.assert_array_equal(_map_indices(down[0], 8), [0, 1, 2, 3, 4, 5, -1, -1])
+    np.testing.assert_array_equal(map_indices(down[0], 8), [0, 1, 2, 3, 4, 5, -1, -1])
     assert axis_maps(("mlp", "down_proj", "bias"), (5,), layout) == (None,)
     assert axis_maps(("self_attn", "q_proj", "kernel"), (5, 12), layout) == (None, None)
 
@@ -161,7 +161,7 @@ def test_fused_columns_are_laid_out_shard_by_shard():
     qkv = axis_maps(("self_attn", "qkv_proj", "kernel"), (5, 24), layout, merged)
     assert qkv[0] is None
     np.testing.assert_array_equal(
-        _map_indices(qkv[1], 24).reshape(4, 6),
+        map_indices(qkv[1], 24).reshape(4, 6),
         [
             [0, 1, 8, 9, 12, 13],  # shard 0: query head 0, KV head 0
             [2, 3, 8, 9, 12, 13],  # shard 1: query head 1, KV head 0 again
@@ -172,6 +172,6 @@ def test_fused_columns_are_laid_out_shard_by_shard():
     assert axis_maps(("self_attn", "qkv_proj", "bias"), (24,), layout, merged) == (qkv[1],)
     gate_up = axis_maps(("mlp", "gate_up_proj", "kernel"), (5, 16), layout, merged)
     np.testing.assert_array_equal(
-        _map_indices(gate_up[1], 16).reshape(4, 4),
+        map_indices(gate_up[1], 16).reshape(4, 4),
         [[0, 1, 6, 7], [2, 3, 8, 9], [4, 5, 10, 11], [-1, -1, -1, -1]],
     )

@@ -154,11 +154,12 @@ class OpenAIServingChat(OpenAIServing):
         (stream,) = await self.add_requests(
             request_id, [(prompt_text, ids)], [params], arrival_time, lora_request
         )
+        model = self.response_model(lora_request)
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, stream), media_type="text/event-stream"
+                self._stream(request, request_id, model, stream), media_type="text/event-stream"
             )
-        return await self._full(request, request_id, stream)
+        return await self._full(request, request_id, model, stream)
 
     def _logprobs(self, request, completion, start: int):
         if not request.logprobs or completion.logprobs is None:
@@ -182,7 +183,7 @@ class OpenAIServingChat(OpenAIServing):
         return _message_dict(last, len(request.messages) - 1)["content"]
 
     async def _full(
-        self, request: ChatCompletionRequest, request_id: str, stream: RequestStream
+        self, request: ChatCompletionRequest, request_id: str, model: str, stream: RequestStream
     ) -> ChatCompletionResponse:
         final = None
         try:
@@ -203,14 +204,18 @@ class OpenAIServingChat(OpenAIServing):
         ]
         return ChatCompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=model,
             choices=choices,
             usage=usage_of([final]),
             prompt_logprobs=self.prompt_logprobs(final),
         )
 
     async def _stream(
-        self, request: ChatCompletionRequest, request_id: str, stream: RequestStream
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        stream: RequestStream,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         options = request.stream_options
@@ -219,7 +224,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choices, usage=None) -> str:
             response = ChatCompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name, choices=choices
+                id=request_id, created=created, model=model, choices=choices
             )
             data = response.model_dump()
             for choice in data["choices"]:

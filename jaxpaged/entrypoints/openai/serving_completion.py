@@ -72,15 +72,14 @@ class OpenAIServingCompletion(OpenAIServing):
             values["prompt_logprobs"] = prompt_logprobs
             params.append(self.sampling_params(values))
         request_id = self.response_id("cmpl", request)
-        streams = await self.add_requests(
-            request_id, prompts, params, arrival_time, lora_request
-        )
+        streams = await self.add_requests(request_id, prompts, params, arrival_time, lora_request)
+        model = self.response_model(lora_request)
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, streams),
+                self._stream(request, request_id, model, streams),
                 media_type="text/event-stream",
             )
-        return await self._full(request, request_id, streams)
+        return await self._full(request, request_id, model, streams)
 
     async def _prompts(
         self, prompt, add_special_tokens: bool
@@ -122,7 +121,11 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
     async def _full(
-        self, request: CompletionRequest, request_id: str, streams: list[RequestStream]
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        model: str,
+        streams: list[RequestStream],
     ) -> CompletionResponse:
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
@@ -146,13 +149,14 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                 )
         return CompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=usage_of(finals)
+            id=request_id, model=model, choices=choices, usage=usage_of(finals)
         )
 
     async def _stream(
         self,
         request: CompletionRequest,
         request_id: str,
+        model: str,
         streams: list[RequestStream],
     ) -> AsyncIterator[str]:
         created = int(time.time())
@@ -199,7 +203,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     chunk = CompletionStreamResponse(
                         id=request_id,
                         created=created,
-                        model=self.model_name,
+                        model=model,
                         choices=[
                             CompletionResponseStreamChoice(
                                 index=index,
@@ -218,7 +222,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     CompletionStreamResponse(
                         id=request_id,
                         created=created,
-                        model=self.model_name,
+                        model=model,
                         choices=[],
                         usage=usage_of(latest),
                     )

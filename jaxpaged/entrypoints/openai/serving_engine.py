@@ -137,6 +137,11 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
+    def response_model(self, lora_request) -> str:
+        """The ``model`` field of a response: the adapter's ``lora_name`` when the request
+        picked a LoRA adapter (vLLM's answer), else the base model's first served name."""
+        return self.model_name if lora_request is None else lora_request.lora_name
+
     def check_model(self, model: str | None):
         """The LoRA adapter ``model`` names (None: the base model, also for None).
 

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from jaxpaged.entrypoints.openai.serving_models import LoRAModulePath, parse_lora_modules
-from tests.live_server import MODEL_NAME, start_server
+from tests.live_server import CHAT_TEMPLATE, MODEL_NAME, start_server
 from tests.lora.adapters import GOLDEN, SPECS, write_adapter
 
 GOLDEN_TOKENS = json.loads(GOLDEN.read_text())
@@ -27,7 +27,13 @@ def adapter_paths(tmp_path_factory, stories_dir) -> dict[str, str]:
 def lora_server(adapter_paths):
     first, second, _ = SPECS
     modules = [LoRAModulePath(s.name, adapter_paths[s.name]) for s in (first, second)]
-    server = start_server(lora_modules=modules, enable_lora=True, max_loras=2, max_lora_rank=16)
+    server = start_server(
+        lora_modules=modules,
+        chat_template=CHAT_TEMPLATE,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+    )
     yield server
     server.stop()
 
@@ -75,10 +81,11 @@ def test_models_route_adapters_and_runtime_load_unload(lora_server, adapter_path
         cases = [(MODEL_NAME, "base", 0)] + [(s.name, s.name, i) for i, s in enumerate(SPECS)]
 
         def check(answers):
-            for (_, key, i), answer in zip(cases, answers, strict=True):
+            for (model, key, i), answer in zip(cases, answers, strict=True):
                 assert answer.status_code == 200, answer.text
                 expected = _expected_text(tokenizer, prompts[i], GOLDEN_TOKENS[key][i])
                 assert answer.json()["choices"][0]["text"] == expected, (key, i)
+                assert answer.json()["model"] == model, key
 
         check([_complete(client, model, prompts[i]) for model, _, i in cases])
         with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
@@ -105,6 +112,40 @@ def test_models_route_adapters_and_runtime_load_unload(lora_server, adapter_path
     info = [line for line in metrics.splitlines() if line.startswith("jaxpaged:lora_requests_info")]
     assert len(info) == 1
     assert 'max_lora="2"' in info[0] and 'running_lora_adapters=""' in info[0]
+
+
+def _stream_models(response: httpx.Response) -> list[str]:
+    """The ``model`` field of every data chunk of a streamed answer."""
+    assert response.status_code == 200, response.text
+    lines = [
+        line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")
+    ]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line)["model"] for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("model", [MODEL_NAME, SPECS[1].name])
+def test_responses_name_the_adapter_the_request_picked(lora_server, model):
+    # vLLM echoes the adapter's name (not the base model's) in every answer and chunk.
+    prompt = GOLDEN_TOKENS["prompts"][0]
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    common = {"model": model, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=lora_server.url, timeout=120) as client:
+        completion = client.post("/v1/completions", json={**common, "prompt": prompt})
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["model"] == model
+        chat = client.post("/v1/chat/completions", json={**common, "messages": messages})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["model"] == model
+        usage = {"stream": True, "stream_options": {"include_usage": True}}
+        streamed = client.post("/v1/completions", json={**common, "prompt": prompt, **usage})
+        chunks = _stream_models(streamed)
+        assert len(chunks) >= 2 and set(chunks) == {model}  # text chunks and the usage chunk
+        streamed = client.post(
+            "/v1/chat/completions", json={**common, "messages": messages, **usage}
+        )
+        chunks = _stream_models(streamed)
+        assert len(chunks) >= 2 and set(chunks) == {model}
 
 
 def test_lora_modules_flag_takes_name_path_and_vllm_json():
