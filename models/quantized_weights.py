@@ -22,6 +22,7 @@ byte per quantized weight.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -126,23 +127,29 @@ def dummy_quantized_layers(
         ValueError: a method that does not quantize at load (``awq``, ``gptq``,
             ``compressed-tensors``, pre-quantized ``fp8`` / ``bitsandbytes``).
     """
-    out: HostLayers = {}
-    for index, (path, module) in enumerate(layers):
-        part_index = iter(range(len(_parts(path, module))))
+    return {
+        path: _host_layer(path, module, _dummy_weights(module, seed, index), num_shards)
+        for index, (path, module) in enumerate(layers)
+    }
 
-        def tensors_of(prefix, suffixes, size, index=index, part_index=part_index):
-            if not module.method.quantizes_at_load:
-                raise ValueError(
-                    f"load_format='dummy' draws float weights and quantizes them at load, which "
-                    f"only quantization 'fp8' and 'bitsandbytes' do on an unquantized checkpoint; "
-                    f"got {module.method.method!r} for {prefix}"
-                )
-            rng = np.random.default_rng((seed, index, next(part_index)))
-            weight = rng.standard_normal((size, module.in_features), dtype=np.float32)
-            return {"weight": weight * np.float32(_DUMMY_STD)}
 
-        out[path] = _host_layer(path, module, tensors_of, num_shards)
-    return out
+def _dummy_weights(module: QuantizedLinear, seed: int, index: int):
+    """``tensors_of`` for :func:`_host_layer`: part ``p``'s float weight from ``(seed, index, p)``."""
+    part_index = itertools.count()
+
+    def tensors_of(prefix: str, suffixes: list[str], size: int) -> dict[str, np.ndarray]:
+        del suffixes
+        if not module.method.quantizes_at_load:
+            raise ValueError(
+                f"load_format='dummy' draws float weights and quantizes them at load, which "
+                f"only quantization 'fp8' and 'bitsandbytes' do on an unquantized checkpoint; "
+                f"got {module.method.method!r} for {prefix}"
+            )
+        rng = np.random.default_rng((seed, index, next(part_index)))
+        weight = rng.standard_normal((size, module.in_features), dtype=np.float32)
+        return {"weight": weight * np.float32(_DUMMY_STD)}
+
+    return tensors_of
 
 
 def place_quantized_layers(

@@ -35,7 +35,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from models.merged_linear import merged_column_order
-from models.registry import checkpoint_view, get_model_class
 from models.quantization.config import QuantizationConfig
 from models.quantized_weights import (
     dummy_quantized_layers,
@@ -43,6 +42,7 @@ from models.quantized_weights import (
     quantized_layers,
     read_quantized_layers,
 )
+from models.registry import checkpoint_view, get_model_class
 from models.sharding import (
     TP_AXIS,
     param_partition_spec,

@@ -20,7 +20,6 @@ from jaxpaged.engine.dp_balancer import DP_ROUTING_CHOICES
 from jaxpaged.entrypoints.convert import add_convert_parser, run_convert
 from jaxpaged.metrics import DEFAULT_METRICS_PREFIX, METRICS_PREFIX_CHOICES
 
-
 # vLLM's short aliases of engine flags.
 _SHORT_FLAGS = {"quantization": ("-q",)}
 

@@ -207,8 +207,11 @@ def compressed_tensors_quantizer(weights: dict, inputs: dict | None, fmt: str):
         IntQuantizationCompressor,
     )
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
-    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
     from compressed_tensors.quantization.utils import calculate_qparams
 
     args = QuantizationArgs(**weights)

@@ -101,7 +101,10 @@ def compare(reference, quantized, prompts: list[list[int]], num_new: int) -> Qua
 def stories260k_int8_w8a8(out_dir: str) -> str:
     """stories260k as a compressed-tensors W8A8 INT8 checkpoint (per-channel weights, dynamic
     per-token activations), written by compressed-tensors' own compressor."""
-    from tests.models.quantization.checkpoints import compressed_tensors_quantizer, quantize_checkpoint
+    from tests.models.quantization.checkpoints import (
+        compressed_tensors_quantizer,
+        quantize_checkpoint,
+    )
 
     quantize, config = compressed_tensors_quantizer(
         dict(num_bits=8, type="int", symmetric=True, strategy="channel"),

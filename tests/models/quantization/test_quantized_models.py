@@ -189,3 +189,13 @@ def test_bad_checkpoints_fail_by_name_before_any_weight_reaches_the_device(
     monkeypatch.setattr(models.weights, "place_quantized_layers", no_transfer)
     with pytest.raises(ValueError, match=match):
         load_model(bad, dtype="float32")
+
+
+def test_dummy_weights_quantize_only_with_online_methods(tiny_dir):
+    """fp8 / bitsandbytes draw float dummies and quantize them per layer; a tool format refuses."""
+    fp8, _ = load_model(tiny_dir, load_format="dummy", dtype="float32",
+                        quant_config=resolve_quantization("fp8", None, "dummy"))  # fmt: skip
+    down = fp8.model.layers[1].mlp.down_proj.tensors()
+    assert down["weight"].dtype == np.dtype("float8_e4m3fn") and down["weight_scale"].shape == (1,)
+    with pytest.raises(ValueError, match="load_format='dummy' draws float weights"):
+        load_model(str(ckpt.AWQ_DIR), load_format="dummy", dtype="float32")
