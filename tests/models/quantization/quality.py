@@ -135,7 +135,7 @@ def stories260k_quality(method: str, num_new: int | None = None) -> Quality:
 
 if __name__ == "__main__":
     print("| method | teacher-forced top-1 agreement | mean abs dlogprob | max | greedy tokens "
-          "equal | sequences equal |")  # fmt: skip
+          "equal | sequences equal |\n| --- | --- | --- | --- | --- | --- |")  # fmt: skip
     for name in ("fp8", "int8"):
         q = stories260k_quality(name)
         print(f"| {name} | {q.teacher_forced_agreement:.4f} | {q.mean_abs_dlogprob:.4f} | "
