@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from jaxpaged import LLM, SamplingParams
-from models import sharded_weights
+from models import weights
 from models.sharded_weights import load_sharded_model
 from models.sharding import kv_cache_sharding, make_mesh
 from models.weights import load_model
@@ -378,14 +378,14 @@ def test_safetensors_reads_only_each_devices_slice(monkeypatch):
     """No parameter passes whole through one read: a column- or row-parallel kernel is read
     as tp slices of 1/tp of its elements, one per device."""
     reads: dict[str, list[int]] = {}
-    original = sharded_weights._TensorReader.read_slice
+    original = weights._TensorReader.read_slice
 
     def recording(self, name, index):
         block = original(self, name, index)
         reads.setdefault(name, []).append(block.size)
         return block
 
-    monkeypatch.setattr(sharded_weights._TensorReader, "read_slice", recording)
+    monkeypatch.setattr(weights._TensorReader, "read_slice", recording)
     load_sharded_model(STORIES_DIR, mesh=make_mesh(4))
     # A fused kernel is read part by part: each device reads its q, k and v slices.
     assert reads["model.layers.0.self_attn.q_proj.weight"] == [64 * 64 // 4] * 4
