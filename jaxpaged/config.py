@@ -15,11 +15,13 @@ from jaxpaged.core.scheduler import PREEMPTION_MODES
 from models.attention_backends import ATTENTION_BACKEND_CHOICES
 from models.dtypes import DTYPE_CHOICES
 from models.hub import resolve_model_path
+from models.quantization import QUANTIZATION_METHODS
+from models.quantization.config import QuantizationConfig, resolve_quantization
 from models.tp_layout import TPLayout
 
 DEFAULT_MODEL_NAME = "stories260k"
 
-_LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_LOAD_FORMATS = ("auto", "safetensors", "dummy", "bitsandbytes")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -91,7 +93,15 @@ class EngineArgs:
     seed: int = _arg(0, "Engine seed; requests without their own seed draw from it.")
     load_format: str = _arg(
         "auto",
-        "auto/safetensors: read weights; dummy: random weights of the real shapes (benchmarks).",
+        "auto/safetensors: read weights; dummy: random weights of the real shapes (benchmarks); "
+        "bitsandbytes: read and quantize to 8 bits (with quantization=bitsandbytes).",
+    )
+    # Quantization (issue 14; docs/quantization.md).
+    quantization: str | None = _arg(
+        None,
+        f"Weight quantization, one of {', '.join(QUANTIZATION_METHODS)}; None: the checkpoint's "
+        "quantization_config.quant_method (unquantized if none). fp8 and bitsandbytes also "
+        "quantize an unquantized checkpoint at load.",
     )
     attention_backend: str = _arg(
         "auto",
@@ -175,6 +185,9 @@ class ModelConfig:
     seed: int
     hf_config_json: dict
     max_logprobs: int = 20
+    # Quantization: the flag as given and what it resolved to with the checkpoint (None: float).
+    quantization: str | None = None
+    quant_config: QuantizationConfig | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +301,10 @@ class EngineConfig:
                 f"kv_cache_memory_bytes must be positive, got {args.kv_cache_memory_bytes}"
             )
 
+        # Quantization: resolved once here (auto-detection, flag/checkpoint mismatch).
+        quant_config = resolve_quantization(
+            args.quantization, hf_config_json.get("quantization_config"), args.load_format
+        )
         parallel_config = _parallel_config(args, hf_config_json)
         # GPT-2 names it n_positions; BLOOM (ALiBi) has none: vLLM's default of 2048.
         model_limit = int(
@@ -322,6 +339,8 @@ class EngineConfig:
                 seed=args.seed,
                 hf_config_json=hf_config_json,
                 max_logprobs=args.max_logprobs,
+                quantization=args.quantization,
+                quant_config=quant_config,
             ),
             cache_config=CacheConfig(
                 block_size=args.block_size,

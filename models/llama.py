@@ -54,9 +54,10 @@ import pallas_kernels
 from models.attention import attention, kv_cache_head_dim
 from models.attention_backends import check_attention_backend
 from models.attention_metadata import AttentionMetadata
-from models.lora import LoRABatch, LoRALayer, llama_projection_specs, with_lora
-from models.merged_linear import MergedColumnParallelLinear
+from models.lora import LORA_PROJECTIONS, LoRABatch, LoRALayer, llama_projection_specs, with_lora
 from models.moe import SparseMoeBlock
+from models.quantization.config import QuantizationConfig
+from models.quantized_linear import make_linear
 from models.rope import apply_rope, rope_inv_freq, rope_parameters
 from models.sharding import tp_size
 
@@ -151,15 +152,17 @@ class LlamaMLP(nnx.Module):
     """
 
     def __init__(self, config: Any, *, num_shards: int, hidden_act: str, dtype: Any,
-                 param_dtype: Any, rngs: nnx.Rngs):
+                 param_dtype: Any, rngs: nnx.Rngs, prefix: str = "mlp",
+                 quant_config: QuantizationConfig | None = None):
         hidden, inter = config.hidden_size, config.intermediate_size
         self.hidden_act = hidden_act
         bias = bool(getattr(config, "mlp_bias", False))
         kw = dict(use_bias=bias, dtype=dtype, param_dtype=param_dtype,
                   precision=_precision(dtype), rngs=rngs)
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, (inter, inter),
-                                                       num_shards=num_shards, **kw)
-        self.down_proj = nnx.Linear(inter, hidden, **kw)
+        self.gate_up_proj = make_linear(quant_config, prefix, LORA_PROJECTIONS["gate_up_proj"],
+                                        hidden, (inter, inter), num_shards=num_shards, **kw)
+        self.down_proj = make_linear(quant_config, prefix, LORA_PROJECTIONS["down_proj"], inter,
+                                     (hidden,), **kw)
 
     def __call__(self, x: jax.Array, lora: LoRALayer | None = None) -> jax.Array:
         delta = None if lora is None else lora.delta("gate_up_proj", x)
@@ -197,6 +200,8 @@ class LlamaAttention(nnx.Module):
         interpret: bool,
         mesh: Mesh | None = None,
         rngs: nnx.Rngs,
+        prefix: str = "self_attn",
+        quant_config: QuantizationConfig | None = None,
     ):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -222,10 +227,12 @@ class LlamaAttention(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, precision=_precision(dtype), rngs=rngs)
         hidden = config.hidden_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedColumnParallelLinear(
-            hidden, (q_size, kv_size, kv_size), num_shards=tp_size(mesh), use_bias=qkv_bias, **kw
-        )
-        self.o_proj = nnx.Linear(self.num_heads * self.head_dim, hidden, use_bias=o_bias, **kw)
+        self.qkv_proj = make_linear(
+            quant_config, prefix, LORA_PROJECTIONS["qkv_proj"], hidden,
+            (q_size, kv_size, kv_size), num_shards=tp_size(mesh), use_bias=qkv_bias, **kw,
+        )  # fmt: skip
+        self.o_proj = make_linear(quant_config, prefix, LORA_PROJECTIONS["o_proj"], q_size,
+                                  (hidden,), use_bias=o_bias, **kw)
         self.q_norm = self.k_norm = nnx.data(None)
         if options.qk_norm:  # Qwen3: over each head's D, shared by all heads
             norm_kw = dict(eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -292,7 +299,8 @@ class LlamaDecoderLayer(nnx.Module):
 
     def __init__(self, config: Any, *, sliding_window: int | None, options: DecoderOptions,
                  dtype: Any, param_dtype: Any, attention_backend: str, interpret: bool,
-                 mesh: Mesh | None = None, rngs: nnx.Rngs):
+                 mesh: Mesh | None = None, rngs: nnx.Rngs, prefix: str = "model.layers.0",
+                 quant_config: QuantizationConfig | None = None):
         def norm():
             return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
                            param_dtype=param_dtype, rngs=rngs, unit_offset=options.gemma_norms)
@@ -301,7 +309,7 @@ class LlamaDecoderLayer(nnx.Module):
         self.self_attn = LlamaAttention(
             config, sliding_window=sliding_window, options=options, dtype=dtype,
             param_dtype=param_dtype, attention_backend=attention_backend, interpret=interpret,
-            mesh=mesh, rngs=rngs,
+            mesh=mesh, rngs=rngs, prefix=f"{prefix}.self_attn", quant_config=quant_config,
         )
         self.post_attention_layernorm = norm()
         self.gemma_norms = options.gemma_norms
@@ -319,7 +327,8 @@ class LlamaDecoderLayer(nnx.Module):
             )
         else:
             self.mlp = LlamaMLP(config, num_shards=tp_size(mesh), hidden_act=options.hidden_act,
-                                dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                                prefix=f"{prefix}.mlp", quant_config=quant_config)
 
     def __call__(self, x, positions, k_cache, v_cache, metadata, lora: LoRALayer | None = None):
         attn_out, k_cache, v_cache = self.self_attn(
@@ -358,7 +367,7 @@ class LlamaModel(nnx.Module):
 
     def __init__(self, config: Any, *, options: DecoderOptions, dtype: Any, param_dtype: Any,
                  attention_backend: str, interpret: bool, mesh: Mesh | None = None,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, quant_config: QuantizationConfig | None = None):
         self.dtype = dtype
         self.embed_scale = options.embed_scale
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
@@ -366,8 +375,9 @@ class LlamaModel(nnx.Module):
         self.layers = nnx.List([
             LlamaDecoderLayer(config, sliding_window=window, options=options, dtype=dtype,
                               param_dtype=param_dtype, attention_backend=attention_backend,
-                              interpret=interpret, mesh=mesh, rngs=rngs)
-            for window in layer_sliding_windows(config)
+                              interpret=interpret, mesh=mesh, rngs=rngs,
+                              prefix=f"model.layers.{i}", quant_config=quant_config)
+            for i, window in enumerate(layer_sliding_windows(config))
         ])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs, unit_offset=options.gemma_norms)
@@ -406,23 +416,35 @@ class LlamaForCausalLM(nnx.Module):
             (``models.merged_linear``); None on one device. Build ``config`` with
             ``models.sharding.tp_model_config``.
         rngs: parameter initialisation (``models.weights`` replaces the values when loading).
+        quant_config: the checkpoint's quantization (``models.quantization``); the four layer
+            projections that ``get_linear_method`` quantizes become
+            ``models.quantized_linear`` layers (their tensors attached by the loaders),
+            ``lm_head`` and the embeddings stay float. None: every layer float.
 
     Raises:
         ValueError: unsupported rope type or activation, heads that don't divide, unknown
-            attention backend.
+            attention backend, ``quant_config`` with Mixtral (its experts are not quantized
+            layers yet), fused q/k/v (gate/up) parts with different quantizations.
     """
 
     def __init__(self, config: Any, *, dtype: Any, param_dtype: Any,
                  attention_backend: str = "reference", interpret: bool = False,
-                 mesh: Mesh | None = None, rngs: nnx.Rngs):
+                 mesh: Mesh | None = None, rngs: nnx.Rngs,
+                 quant_config: QuantizationConfig | None = None):
         check_attention_backend(attention_backend)
         self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         options = DecoderOptions.from_hf_config(config)
+        if quant_config is not None and options.num_experts:
+            raise ValueError(
+                f"quantization {quant_config.method!r} is not supported for the Mixtral family "
+                f"({getattr(config, 'model_type', None)}): its MoE experts have no quantized "
+                "layers yet"
+            )
         self.final_soft_cap = options.final_soft_cap
         self.model = LlamaModel(config, options=options, dtype=dtype, param_dtype=param_dtype,
                                 attention_backend=attention_backend, interpret=interpret,
-                                mesh=mesh, rngs=rngs)
+                                mesh=mesh, rngs=rngs, quant_config=quant_config)
         # nnx.data: lm_head is a sub-module (data) when untied and None when tied.
         self.lm_head = nnx.data(None)
         if not self.tie_word_embeddings:

@@ -51,12 +51,7 @@ class MergedColumnParallelLinear(nnx.Linear):
     """
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], *, num_shards: int, **kwargs):
-        for size in output_sizes:
-            if size % num_shards:
-                raise ValueError(
-                    f"output size {size} of {tuple(output_sizes)} must be divisible by "
-                    f"num_shards ({num_shards})"
-                )
+        check_output_sizes(output_sizes, num_shards)
         super().__init__(in_features, sum(output_sizes), **kwargs)
         self.output_sizes = tuple(int(size) for size in output_sizes)
         self.num_shards = int(num_shards)
@@ -69,15 +64,33 @@ class MergedColumnParallelLinear(nnx.Linear):
         y = super().__call__(x)  # [..., sum(output_sizes)], shard-major columns
         if delta is not None:
             y = y + delta
-        # [..., tp, per_shard]: the shard axis is exactly the one the tp mesh axis splits, and
-        # the slices below cut only the per-shard axis, so under the SPMD partitioner every
-        # device slices its own block and nothing moves between devices.
-        y = y.reshape(*y.shape[:-1], self.num_shards, -1)
-        bounds = np.cumsum([0, *(size // self.num_shards for size in self.output_sizes)])
-        return tuple(
-            y[..., lo:hi].reshape(*y.shape[:-2], size)
-            for lo, hi, size in zip(bounds[:-1], bounds[1:], self.output_sizes, strict=True)
-        )
+        return split_merged_columns(y, self.output_sizes, self.num_shards)
+
+
+def check_output_sizes(output_sizes: Sequence[int], num_shards: int) -> None:
+    """Raises ValueError for an output size that does not divide by ``num_shards``."""
+    for size in output_sizes:
+        if size % num_shards:
+            raise ValueError(
+                f"output size {size} of {tuple(output_sizes)} must be divisible by "
+                f"num_shards ({num_shards})"
+            )
+
+
+def split_merged_columns(
+    y: jax.Array, output_sizes: Sequence[int], num_shards: int
+) -> tuple[jax.Array, ...]:
+    """The parts of a fused output ``y [..., sum(output_sizes)]`` (columns in the per-shard
+    order of the module docstring), each ``[..., output_sizes[p]]`` in its natural order."""
+    # [..., tp, per_shard]: the shard axis is exactly the one the tp mesh axis splits, and
+    # the slices below cut only the per-shard axis, so under the SPMD partitioner every
+    # device slices its own block and nothing moves between devices.
+    y = y.reshape(*y.shape[:-1], num_shards, -1)
+    bounds = np.cumsum([0, *(size // num_shards for size in output_sizes)])
+    return tuple(
+        y[..., lo:hi].reshape(*y.shape[:-2], size)
+        for lo, hi, size in zip(bounds[:-1], bounds[1:], output_sizes, strict=True)
+    )
 
 
 def merged_column_order(output_sizes: Sequence[int], num_shards: int) -> np.ndarray:

@@ -35,24 +35,35 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from models.merged_linear import merged_column_order
+from models.quantization.config import QuantizationConfig
+from models.quantized_weights import (
+    dummy_quantized_layers,
+    place_quantized_layers,
+    quantized_layers,
+    read_quantized_layers,
+)
 from models.registry import checkpoint_view, get_model_class
-from models.sharding import TP_AXIS, param_partition_spec, tp_model_config
+from models.sharding import (
+    TP_AXIS,
+    param_partition_spec,
+    quantized_partition_spec,
+    tp_model_config,
+)
 from models.tp_layout import TPLayout
 from models.weights import (
     _DUMMY_STD,
     _LOAD_FORMATS,
     EXPERT_PARAMS,
     FUSED_MODULES,
-    _TensorReader,
-    _weight_files,
     abstract_model,
     check_tensor,
     expert_hf_names,
-    fused_checkpoint_views,
     hf_names,
     is_expert_param,
     load_config,
     merged_output_sizes,
+    model_quantization,
+    open_reader,
     resolve_dtype,
 )
 
@@ -70,8 +81,13 @@ def load_sharded_model(
     attention_backend: str = "reference",
     interpret: bool = False,
     seed: int = 0,
+    quant_config: QuantizationConfig | None = None,
 ) -> tuple[nnx.Module, transformers.PretrainedConfig]:
     """``models.weights.load_model`` for a ``("tp",)`` mesh: same arguments plus ``mesh``.
+
+    Quantized layers (``models.quantized_weights``) are fused for ``tp`` shards and each tensor
+    is split on the axis ``models.sharding.quantized_partition_spec`` gives; the whole layer is
+    built on the host first (quantized: 0.5 to 1 byte per weight).
 
     Returns:
         ``(model, hf_config)``: the model is built from ``tp_model_config`` (repeated KV heads,
@@ -80,7 +96,9 @@ def load_sharded_model(
 
     Raises:
         ValueError: everything ``load_model`` raises, plus an impossible layout
-            (``models.sharding.TPLayout``).
+            (``models.sharding.TPLayout``); a quantized model whose layout repeats KV heads
+            (``Hkv < tp``) or pads the intermediate size (not implemented for packed tensors),
+            or a quantized tensor whose split axis does not divide by ``tp`` (named).
     """
     if load_format not in _LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(_LOAD_FORMATS)}, got {load_format!r}")
@@ -89,6 +107,16 @@ def load_sharded_model(
     resolved = resolve_dtype(dtype, hf_config)
     layout = TPLayout.from_hf_config(hf_config, mesh.shape[TP_AXIS])
     physical_config = tp_model_config(hf_config, layout)
+    quant_config = model_quantization(hf_config, quant_config, load_format)
+    if quant_config is not None and (
+        layout.kv_head_replicas > 1 or layout.intermediate_size_padded != layout.intermediate_size
+    ):
+        raise ValueError(
+            f"quantization {quant_config.method!r} with tensor_parallel_size "
+            f"{layout.tensor_parallel_size} needs num_key_value_heads ({layout.num_kv_heads}) and "
+            f"intermediate_size ({layout.intermediate_size}) divisible by it: repeated KV heads "
+            "and padded MLP columns are not implemented for quantized layers"
+        )
 
     abstract = abstract_model(
         model_class,
@@ -98,6 +126,7 @@ def load_sharded_model(
         interpret=interpret,
         seed=seed,
         mesh=mesh,
+        quant_config=quant_config,
     )
     graphdef, abstract_state = nnx.split(abstract)
     flat_state = nnx.to_flat_state(abstract_state)
@@ -107,13 +136,38 @@ def load_sharded_model(
         shape = tuple(variable.get_value().shape)
         sharding = NamedSharding(mesh, param_partition_spec(path, layout))
         params.append((path, variable, shape, sharding, axis_maps(path, shape, layout, merged)))
+    tp = layout.tensor_parallel_size
     if load_format == "dummy":
+        quantized = dummy_quantized_layers(quantized_layers(abstract), seed, num_shards=tp)
         filled = _dummy_state(params, resolved, seed)
     else:
+        with ExitStack() as stack:  # quantized layers read and checked on the host first
+            reader = open_reader(model_dir, hf_config, stack, checkpoint_view(hf_config))
+            quantized = read_quantized_layers(quantized_layers(abstract), reader, num_shards=tp)
         filled = _load_state(
             params, model_dir, resolved, hf_config, checkpoint_view(hf_config)
         )
-    return nnx.merge(graphdef, nnx.from_flat_state(filled)), hf_config
+    model = nnx.merge(graphdef, nnx.from_flat_state(filled))
+    place_quantized_layers(model, quantized, _quantized_sharding(mesh))
+    return model, hf_config
+
+
+def _quantized_sharding(mesh: Mesh):
+    """``sharding_of`` for ``place_quantized_layers``: the tensor's spec on ``mesh``, after
+    checking that its split axis divides into whole shards (whole words and groups)."""
+
+    def sharding_of(path, module, name, shape):
+        spec = quantized_partition_spec(path[-1], module.method, name, shape)
+        tp = mesh.shape[TP_AXIS]
+        for axis, entry in enumerate(spec):
+            if entry == TP_AXIS and shape[axis] % tp:
+                raise ValueError(
+                    f"tensor {'.'.join(path)}.{name} of shape {tuple(shape)} cannot be split "
+                    f"over tensor_parallel_size {tp} along axis {axis}"
+                )
+        return NamedSharding(mesh, spec)
+
+    return sharding_of
 
 
 def axis_maps(
@@ -240,11 +294,8 @@ def _load_state(
         ValueError: a parameter missing from the checkpoint or of the wrong shape (the first in
             flat-state order, named with its HF name).
     """
-    files = _weight_files(model_dir)
     with ExitStack() as stack:
-        reader = _TensorReader(files, stack, fused_checkpoint_views(files, hf_config))
-        if view is not None:
-            reader = view(reader)
+        reader = open_reader(model_dir, hf_config, stack, view)
         # Check everything before reading anything big.
         for path, _, shape, _, maps in params:
             _, transposed = hf_names(path)

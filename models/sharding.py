@@ -148,6 +148,31 @@ def lora_partition_specs(projection: str) -> tuple[P, P]:
     raise ValueError(f"no tensor-parallel LoRA rule for projection {projection!r}")
 
 
+def parallel_style(module: str) -> str | None:
+    """``"column"`` / ``"row"`` for a (fused) projection module name, None for anything else."""
+    if module in _COLUMN_PARALLEL:
+        return "column"
+    if module in _ROW_PARALLEL:
+        return "row"
+    return None
+
+
+def quantized_partition_spec(module: str, method: Any, name: str, shape: tuple[int, ...]) -> P:
+    """Partition spec of tensor ``name`` (``qweight``, ``scales``, ``weight``, ...) of the
+    quantized projection ``module``: ``"tp"`` on the axis ``method.split_axis(name, style,
+    shape)`` gives (``models.quantization.tp_split``), None = replicated.
+
+    Raises:
+        ValueError: a module that is neither column- nor row-parallel; what ``split_axis``
+            raises (an unknown tensor, a sorted act-order ``perm`` in a row-parallel layer).
+    """
+    style = parallel_style(module)
+    if style is None:
+        raise ValueError(f"no tensor-parallel rule for quantized module {module!r}")
+    axis = method.split_axis(name, style, tuple(shape))
+    return P(*[TP_AXIS if a == axis else None for a in range(len(shape))])
+
+
 @functools.cache
 def kv_cache_partition_spec() -> P:
     """Spec of one layer's K (or V) cache: split over the ``Hkv`` axis of ``kv_cache_shape``.

@@ -14,6 +14,7 @@ filled from one checkpoint tensor (or fused pair) per expert (:func:`expert_hf_n
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import json
 import os
@@ -22,15 +23,24 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import safetensors
 import transformers
 from flax import nnx
 
 from models.dtypes import DTYPES as _DTYPES
 from models.merged_linear import MergedColumnParallelLinear
+from models.quantization.config import QuantizationConfig, resolve_quantization
+from models.quantized_weights import (
+    dummy_quantized_layers,
+    place_quantized_layers,
+    quantized_layers,
+    read_quantized_layers,
+)
 from models.registry import checkpoint_view, get_model_class
 
-_LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# bitsandbytes: the safetensors read with quantization="bitsandbytes" (8-bit at load).
+_LOAD_FORMATS = ("auto", "safetensors", "dummy", "bitsandbytes")
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 # Scale of the dummy weights: the usual ``initializer_range`` of HF configs.
@@ -254,6 +264,10 @@ class _TensorReader:
     def __contains__(self, name: str) -> bool:
         return name in self._files or name in self._views
 
+    def is_view(self, name: str) -> bool:
+        """Whether ``name`` reads rows of a fused checkpoint tensor (:func:`fused_checkpoint_views`)."""
+        return name in self._views
+
     def shape(self, name: str) -> tuple[int, ...]:
         if name in self._views:
             source, lo, hi = self._views[name]
@@ -272,9 +286,29 @@ class _TensorReader:
         if name in self._views:
             return self.read_slice(name, tuple(slice(None) for _ in self.shape(name)))
         handle = self._handle(self._files[name], "numpy")
-        if handle.get_slice(name).get_dtype() == "BF16":
+        stored = handle.get_slice(name).get_dtype()
+        if stored == "BF16":
             return self._handle(self._files[name], "flax").get_tensor(name)
+        if stored in _RAW_DTYPES:  # safetensors' numpy reader has no float8
+            return _read_raw(self._files[name], name, _RAW_DTYPES[stored])
         return handle.get_tensor(name)
+
+
+# safetensors dtypes numpy reads only through ml_dtypes (quantized FP8 checkpoints).
+_RAW_DTYPES = {"F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2}
+
+
+def _read_raw(file: str, name: str, dtype: Any) -> Any:
+    """Tensor ``name`` of a safetensors ``file`` as a numpy array of ``dtype``, read from the
+    format's own layout (an 8-byte little-endian header size, a JSON header giving each
+    tensor's ``shape`` and ``data_offsets`` into the data that follows)."""
+    with open(file, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(header_size))[name]
+        start, end = entry["data_offsets"]
+        f.seek(8 + header_size + start)
+        data = f.read(end - start)
+    return np.frombuffer(data, dtype=dtype).reshape(entry["shape"])
 
 
 def _hf_parts(
@@ -318,11 +352,8 @@ def _load_state(
         ValueError: a parameter missing from the checkpoint or with a different shape; the message
             names the first such parameter path (in sorted order) and its HF name.
     """
-    files = _weight_files(model_dir)
     with ExitStack() as stack:
-        reader = _TensorReader(files, stack, fused_checkpoint_views(files, hf_config))
-        if view is not None:
-            reader = view(reader)
+        reader = open_reader(model_dir, hf_config, stack, view)
         plans = []
         for path, variable in flat_state:
             _, transposed = hf_names(path)
@@ -398,12 +429,26 @@ def abstract_model(
     interpret: bool,
     seed: int,
     mesh: Any = None,
+    quant_config: QuantizationConfig | None = None,
 ):
     """``model_class`` built with shapes and dtypes only (``nnx.eval_shape``): a big model's
     random initialisation is never materialised. ``dtype`` is both the compute and the parameter
     dtype; with ``mesh`` (tensor parallelism) ``hf_config`` is the physical config
-    (``models.sharding.tp_model_config``)."""
+    (``models.sharding.tp_model_config``); ``quant_config``: its quantized layers
+    (``models.quantized_linear``) are built without tensors, which the loaders attach.
+
+    Raises:
+        ValueError: ``quant_config`` for a family without quantized layers (GPT-2, BLOOM).
+    """
     kwargs = {} if mesh is None else {"mesh": mesh}
+    if quant_config is not None:
+        if "quant_config" not in inspect.signature(model_class.__init__).parameters:
+            raise ValueError(
+                f"quantization {quant_config.method!r} is not supported for the "
+                f"{model_class.__name__} family; quantized checkpoints load into the Llama "
+                "family (Llama, Mistral, Qwen2, Qwen3, Gemma-2, Phi-3)"
+            )
+        kwargs["quant_config"] = quant_config
     return nnx.eval_shape(
         lambda: model_class(
             hf_config,
@@ -416,6 +461,28 @@ def abstract_model(
         )
     )
 
+def model_quantization(
+    hf_config: Any, quant_config: QuantizationConfig | None, load_format: str
+) -> QuantizationConfig | None:
+    """``quant_config`` when given (the engine resolves ``quantization=`` once, in
+    ``jaxpaged.config``), else what the checkpoint's ``quantization_config`` says
+    (``resolve_quantization``'s auto-detection; None for an unquantized checkpoint)."""
+    if quant_config is not None:
+        return quant_config
+    stored = getattr(hf_config, "quantization_config", None)
+    if stored is not None and not isinstance(stored, dict):
+        stored = stored.to_dict()
+    return resolve_quantization(None, stored, load_format)
+
+
+def open_reader(model_dir: str, hf_config: Any, stack: ExitStack, view: Any = None) -> Any:
+    """The checkpoint's tensors by HF name (``_TensorReader`` over every weight file, with the
+    fused-module views and the family's ``view``), closed with ``stack``."""
+    files = _weight_files(model_dir)
+    reader = _TensorReader(files, stack, fused_checkpoint_views(files, hf_config))
+    return reader if view is None else view(reader)
+
+
 def load_model(
     model_dir: str,
     *,
@@ -424,6 +491,7 @@ def load_model(
     attention_backend: str = "reference",
     interpret: bool = False,
     seed: int = 0,
+    quant_config: QuantizationConfig | None = None,
 ) -> tuple[nnx.Module, transformers.PretrainedConfig]:
     """Builds the model for ``model_dir`` and fills its weights.
 
@@ -437,30 +505,42 @@ def load_model(
         attention_backend: "reference" or "pallas" (see ``models.attention``).
         interpret: run Pallas kernels in interpret mode.
         seed: seed of the dummy weights.
+        quant_config: the resolved quantization (``models.quantization.resolve_quantization``);
+            None: the checkpoint's own (auto-detected), or none. Quantized layers keep their
+            tensors quantized on the device (``models.quantized_weights``); with
+            ``load_format="dummy"`` only ``fp8`` / ``bitsandbytes`` (quantized at load) apply.
 
     Returns:
         ``(model, hf_config)``; the model is an ``nnx.Module`` whose parameters are jax arrays
-        of ``dtype``.
+        of ``dtype`` (quantized layers: their stored dtypes).
 
     Raises:
         ValueError: missing directory or config.json, unsupported architecture, dtype or
-            load_format, no weight files, or a parameter missing / of the wrong shape (named).
+            load_format, no weight files, a parameter missing / of the wrong shape (named), a
+            bad quantization config or quantized tensor (named; raised before any weight is
+            placed on the device).
     """
     if load_format not in _LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(_LOAD_FORMATS)}, got {load_format!r}")
     hf_config = load_config(model_dir)
     model_class = get_model_class(hf_config)
     resolved = resolve_dtype(dtype, hf_config)
+    quant_config = model_quantization(hf_config, quant_config, load_format)
 
     abstract = abstract_model(
         model_class, hf_config, resolved,
         attention_backend=attention_backend, interpret=interpret, seed=seed,
+        quant_config=quant_config,
     )  # fmt: skip
     graphdef, abstract_state = nnx.split(abstract)
     flat_state = nnx.to_flat_state(abstract_state)
     if load_format == "dummy":
+        quantized = dummy_quantized_layers(quantized_layers(abstract), seed, num_shards=1)
         filled = _dummy_state(flat_state, resolved, seed)
     else:
+        with ExitStack() as stack:  # quantized layers read and checked on the host first
+            reader = open_reader(model_dir, hf_config, stack, checkpoint_view(hf_config))
+            quantized = read_quantized_layers(quantized_layers(abstract), reader, num_shards=1)
         filled = _load_state(
             flat_state,
             merged_output_sizes(abstract),
@@ -470,4 +550,5 @@ def load_model(
             checkpoint_view(hf_config),
         )
     model = nnx.merge(graphdef, nnx.from_flat_state(filled))
+    place_quantized_layers(model, quantized)
     return model, hf_config

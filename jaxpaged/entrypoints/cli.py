@@ -20,6 +20,9 @@ from jaxpaged.engine.dp_balancer import DP_ROUTING_CHOICES
 from jaxpaged.entrypoints.convert import add_convert_parser, run_convert
 from jaxpaged.metrics import DEFAULT_METRICS_PREFIX, METRICS_PREFIX_CHOICES
 
+# vLLM's short aliases of engine flags.
+_SHORT_FLAGS = {"quantization": ("-q",)}
+
 
 def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
     """Add one ``--flag`` per ``EngineArgs`` field, with the field's help text and default."""
@@ -28,15 +31,16 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
     for field in dataclasses.fields(EngineArgs):
         if field.name in skip:
             continue
-        flag = "--" + field.name.replace("_", "-")
+        flags = ["--" + field.name.replace("_", "-"), *_SHORT_FLAGS.get(field.name, ())]
         base = _base_type(hints[field.name])
         help_text = f"{field.metadata.get('help', '')} (default: {field.default})"
         if base is bool:
             group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text
-            )
+                *flags, action=argparse.BooleanOptionalAction, default=field.default,
+                help=help_text,
+            )  # fmt: skip
         else:
-            group.add_argument(flag, type=base, default=field.default, help=help_text)
+            group.add_argument(*flags, type=base, default=field.default, help=help_text)
 
 
 def set_jax_memory_fraction(gpu_memory_utilization: float) -> None:

@@ -57,8 +57,13 @@ def convert(
     from models.orbax_checkpoint import save_checkpoint
     from models.sharded_weights import load_sharded_model
     from models.sharding import make_mesh
-    from models.weights import load_model
+    from models.weights import load_config, load_model
 
+    if getattr(load_config(model), "quantization_config", None) is not None:
+        raise ValueError(
+            f"{model} is a quantized checkpoint (config.json has quantization_config); jaxpaged "
+            "convert writes float checkpoints only: serve it directly with --quantization"
+        )
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
     load = load_model

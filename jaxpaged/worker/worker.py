@@ -20,6 +20,7 @@ Nothing outside the worker writes the runner's fields.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 
 import jax
@@ -48,10 +49,13 @@ from jaxpaged.worker.swap import BlockMover
 from models.attention import kv_cache_head_dim
 from models.attention_backends import resolve_attention_backend
 from models.orbax_checkpoint import is_orbax_checkpoint, load_orbax_model
+from models.quantized_weights import quantized_weight_bytes
 from models.sharded_weights import load_sharded_model
 from models.sharding import kv_cache_sharding, make_mesh
 from models.tp_layout import TPLayout
 from models.weights import load_model, resolve_dtype
+
+logger = logging.getLogger(__name__)
 
 # Block counts are int32 ids on the device.
 _MAX_NUM_BLOCKS = 2**31 - 1
@@ -118,7 +122,13 @@ class Worker:
             if self.mesh is None
             else functools.partial(load_sharded_model, mesh=self.mesh)
         )
+        load = functools.partial(load, quant_config=mc.quant_config)
         if mc.load_format != "dummy" and is_orbax_checkpoint(mc.model):  # `jaxpaged convert`
+            if mc.quant_config is not None:
+                raise ValueError(
+                    f"quantization {mc.quant_config.method!r} is not supported for the orbax "
+                    f"checkpoint {mc.model} (jaxpaged convert saves float weights)"
+                )
             load = functools.partial(load_orbax_model, mesh=self.mesh)
         self._model, self.hf_config = load(
             mc.model,
@@ -192,6 +202,7 @@ class Worker:
         return memo_key(
             hf_config=mc.hf_config_json,
             load_format=mc.load_format,
+            quantization=str(mc.quant_config),
             dtype=str(self.dtype),
             spec=str(self.kv_cache_spec),
             scheduler=str(self.config.scheduler_config),
@@ -247,6 +258,8 @@ class Worker:
         self.compile_seconds = time.perf_counter() - compile_start
         self.reset_kv_caches()
         self.block_mover = BlockMover(spec, self.num_cpu_blocks, cache_sharding=self._kv_sharding)
+        if is_driver():  # the start-up report: KV size (and quantized weights' savings)
+            logger.info("%s", self.kv_cache_report())
 
     def _make_runner(self, kv_caches: list) -> ModelRunner:
         sc = self.config.scheduler_config
@@ -296,7 +309,23 @@ class Worker:
                 f"{budget.peak / 2**30:.2f} GiB, left {left / 2**30:.2f} GiB, of which the KV "
                 f"cache takes {100 * kv_bytes / max(left, 1):.1f}%"
             )
-        return line
+        return line + self._quantized_weights_report()
+
+    def _quantized_weights_report(self) -> str:
+        """``"; weights ..."``: the quantized layers' bytes per device against the same layers
+        in the compute dtype, and the KV blocks the difference holds; empty when unquantized."""
+        quant_config = self.config.model_config.quant_config
+        if quant_config is None:
+            return ""
+        stored, unquantized = quantized_weight_bytes(self._model)
+        tp = self.tensor_parallel_size
+        freed = (unquantized - stored) // tp
+        blocks = freed * tp // self.kv_cache_spec.bytes_per_block
+        return (
+            f"; quantization {quant_config.method}: quantized layer weights "
+            f"{stored / tp / 2**20:.2f} MiB per device vs {unquantized / tp / 2**20:.2f} MiB in "
+            f"{self.dtype.name}, freeing {freed / 2**20:.2f} MiB = {blocks} KV blocks"
+        )
 
     def set_step_timeline(self, timeline: StepTimeline | None) -> None:
         """Time every dispatched step on the device (benchmarks); None stops."""

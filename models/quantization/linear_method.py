@@ -8,6 +8,8 @@ loaders then only call its four members; no method-specific code outside this pa
 - ``tensor_specs(in, out)``: the stored tensors (suffix -> shape, dtypes) the loader reads;
 - ``load(prefix, tensors, in, out)``: checked host arrays in the form ``apply`` takes (online
   methods quantize here, so the device only ever holds the quantized form);
+- ``sort_act_order(tensors)``: an act-order layer's input rows sorted by group (whole or
+  column-parallel layers; others unchanged);
 - ``split_axis(name, parallel, shape)``: the ``tp`` axis of each loaded tensor (or None);
 - ``apply(x, params)``: ``x [..., in] -> [..., out]`` in ``x.dtype``.
 """
@@ -30,6 +32,7 @@ from models.quantization.config import (
     QuantizationConfig,
     QuantizationScheme,
 )
+from models.quantization.gptq import gptq_sort_act_order
 from models.quantization.stored import TensorSpec
 from models.quantization.tp_split import tp_split_axis
 
@@ -47,6 +50,15 @@ class LinearMethod:
     def method(self) -> str:
         """vLLM's method name (``awq``, ``gptq``, ``compressed-tensors``, ...)."""
         return self.config.method
+
+    @property
+    def quantizes_at_load(self) -> bool:
+        """Whether :meth:`load` takes the float ``weight`` of an unquantized checkpoint and
+        quantizes it (online ``fp8``, ``bitsandbytes`` with ``load_format="bitsandbytes"``)."""
+        c = self.config
+        return (isinstance(c, Fp8Config) and not c.is_checkpoint_fp8_serialized) or (
+            isinstance(c, BitsAndBytesConfig) and not c.is_prequantized
+        )
 
     def tensor_specs(self, in_features: int, out_features: int) -> dict[str, TensorSpec]:
         """The checkpoint tensors of one layer (for online methods, the float ``weight``)."""
@@ -90,6 +102,23 @@ class LinearMethod:
         if isinstance(c, Fp8Config):
             return fp8.load_fp8_layer(*args, c)
         return bitsandbytes.load_bitsandbytes_layer(*args, c)
+
+    def sort_act_order(
+        self, tensors: Mapping[str, np.ndarray], *, prefix: str = "layer"
+    ) -> dict[str, np.ndarray]:
+        """``tensors`` (:meth:`load`'s, possibly fused) with an act-order layer's rows sorted by
+        group (``gptq_sort_act_order`` / ``sort_wna16_act_order``: ``g_idx`` becomes ``perm``);
+        any other layer unchanged. For whole and column-parallel layers only.
+
+        Raises:
+            ValueError: a group without exactly ``in / G`` rows, naming ``prefix.g_idx``.
+        """
+        if isinstance(self.config, GPTQConfig) and "g_idx" in tensors:
+            return gptq_sort_act_order(tensors, self.config.weight_bits, prefix=prefix)
+        if self.scheme is not None and "weight_g_idx" in tensors:
+            bits = self.scheme.weights.num_bits
+            return compressed_tensors.sort_wna16_act_order(tensors, bits, prefix=prefix)
+        return dict(tensors)
 
     def split_axis(self, name: str, parallel: str, shape: tuple[int, ...]) -> int | None:
         """The axis of loaded tensor ``name`` that ``tp`` splits (``models.quantization.tp_split``)."""

@@ -8,6 +8,7 @@ pads tokens and sequences to fixed buckets, and jits one pure function of the mo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -175,6 +176,20 @@ class Seq:
     next_token: int = -1  # greedy token after the last one fed
 
 
+@functools.cache
+def _jitted_step(graphdef):
+    """As in the engine: split once and jit a pure function of the state, so weights are
+    arguments (not constants baked into the HLO) and NNX objects aren't re-traversed. One per
+    model structure: models of the same structure (other weights) reuse its compilations."""
+
+    def step(state, input_ids, positions, kv_caches, metadata):
+        m = nnx.merge(graphdef, state)
+        hidden, kv_caches = m(input_ids, positions, kv_caches, metadata)
+        return m.compute_logits(hidden), kv_caches
+
+    return jax.jit(step)
+
+
 class PagedRunner:
     """Greedy generation through a model over a real paged KV cache.
 
@@ -211,15 +226,7 @@ class PagedRunner:
         # Block 0 stays unallocated: padding rows and columns of the block table point at it.
         self.free = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
         graphdef, self.state = nnx.split(model)
-
-        # As in the engine: split once and jit a pure function of the state, so weights are
-        # arguments (not constants baked into the HLO) and NNX objects aren't re-traversed.
-        def step(state, input_ids, positions, kv_caches, metadata):
-            m = nnx.merge(graphdef, state)
-            hidden, kv_caches = m(input_ids, positions, kv_caches, metadata)
-            return m.compute_logits(hidden), kv_caches
-
-        self._step = jax.jit(step)
+        self._step = _jitted_step(graphdef)
 
     def _slot(self, seq: Seq, pos: int) -> int:
         while pos // self.block_size >= len(seq.blocks):

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from jaxpaged import LLM, SamplingParams
-from models import sharded_weights
+from models import weights
 from models.sharded_weights import load_sharded_model
 from models.sharding import kv_cache_sharding, make_mesh
 from models.weights import load_model
@@ -378,14 +378,14 @@ def test_safetensors_reads_only_each_devices_slice(monkeypatch):
     """No parameter passes whole through one read: a column- or row-parallel kernel is read
     as tp slices of 1/tp of its elements, one per device."""
     reads: dict[str, list[int]] = {}
-    original = sharded_weights._TensorReader.read_slice
+    original = weights._TensorReader.read_slice
 
     def recording(self, name, index):
         block = original(self, name, index)
         reads.setdefault(name, []).append(block.size)
         return block
 
-    monkeypatch.setattr(sharded_weights._TensorReader, "read_slice", recording)
+    monkeypatch.setattr(weights._TensorReader, "read_slice", recording)
     load_sharded_model(STORIES_DIR, mesh=make_mesh(4))
     # A fused kernel is read part by part: each device reads its q, k and v slices.
     assert reads["model.layers.0.self_attn.q_proj.weight"] == [64 * 64 // 4] * 4
@@ -403,3 +403,44 @@ def test_untied_lm_head_is_vocab_parallel(tmp_path):
     lm_head = params["lm_head.kernel"]
     assert lm_head.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tp")), 2)
     assert [s.data.shape for s in lm_head.addressable_shards] == [(64, 128 // 4)] * 4
+
+
+# ---------------------------------------------------------------------------- quantized
+
+
+def test_quantized_models_split_over_tp2_match_one_device(tmp_path):
+    """Packed int4 (GPTQ act-order: sorted column layers, g_idx row layers) and online FP8
+    at tensor_parallel_size 2: every quantized leaf stays quantized and split on its method's
+    axis, and the greedy tokens equal one device's (logits: all-reduce order only)."""
+    from models.quantization.config import resolve_quantization
+    from models.quantized_linear import QuantizedWeight
+    from tests.models.quantization import checkpoints as ckpt
+    from tests.models.quantization.quality import greedy, make_runner
+
+    tiny = ckpt.tiny_llama(str(tmp_path / "float"))
+    gptq = ckpt.quantize_checkpoint(tiny, str(tmp_path / "gptq"), str(tmp_path / "gptq_ref"),
+                                    *ckpt.gptq_quantizer(4, 32, True, False))[0]  # fmt: skip
+    fp8 = {"quant_config": resolve_quantization("fp8", None)}
+    mesh = make_mesh(2)
+    prompts = [p[:8] for p in QWEN2_PROMPTS]
+    for model_dir, kwargs in ((gptq, {}), (tiny, fp8)):
+        one = load_model(model_dir, dtype="float32", **kwargs)
+        two = load_sharded_model(model_dir, mesh=mesh, dtype="float32", **kwargs)
+        leaves = {".".join(map(str, p)): v.get_value()
+                  for p, v in nnx.to_flat_state(nnx.state(two[0], QuantizedWeight))}  # fmt: skip
+        qkv = next(v for k, v in leaves.items() if "layers.0.self_attn.qkv_proj" in k
+                   and v.dtype != np.float32)  # fmt: skip
+        assert qkv.dtype in (np.int32, jax.numpy.float8_e4m3fn), qkv.dtype
+        down = leaves[next(k for k in leaves if k.endswith("layers.1.mlp.down_proj.qweight")
+                           or k.endswith("layers.1.mlp.down_proj.weight"))]  # fmt: skip
+        assert "tp" in tuple(down.sharding.spec), down.sharding
+        runner = make_runner(*two, 32, len(prompts))
+        sharding = kv_cache_sharding(mesh)
+        runner.kv_caches = [
+            (jax.device_put(k, sharding), jax.device_put(v, sharding)) for k, v in runner.kv_caches
+        ]
+        ours = greedy(runner, prompts, 5)
+        ref = greedy(make_runner(*one, 32, len(prompts)), prompts, 5)
+        for a, b in zip(ours, ref, strict=True):
+            assert a.tokens + [a.next_token] == b.tokens + [b.next_token], model_dir
+            assert relative_diff(np.stack(a.logits), np.stack(b.logits)) < LOGITS_RTOL
