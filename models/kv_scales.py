@@ -28,7 +28,9 @@ import safetensors
 from flax import nnx
 
 # "model.layers.3.self_attn.k_scale" (Llama family), "transformer.h.3.attn.v_scale" (GPT-2).
-_SCALE_NAME = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.(?:self_attn|attn|self_attention)\.([kv])_scale$")
+_SCALE_NAME = re.compile(
+    r"(?:^|\.)(?:layers|h)\.(\d+)\.(?:self_attn|attn|self_attention)\.([kv])_scale$"
+)
 
 
 class KVScale(nnx.Variable):
