@@ -95,6 +95,8 @@ class Worker:
         self.hf_config = None
         self.dtype = None
         self.kv_cache_spec: KVCacheSpec | None = None
+        # kv_cache_dtype="fp8": the per-layer (k_scale, v_scale) in use; None for a float cache.
+        self.kv_scales: list[tuple[float, float]] | None = None
         self._model = None
         # Multi-LoRA: adapter slots on the device and the host LRU (None: LoRA off); every
         # runner the worker builds (the profiling one too) steps with its slot weights.
@@ -172,6 +174,7 @@ class Worker:
             scales = [(1.0, 1.0)] * num_layers
         sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         attach_kv_scales(self._model, scales, sharding=sharding)
+        self.kv_scales = scales
         return kv_cache_fp8_dtype(cache_dtype)
 
     @property
