@@ -118,7 +118,8 @@ class Worker:
         Raises:
             ValueError: from ``models.weights.load_model`` (missing files, unknown dtype,
                 unsupported architecture, a missing or misshapen tensor); ``enable_lora`` with
-                a model class that does not support LoRA.
+                a model class that does not support LoRA; incomplete or bad FP8 KV scales in the
+                checkpoint (``models.kv_scales.read_kv_scales``).
         """
         mc = self.config.model_config
         load = (
@@ -137,6 +138,7 @@ class Worker:
             seed=mc.seed,
         )
         self.dtype = resolve_dtype(mc.dtype, self.hf_config)
+        kv_dtype = self._load_kv_cache_dtype()  # FP8: attaches the per-layer scales
         self.kv_cache_spec = KVCacheSpec(
             num_layers=int(self.hf_config.num_hidden_layers),
             # Hkv * r when tensor parallelism repeats KV heads (models.sharding)
@@ -146,7 +148,7 @@ class Worker:
             # Pallas pads a head dim that is not a power of two (Phi-3's 96 -> 128).
             head_dim=kv_cache_head_dim(_head_dim(self.hf_config), self.attention_backend),
             block_size=self.config.cache_config.block_size,
-            dtype=self._load_kv_cache_dtype(),
+            dtype=kv_dtype,
         )
         # The slots are allocated here, before profiling, so they count as weights.
         self.lora_manager = create_lora_manager(
