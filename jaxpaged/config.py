@@ -22,6 +22,7 @@ from models.tp_layout import TPLayout
 DEFAULT_MODEL_NAME = "stories260k"
 
 _LOAD_FORMATS = ("auto", "safetensors", "dummy", "bitsandbytes")
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -76,6 +77,16 @@ class EngineArgs:
     )
     num_gpu_blocks_override: int | None = _arg(
         None, "Force this many KV blocks regardless of memory (tests use it to force preemption)."
+    )
+    # FP8 KV cache (docs/quantization.md, "FP8 KV cache"); vLLM's names and choices.
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "KV cache element type: auto (the compute dtype), fp8 / fp8_e4m3 (e4m3fn) or fp8_e5m2; "
+        "FP8 stores k / k_scale per layer (checkpoint scales, else 1.0) and holds ~2x the blocks "
+        "of bf16.",
+    )
+    calculate_kv_scales: bool = _arg(
+        False, "Compute k_scale / v_scale from the first batch (vLLM's); not supported yet."
     )
     swap_space: float = _arg(
         4, "Host memory in GiB for KV blocks of swap-preempted requests, >= 0; 0 disables swap."
@@ -198,6 +209,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None
     swap_space_bytes: int
     enable_prefix_caching: bool
+    cache_dtype: str = "auto"  # kv_cache_dtype (vLLM's CacheConfig.cache_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,6 +292,7 @@ class EngineConfig:
         _check_choice("attention_backend", args.attention_backend, ATTENTION_BACKEND_CHOICES)
         _check_choice("block_size", args.block_size, _BLOCK_SIZES)
         _check_choice("preemption_mode", args.preemption_mode, PREEMPTION_MODES)
+        _check_kv_cache_dtype(args)
         if not args.swap_space >= 0:
             raise ValueError(
                 f"swap_space must be a non-negative number of GiB, got {args.swap_space}"
@@ -349,6 +362,7 @@ class EngineConfig:
                 num_gpu_blocks_override=args.num_gpu_blocks_override,
                 swap_space_bytes=int(args.swap_space * 1024**3),
                 enable_prefix_caching=bool(args.enable_prefix_caching),
+                cache_dtype=args.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -392,6 +406,16 @@ def _parallel_config(args: EngineArgs, hf_config_json: dict) -> ParallelConfig:
         master_addr=args.master_addr,
         master_port=args.master_port,
     )
+
+
+def _check_kv_cache_dtype(args: EngineArgs) -> None:
+    _check_choice("kv_cache_dtype", args.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
+    if args.calculate_kv_scales:
+        raise ValueError(
+            "calculate_kv_scales is not supported yet (scales from the first batch would need a "
+            "step that updates the model's state); with kv_cache_dtype='fp8' the scales come "
+            "from the checkpoint (*.self_attn.k_scale / v_scale) or default to 1.0"
+        )
 
 
 def _check_choice(name: str, value, choices) -> None:

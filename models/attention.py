@@ -18,6 +18,7 @@ import pallas_kernels
 from models.attention_backends import ATTENTION_BACKENDS
 from models.attention_metadata import AttentionMetadata
 from models.sharding import TP_AXIS, shard_over_heads
+from pallas_kernels.fp8_kv_cache import check_kv_scales
 
 
 def kv_cache_head_dim(head_dim: int, backend: str) -> int:
@@ -64,6 +65,8 @@ def attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     alibi_slopes: Sequence[float] | jax.Array | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     interpret: bool = False,
     mesh: Mesh | None = None,
 ) -> jax.Array:
@@ -72,7 +75,8 @@ def attention(
     Args:
         q: ``[T, Hq, D]``, packed as described by ``metadata`` (``T == B`` when
             ``metadata.decode_only``).
-        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, holding this step's K/V too.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, holding this step's K/V too;
+            an FP8 cache (``kv_cache_dtype="fp8"``) holds ``k / k_scale`` and ``v / v_scale``.
         metadata: block tables, ``seq_lens``, ``cu_q_lens`` and the static ``decode_only``.
         backend: "pallas" (kernels on the paged cache) or "reference" (gather + references).
         scale: multiplier of ``q . k`` (usually ``D ** -0.5``).
@@ -80,6 +84,10 @@ def attention(
         sliding_window: if set, a query at position ``p`` sees keys at ``p - w < k <= p``.
         alibi_slopes: ``Hq`` slopes (the whole model's heads, also under ``mesh``) or None; if
             set, head ``j``'s score of key position ``k`` gains ``slope_j * (k - p)`` (ALiBi).
+        k_scale, v_scale: the layer's FP8 cache scales (``f32[]``; None means 1.0), or None
+            with any other cache. Both backends dequantize ``float(k_fp8) * k_scale``: the
+            kernels fold the scales into the logits and the output, the references multiply
+            each element.
         interpret: run Pallas kernels in interpret mode (CPU).
         mesh: tensor parallelism: this same function runs per device on its heads inside
             ``jax.shard_map`` (``models.sharding.shard_over_heads``); None on one device.
@@ -88,7 +96,7 @@ def attention(
         ``[T, Hq, D]``; rows of padding tokens are unspecified.
 
     Raises:
-        ValueError: unknown ``backend``.
+        ValueError: unknown ``backend``; scales with a cache that is not FP8.
     """
     if mesh is not None:
         per_device = functools.partial(
@@ -100,12 +108,16 @@ def attention(
             alibi_slopes=alibi_slopes,
             interpret=interpret,
         )
-        return shard_over_heads(per_device, mesh)(q, k_cache, v_cache, metadata)
+        # The scales travel with the metadata: replicated on every device.
+        return shard_over_heads(per_device, mesh)(
+            q, k_cache, v_cache, (metadata, k_scale, v_scale)
+        )
     if alibi_slopes is not None:
         alibi_slopes = jnp.asarray(alibi_slopes, jnp.float32)
     kwargs = dict(
-        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, alibi_slopes=alibi_slopes
-    )
+        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, alibi_slopes=alibi_slopes,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
     if backend == "pallas":
         if metadata.decode_only:
             return pallas_kernels.paged_attention(
@@ -117,6 +129,7 @@ def attention(
             interpret=interpret, **kwargs,
         )
     if backend == "reference":
+        check_kv_scales(k_cache.dtype, k_scale, v_scale)
         k = gather_kv(k_cache, metadata.block_tables)
         v = gather_kv(v_cache, metadata.block_tables)
         if metadata.decode_only:
@@ -129,13 +142,17 @@ def attention(
     )
 
 
-def _attention_per_device(q, k_cache, v_cache, metadata, *, alibi_slopes, **kwargs):
+def _attention_per_device(q, k_cache, v_cache, replicated, *, alibi_slopes, **kwargs):
     """:func:`attention` on one device's heads inside ``shard_map``: device ``i`` of the ``tp``
     axis holds query heads ``[i * n, (i + 1) * n)`` (``n = Hq / tp``), so it takes those
-    heads' ALiBi slopes."""
+    heads' ALiBi slopes. ``replicated`` is ``(metadata, k_scale, v_scale)``."""
+    metadata, k_scale, v_scale = replicated
     if alibi_slopes is not None:
         num_local = q.shape[1]
         slopes = jnp.asarray(alibi_slopes, jnp.float32)
         start = jax.lax.axis_index(TP_AXIS) * num_local
         alibi_slopes = jax.lax.dynamic_slice_in_dim(slopes, start, num_local)
-    return attention(q, k_cache, v_cache, metadata, alibi_slopes=alibi_slopes, **kwargs)
+    return attention(
+        q, k_cache, v_cache, metadata, alibi_slopes=alibi_slopes, k_scale=k_scale,
+        v_scale=v_scale, **kwargs,
+    )  # fmt: skip

@@ -42,6 +42,7 @@ from jax.sharding import Mesh
 import pallas_kernels
 from models.attention import attention
 from models.attention_metadata import AttentionMetadata
+from models.kv_scales import FP8KVScales
 from models.merged_linear import MergedColumnParallelLinear
 from models.sharding import tp_size
 
@@ -145,14 +146,15 @@ class GeluMLP(nnx.Module):
         return self.down_proj(_ACTIVATIONS[self.activation](self.up_proj(x)))
 
 
-class SelfAttention(nnx.Module):
+class SelfAttention(FP8KVScales, nnx.Module):
     """Multi-head self-attention over the paged KV cache, no rotary embedding.
 
     ``[T, hidden] -> [T, hidden]``: one biased QKV matmul (``qkv_proj`` kernel
     ``[hidden, 3 * Hq * D]``, columns per ``models.merged_linear``), ``kv_cache_update`` by
     ``metadata.slot_mapping``, :func:`models.attention.attention` (with ALiBi slopes when
     ``alibi``), biased ``o_proj``. ``scale``, ``alibi_slopes`` (a tuple of Python floats, one
-    per head of the whole model), the backend and ``mesh`` are static attributes.
+    per head of the whole model), the backend and ``mesh`` are static attributes; ``k_scale`` /
+    ``v_scale`` are the FP8 KV cache's scales (``models.kv_scales``; None: a float cache).
     """
 
     def __init__(
@@ -181,6 +183,7 @@ class SelfAttention(nnx.Module):
         self.attention_backend = attention_backend
         self.interpret = interpret
         self.mesh = mesh
+        self.init_kv_scales()
         kw = dict(
             use_bias=True,
             dtype=dtype,
@@ -198,18 +201,17 @@ class SelfAttention(nnx.Module):
         q, k, v = (
             part.reshape(num_tokens, self.num_heads, self.head_dim) for part in self.qkv_proj(x)
         )
+        k_scale, v_scale = self.kv_scales()
         k_cache, v_cache = pallas_kernels.kv_cache_update(
-            k_cache,
-            v_cache,
-            k.astype(k_cache.dtype),
-            v.astype(v_cache.dtype),
-            metadata.slot_mapping,
+            k_cache, v_cache, k, v, metadata.slot_mapping, k_scale=k_scale, v_scale=v_scale
         )
         out = attention(
             q,
             k_cache,
             v_cache,
             metadata,
+            k_scale=k_scale,
+            v_scale=v_scale,
             backend=self.attention_backend,
             scale=self.scale,
             alibi_slopes=self.alibi_slopes,

@@ -54,7 +54,9 @@ import pallas_kernels
 from models.attention import attention, kv_cache_head_dim
 from models.attention_backends import check_attention_backend
 from models.attention_metadata import AttentionMetadata
+from models.kv_scales import FP8KVScales
 from models.lora import LORA_PROJECTIONS, LoRABatch, LoRALayer, llama_projection_specs, with_lora
+from models.merged_linear import MergedColumnParallelLinear
 from models.moe import SparseMoeBlock
 from models.quantization.config import QuantizationConfig
 from models.quantized_linear import make_linear
@@ -179,13 +181,14 @@ def _attention_biases(config: Any) -> tuple[bool, bool]:
     return bias, bias
 
 
-class LlamaAttention(nnx.Module):
+class LlamaAttention(FP8KVScales, nnx.Module):
     """Self-attention over the paged KV cache.
 
     ``[T, hidden] -> [T, hidden]``: QKV projection (one matmul, ``qkv_proj`` kernel
     ``[hidden, (Hq + 2 * Hkv) * D]``), RoPE, ``pallas_kernels.kv_cache_update`` by
     ``metadata.slot_mapping``, :func:`models.attention.attention`, o_proj. ``attention_backend``,
-    ``interpret``, ``sliding_window`` and ``options`` are static Python attributes.
+    ``interpret``, ``sliding_window`` and ``options`` are static Python attributes; ``k_scale``
+    and ``v_scale`` are the FP8 KV cache's scales (``models.kv_scales``; None: a float cache).
     """
 
     def __init__(
@@ -220,6 +223,7 @@ class LlamaAttention(nnx.Module):
         self.attention_backend = attention_backend
         self.interpret = interpret
         self.mesh = mesh  # static: tensor parallelism runs attention per device on its heads
+        self.init_kv_scales()
         # A tuple of Python floats: a static attribute (not a parameter), constant under jit.
         inv_freq = rope_inv_freq(self.head_dim, rope_parameters(config))
         self.inv_freq = tuple(float(f) for f in inv_freq)
@@ -261,12 +265,14 @@ class LlamaAttention(nnx.Module):
         if self.cache_head_dim != self.head_dim:
             pad = ((0, 0), (0, 0), (0, self.cache_head_dim - self.head_dim))
             q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+        k_scale, v_scale = self.kv_scales()
         k_cache, v_cache = pallas_kernels.kv_cache_update(
-            k_cache, v_cache, k.astype(k_cache.dtype), v.astype(v_cache.dtype),
-            metadata.slot_mapping,
+            k_cache, v_cache, k, v, metadata.slot_mapping, k_scale=k_scale, v_scale=v_scale
         )
         out = attention(
             q, k_cache, v_cache, metadata,
+            k_scale=k_scale,
+            v_scale=v_scale,
             backend=self.attention_backend,
             scale=self.scale,
             soft_cap=self.soft_cap,

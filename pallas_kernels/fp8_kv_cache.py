@@ -48,6 +48,39 @@ def kv_cache_fp8_dtype(kv_cache_dtype: str):
     return KV_CACHE_FP8_DTYPES[kv_cache_dtype]
 
 
+def is_fp8_kv_cache_dtype(dtype) -> bool:
+    """Whether a cache of element ``dtype`` holds FP8 K/V (read with per-layer scales)."""
+    return any(jnp.dtype(dtype) == jnp.dtype(d) for d in KV_CACHE_FP8_DTYPES.values())
+
+
+def check_kv_scales(cache_dtype, k_scale, v_scale) -> jax.Array | None:
+    """The attention kernels' scale operand: ``f32[2] = [k_scale, v_scale]`` for an FP8 cache
+    (a missing scale is vLLM's default, 1.0), None for any other cache.
+
+    Args:
+        cache_dtype: the K/V cache's element dtype.
+        k_scale, v_scale: ``f32[]`` (traced or concrete), a Python number, or None.
+
+    Raises:
+        ValueError: a scale that is not a scalar, or a scale given with a cache that is not FP8
+            (its values are stored unscaled, so a scale would be silently wrong).
+    """
+    if not is_fp8_kv_cache_dtype(cache_dtype):
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(
+                "k_scale and v_scale apply to an FP8 KV cache only, got a "
+                f"{jnp.dtype(cache_dtype).name} cache"
+            )
+        return None
+    scales = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        scale = jnp.asarray(1.0 if scale is None else scale, jnp.float32)
+        if scale.shape != ():
+            raise ValueError(f"{name} must be a scalar (f32[]), got shape {scale.shape}")
+        scales.append(scale)
+    return jnp.stack(scales)
+
+
 def quantize_kv(x: jax.Array, scale: jax.Array | float, dtype=jnp.float8_e4m3fn) -> jax.Array:
     """``fp8(clip(x / scale))``: K or V entering the cache.
 

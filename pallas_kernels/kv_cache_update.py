@@ -7,6 +7,8 @@ The cache layout is ``[num_blocks, block_size, Hkv, D]`` (see the package docstr
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fp8_kv_cache import check_kv_scales, quantize_kv
+
 
 def kv_cache_shape(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -29,8 +31,11 @@ def kv_cache_shape(
 
 
 @jax.jit
-def _scatter(k_cache, v_cache, k_new, v_new, slot_mapping):
+def _scatter(k_cache, v_cache, k_new, v_new, slot_mapping, kv_scales=None):
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if kv_scales is not None:  # FP8 cache: clip and cast before the scatter
+        k_new = quantize_kv(k_new, kv_scales[0], k_cache.dtype)
+        v_new = quantize_kv(v_new, kv_scales[1], v_cache.dtype)
     num_slots = num_blocks * block_size
     # JAX wraps negative indices (-1 would mean the last slot), so padding slots are sent to
     # num_slots, which is out of range and dropped by mode="drop". Slots >= num_slots drop too.
@@ -61,15 +66,23 @@ def kv_cache_update(
     k_new: jax.Array,
     v_new: jax.Array,
     slot_mapping: jax.Array,
+    *,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' K and V into their cache slots.
 
     Args:
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, same shape and dtype.
-        k_new, v_new: ``[T, Hkv, D]``; cast to the cache dtype.
+        k_new, v_new: ``[T, Hkv, D]``; cast to the cache dtype. An FP8 cache
+            (``float8_e4m3fn`` / ``float8_e5m2``) stores ``quantize_kv(k_new, k_scale)``:
+            ``k_new / k_scale`` clipped to the format's finite range, then cast, so an overflow
+            saturates instead of becoming NaN (``pallas_kernels.fp8_kv_cache``).
         slot_mapping: ``i32[T]``; token ``t`` goes to slot ``slot_mapping[t]``
             (``block_id * block_size + offset``). ``-1`` (padding) is dropped, and so is any slot
             ``>= num_blocks * block_size``. Slots of real tokens are assumed distinct.
+        k_scale, v_scale: an FP8 cache's per-layer scales, ``f32[]`` (may be traced; None
+            means 1.0); must be None for any other cache.
 
     Returns:
         ``(k_cache, v_cache)`` with the slots written. A plain XLA scatter: when the caller's jit
@@ -77,7 +90,8 @@ def kv_cache_update(
 
     Raises:
         ValueError: mismatched K/V cache shapes or dtypes, new K/V whose shape is not
-            ``[T, Hkv, D]`` of the cache, a ``slot_mapping`` that is not ``i32[T]``.
+            ``[T, Hkv, D]`` of the cache, a ``slot_mapping`` that is not ``i32[T]``, scales
+            that are not scalars or are given with a cache that is not FP8.
     """
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(
@@ -95,4 +109,5 @@ def kv_cache_update(
             f"slot_mapping must be i32[{k_new.shape[0]}], got {slot_mapping.dtype}"
             f"{list(slot_mapping.shape)}"
         )
-    return _scatter(k_cache, v_cache, k_new, v_new, slot_mapping)
+    kv_scales = check_kv_scales(k_cache.dtype, k_scale, v_scale)
+    return _scatter(k_cache, v_cache, k_new, v_new, slot_mapping, kv_scales)

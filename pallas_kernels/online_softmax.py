@@ -34,13 +34,19 @@ def block_scores(
     scale: float,
     soft_cap: float | None,
     use_dot: bool,
+    k_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Base-2 scores ``f32[rows, block_k]`` of ``q [rows, D]`` against ``k [block_k, D]``.
 
     ``scale * q . k``, or ``soft_cap * tanh(scale * q . k / soft_cap)`` when ``soft_cap`` is set,
     times ``log2(e)``. The dot accumulates in float32 (``use_dot``: a tensor-core dot, needs
-    ``D >= 16``; else multiply and reduce in float32).
+    ``D >= 16``; else multiply and reduce in float32). ``k_scale`` (``f32[]``, an FP8 cache's
+    per-layer key scale, ``pallas_kernels.fp8_kv_cache``) joins ``scale``: ``k`` then holds the
+    raw FP8 values converted to ``q``'s dtype, and ``scale * k_scale * q . k_fp8`` equals
+    ``scale * q . (k_fp8 * k_scale)`` without a multiply per key element.
     """
+    if k_scale is not None:
+        scale = scale * k_scale
     if use_dot:
         s = lax.dot_general(
             q,

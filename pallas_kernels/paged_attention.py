@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.fp8_kv_cache import check_kv_scales, dequantize_kv
 from pallas_kernels.online_softmax import (
     MIN_DOT_DIM,
     alibi_bias,
@@ -64,11 +65,12 @@ def _paged_attention_kernel(
     q_ref,  # [Hq, D]: all query heads of the sequence; this program reads its KV head's group
     k_cache_ref,  # [num_blocks * block_size, D]: this KV head of the whole K cache, by slot
     v_cache_ref,  # [num_blocks * block_size, D]: this KV head of the whole V cache, by slot
-    *refs,  # [alibi f32[Hq]], then one split: o [Hq, D] (normalised, q.dtype); several:
-    # o f32[Hq, D], m, l f32[Hq]
+    *refs,  # [kv_scales f32[2]], [alibi f32[Hq]], then one split: o [Hq, D] (normalised,
+    # q.dtype); several: o f32[Hq, D], m, l f32[Hq]
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    use_kv_scales: bool,
     use_alibi: bool,
     group: int,
     rows: int,
@@ -77,7 +79,11 @@ def _paged_attention_kernel(
     steps_per_split: int,
     use_dot: bool,
 ):
+    scales_ref, *refs = refs if use_kv_scales else (None, *refs)
     alibi_ref, *out_refs = refs if use_alibi else (None, *refs)
+    # FP8 cache: the raw values feed the dots; k_scale folds into the logit scale and v_scale
+    # into the output (pallas_kernels.fp8_kv_cache).
+    k_scale = scales_ref[0] if use_kv_scales else None
     head = pl.program_id(1)
     split = pl.program_id(2)
     num_slots, head_dim = k_cache_ref.shape
@@ -119,7 +125,9 @@ def _paged_attention_kernel(
         # NaN) and load as 0, so V there adds nothing to P.V.
         k = pltriton.load(k_cache_ref.at[slots, dim], mask=visible[:, None], other=0)
         v = pltriton.load(v_cache_ref.at[slots, dim], mask=visible[:, None], other=0)
-        s = block_scores(q, k.astype(q.dtype), scale=scale, soft_cap=soft_cap, use_dot=use_dot)
+        s = block_scores(
+            q, k.astype(q.dtype), scale=scale, soft_cap=soft_cap, use_dot=use_dot, k_scale=k_scale
+        )
         if use_alibi:
             s = s + alibi_bias(slopes, seq_len - 1, kpos)
         # Every step holds at least one visible key, so the running maximum is a real score.
@@ -128,6 +136,8 @@ def _paged_attention_kernel(
         )
 
     o, row_max, row_sum = lax.fori_loop(first, end, body, initial_carry(rows, head_dim))
+    if use_kv_scales:
+        o = o * scales_ref[1]  # v_scale; linear, so the split combine is unchanged
     if len(out_refs) == 1:
         # A sequence with no visible key (seq_len 0: a padding row) returns 0, not NaN.
         o = o / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]
@@ -171,6 +181,7 @@ def _paged_attention(
     block_tables,
     seq_lens,
     alibi_slopes=None,
+    kv_scales=None,
     *,
     scale,
     soft_cap,
@@ -179,7 +190,8 @@ def _paged_attention(
     tiling,
     heads_major=False,
 ):
-    """The kernel launch and split combine; arguments already checked.
+    """The kernel launch and split combine; arguments already checked (``kv_scales``:
+    ``f32[2]`` for an FP8 cache, else None).
 
     ``heads_major=True`` takes caches ``[Hkv, num_blocks, block_size, D]`` instead of the
     public ``[num_blocks, block_size, Hkv, D]``; it exists only so that
@@ -207,6 +219,7 @@ def _paged_attention(
         scale=scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        use_kv_scales=kv_scales is not None,
         use_alibi=alibi_slopes is not None,
         group=group,
         rows=rows,
@@ -233,6 +246,9 @@ def _paged_attention(
         cache_spec,  # v_cache
     ]
     operands = [seq_lens, block_tables, q, k_slots, v_slots]
+    if kv_scales is not None:
+        in_specs.append(pl.BlockSpec((2,), lambda b, h, s: (0,)))
+        operands.append(kv_scales)
     if alibi_slopes is not None:
         in_specs.append(pl.BlockSpec((num_q_heads,), lambda b, h, s: (0,)))
         operands.append(alibi_slopes)
@@ -286,6 +302,8 @@ def paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     alibi_slopes: jax.Array | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Decode attention: one query token per sequence against its paged K/V.
@@ -293,7 +311,9 @@ def paged_attention(
     Args:
         q: ``[B, Hq, D]``, the query of each sequence's newest token (position ``seq_len - 1``).
             Query head ``j`` uses KV head ``j // (Hq // Hkv)`` (grouped-query attention).
-        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, same shape and dtype.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, same shape and dtype; an FP8
+            dtype (``float8_e4m3fn``, ``float8_e5m2``: ``kv_cache_dtype="fp8"``) holds
+            ``k / k_scale`` and ``v / v_scale`` (``pallas_kernels.fp8_kv_cache``).
         block_tables: ``i32[B, max_blocks]``; column ``i`` of row ``b`` is the block holding
             positions ``i * block_size ... (i + 1) * block_size - 1`` of sequence ``b``.
         seq_lens: ``i32[B]``, context lengths including the token being decoded
@@ -306,6 +326,10 @@ def paged_attention(
         alibi_slopes: ``f32[Hq]`` or None. If set, head ``j``'s score of the key at position
             ``pos`` gains ``alibi_slopes[j] * (pos - p)`` (after the scale and soft cap; ALiBi,
             Press et al., ICLR 2022; slopes as HF BLOOM's ``build_alibi_tensor``).
+        k_scale, v_scale: an FP8 cache's per-layer scales (``f32[]``, may be traced; None means
+            1.0); must be None for any other cache. The kernel converts the FP8 values to
+            ``q.dtype`` (exact for bf16/f16/f32) and folds the scales: scores
+            ``(q . k_fp8) * (scale * k_scale)``, output ``(P . v_fp8) * v_scale``.
         interpret: run the Pallas kernel in interpret mode (CPU tests).
 
     Returns:
@@ -320,8 +344,9 @@ def paged_attention(
     Raises:
         ValueError: mismatched K/V cache shapes or dtypes, ``Hq % Hkv != 0``, a ``D`` that
             differs between ``q`` and the cache, a batch mismatch between ``q``,
-            ``block_tables`` and ``seq_lens``, ``block_tables``/``seq_lens`` not int32, or a bad
-            ``scale``/``soft_cap``/``sliding_window``.
+            ``block_tables`` and ``seq_lens``, ``block_tables``/``seq_lens`` not int32, a bad
+            ``scale``/``soft_cap``/``sliding_window``, or ``k_scale``/``v_scale`` not scalars or
+            given with a cache that is not FP8.
 
     Source: PagedAttention (Kwon et al., SOSP 2023); online softmax (Milakov & Gimelshein,
     2018); split-K combine as in Flash-Decoding (Dao et al., 2023).
@@ -345,6 +370,7 @@ def paged_attention(
         block_tables,
         seq_lens,
         alibi_slopes,
+        check_kv_scales(k_cache.dtype, k_scale, v_scale),
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
@@ -364,6 +390,8 @@ def paged_attention_reference(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     alibi_slopes: jax.Array | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
 ) -> jax.Array:
     """Plain-JAX decode attention on contiguous K/V, for testing the kernel.
 
@@ -373,6 +401,8 @@ def paged_attention_reference(
             positions ``>= seq_len`` may hold anything, NaN included.
         seq_lens: ``i32[B]``; 0 gives an all-zero row.
         scale, soft_cap, sliding_window, alibi_slopes: as in ``paged_attention``.
+        k_scale, v_scale: with FP8 ``k``/``v``, each element is dequantized first,
+            ``float(k) * k_scale`` (``fp8_kv_cache.dequantize_kv``; None means 1.0).
 
     Returns:
         ``[B, Hq, D]`` in ``q.dtype``, computed in float32 (einsum + masked softmax).
@@ -380,6 +410,8 @@ def paged_attention_reference(
     batch, num_q_heads, head_dim = q.shape
     seq_capacity, num_kv_heads = k.shape[1], k.shape[2]
     group = num_q_heads // num_kv_heads
+    k = dequantize_kv(k, 1.0 if k_scale is None else k_scale)
+    v = dequantize_kv(v, 1.0 if v_scale is None else v_scale)
     qf = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_dim)
     scores = (
         jnp.einsum("bhgd,bshd->bhgs", qf, k.astype(jnp.float32), precision=lax.Precision.HIGHEST)

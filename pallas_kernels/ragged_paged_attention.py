@@ -26,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.fp8_kv_cache import check_kv_scales, dequantize_kv
 from pallas_kernels.online_softmax import (
     MIN_DOT_DIM,
     alibi_bias,
@@ -69,10 +70,12 @@ def _ragged_paged_attention_kernel(
     q_ref,  # [T, Hq, D]: all queries
     k_cache_ref,  # [num_blocks * block_size, D]: this KV head of the whole K cache, by slot
     v_cache_ref,  # [num_blocks * block_size, D]: this KV head of the whole V cache, by slot
-    *refs,  # [alibi f32[Hq]], then o [T, Hq, D]: this program writes its tile's real rows
+    *refs,  # [kv_scales f32[2]], [alibi f32[Hq]], then o [T, Hq, D]: this program writes its
+    # tile's real rows
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    use_kv_scales: bool,
     use_alibi: bool,
     group: int,
     group_padded: int,
@@ -81,7 +84,11 @@ def _ragged_paged_attention_kernel(
     blocks_per_step: int,
     use_dot: bool,
 ):
+    scales_ref, *refs = refs if use_kv_scales else (None, *refs)
     alibi_ref, o_ref = refs if use_alibi else (None, *refs)
+    # FP8 cache: k_scale folds into the logit scale, v_scale into the output (as in
+    # paged_attention).
+    k_scale = scales_ref[0] if use_kv_scales else None
     head = pl.program_id(1)
     num_slots, head_dim = k_cache_ref.shape
     num_blocks = num_slots // block_size
@@ -140,7 +147,9 @@ def _ragged_paged_attention_kernel(
         other = 0 if masked else None
         k = pltriton.load(k_cache_ref.at[slots, dim], mask=load_mask, other=other)
         v = pltriton.load(v_cache_ref.at[slots, dim], mask=load_mask, other=other)
-        s = block_scores(q, k.astype(q.dtype), scale=scale, soft_cap=soft_cap, use_dot=use_dot)
+        s = block_scores(
+            q, k.astype(q.dtype), scale=scale, soft_cap=soft_cap, use_dot=use_dot, k_scale=k_scale
+        )
         if use_alibi:
             s = s + alibi_bias(slopes, row_pos, kpos)
         visible = None
@@ -155,6 +164,8 @@ def _ragged_paged_attention_kernel(
     o, _, row_sum = lax.fori_loop(full_end, end, functools.partial(body, masked=True), carry)
     # Rows with no visible key (padding tokens, unused tiles) are 0, not NaN.
     o = o / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]
+    if use_kv_scales:
+        o = o * scales_ref[1]  # v_scale
     pltriton.store(
         o_ref.at[tile_index],
         o.reshape(q_tile, group_padded, head_dim).astype(o_ref.dtype),
@@ -219,6 +230,7 @@ def _ragged_paged_attention(
     seq_lens,
     cu_q_lens,
     alibi_slopes=None,
+    kv_scales=None,
     *,
     scale,
     soft_cap,
@@ -226,7 +238,8 @@ def _ragged_paged_attention(
     interpret,
     tiling,
 ):
-    """The kernel launch; arguments already checked."""
+    """The kernel launch; arguments already checked (``kv_scales``: ``f32[2]`` for an FP8
+    cache, else None)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_blocks = block_tables.shape
@@ -245,6 +258,7 @@ def _ragged_paged_attention(
         scale=scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        use_kv_scales=kv_scales is not None,
         use_alibi=alibi_slopes is not None,
         group=group,
         group_padded=pl.next_power_of_2(group),
@@ -264,6 +278,9 @@ def _ragged_paged_attention(
         cache_spec,  # v_cache
     ]
     operands = [*tile_meta, block_tables, q, k_slots, v_slots]
+    if kv_scales is not None:
+        in_specs.append(pl.BlockSpec((2,), lambda j, h: (0,)))
+        operands.append(kv_scales)
     if alibi_slopes is not None:
         in_specs.append(pl.BlockSpec((num_q_heads,), lambda j, h: (0,)))
         operands.append(alibi_slopes)
@@ -293,6 +310,8 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     alibi_slopes: jax.Array | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal attention of ragged query tokens over each sequence's paged K/V.
@@ -302,13 +321,14 @@ def ragged_paged_attention(
             and are the last ``q_len_b`` positions of its context. Query head ``j`` uses KV head
             ``j // (Hq // Hkv)``.
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, same shape and dtype, already
-            holding the K/V of the new tokens.
+            holding the K/V of the new tokens; FP8 as in ``paged_attention``.
         block_tables: ``i32[B, max_blocks]``, as in ``paged_attention``.
         seq_lens: ``i32[B]``, context lengths including the new tokens; padding sequences
             have ``seq_len == q_len == 0``.
         cu_q_lens: ``i32[B + 1]``, non-decreasing, ``cu_q_lens[0] == 0``,
             ``cu_q_lens[B] <= T``; tokens at or past ``cu_q_lens[B]`` are padding.
-        scale, soft_cap, sliding_window, alibi_slopes, interpret: as in ``paged_attention``;
+        scale, soft_cap, sliding_window, alibi_slopes, k_scale, v_scale, interpret: as in
+            ``paged_attention``;
             the window and the ALiBi distance use each token's own position ``p`` (keys
             ``p - w < pos <= p``; bias ``alibi_slopes[j] * (pos - p)``).
 
@@ -325,7 +345,8 @@ def ragged_paged_attention(
         ValueError: mismatched K/V cache shapes or dtypes, ``Hq % Hkv != 0``, a ``D`` that
             differs between ``q`` and the cache, ``block_tables``/``seq_lens``/``cu_q_lens``
             whose batch sizes disagree or that are not int32, a bad
-            ``scale``/``soft_cap``/``sliding_window``, or ``alibi_slopes`` not ``f32[Hq]``.
+            ``scale``/``soft_cap``/``sliding_window``, ``alibi_slopes`` not ``f32[Hq]``, or
+            ``k_scale``/``v_scale`` not scalars or given with a cache that is not FP8.
 
     Source: PagedAttention (Kwon et al., SOSP 2023); online softmax (Milakov & Gimelshein, 2018).
     """
@@ -354,6 +375,7 @@ def ragged_paged_attention(
         seq_lens,
         cu_q_lens,
         alibi_slopes,
+        check_kv_scales(k_cache.dtype, k_scale, v_scale),
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
@@ -374,6 +396,8 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     alibi_slopes: jax.Array | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
 ) -> jax.Array:
     """Plain-JAX ragged causal attention on contiguous K/V, for testing the kernel.
 
@@ -383,6 +407,7 @@ def ragged_paged_attention_reference(
             positions ``>= seq_len`` may hold anything, NaN included.
         seq_lens: ``i32[B]``; cu_q_lens: ``i32[B + 1]``.
         scale, soft_cap, sliding_window, alibi_slopes: as in ``ragged_paged_attention``.
+        k_scale, v_scale: as in ``paged_attention_reference`` (FP8 K/V dequantized first).
 
     Returns:
         ``[T, Hq, D]`` in ``q.dtype``, computed in float32; padding tokens give 0.
@@ -402,8 +427,9 @@ def ragged_paged_attention_reference(
         mask &= key_pos > position[:, None] - sliding_window
 
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    k_tok = k.astype(jnp.float32)[seq]  # [T, S, Hkv, D]
-    v_tok = jnp.where(mask[:, :, None, None], v.astype(jnp.float32)[seq], 0.0)
+    k_tok = dequantize_kv(k, 1.0 if k_scale is None else k_scale)[seq]  # f32[T, S, Hkv, D]
+    v_full = dequantize_kv(v, 1.0 if v_scale is None else v_scale)
+    v_tok = jnp.where(mask[:, :, None, None], v_full[seq], 0.0)
     scores = jnp.einsum("thgd,tshd->thgs", qf, k_tok, precision=lax.Precision.HIGHEST) * scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)

@@ -24,6 +24,8 @@ import logging
 import time
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.scheduler_output import SchedulerOutput
@@ -48,12 +50,14 @@ from jaxpaged.worker.step_timeline import StepTimeline
 from jaxpaged.worker.swap import BlockMover
 from models.attention import kv_cache_head_dim
 from models.attention_backends import resolve_attention_backend
+from models.kv_scales import attach_kv_scales, read_kv_scales
 from models.orbax_checkpoint import is_orbax_checkpoint, load_orbax_model
 from models.quantized_weights import quantized_weight_bytes
 from models.sharded_weights import load_sharded_model
 from models.sharding import kv_cache_sharding, make_mesh
 from models.tp_layout import TPLayout
 from models.weights import load_model, resolve_dtype
+from pallas_kernels.fp8_kv_cache import kv_cache_fp8_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +97,8 @@ class Worker:
         self.hf_config = None
         self.dtype = None
         self.kv_cache_spec: KVCacheSpec | None = None
+        # kv_cache_dtype="fp8": the per-layer (k_scale, v_scale) in use; None for a float cache.
+        self.kv_scales: list[tuple[float, float]] | None = None
         self._model = None
         # Multi-LoRA: adapter slots on the device and the host LRU (None: LoRA off); every
         # runner the worker builds (the profiling one too) steps with its slot weights.
@@ -114,7 +120,8 @@ class Worker:
         Raises:
             ValueError: from ``models.weights.load_model`` (missing files, unknown dtype,
                 unsupported architecture, a missing or misshapen tensor); ``enable_lora`` with
-                a model class that does not support LoRA.
+                a model class that does not support LoRA; incomplete or bad FP8 KV scales in the
+                checkpoint (``models.kv_scales.read_kv_scales``).
         """
         mc = self.config.model_config
         load = (
@@ -139,6 +146,7 @@ class Worker:
             seed=mc.seed,
         )
         self.dtype = resolve_dtype(mc.dtype, self.hf_config)
+        kv_dtype = self._load_kv_cache_dtype()  # FP8: attaches the per-layer scales
         self.kv_cache_spec = KVCacheSpec(
             num_layers=int(self.hf_config.num_hidden_layers),
             # Hkv * r when tensor parallelism repeats KV heads (models.sharding)
@@ -148,12 +156,36 @@ class Worker:
             # Pallas pads a head dim that is not a power of two (Phi-3's 96 -> 128).
             head_dim=kv_cache_head_dim(_head_dim(self.hf_config), self.attention_backend),
             block_size=self.config.cache_config.block_size,
-            dtype=self.dtype,
+            dtype=kv_dtype,
         )
         # The slots are allocated here, before profiling, so they count as weights.
         self.lora_manager = create_lora_manager(
             self.config.lora_config, self._model, self.hf_config, self.dtype, self.mesh
         )
+
+    def _load_kv_cache_dtype(self):
+        """The cache's element dtype: the compute dtype (``kv_cache_dtype="auto"``), or FP8,
+        whose per-layer ``k_scale`` / ``v_scale`` (the checkpoint's, else 1.0) are attached to
+        the model's attention modules here (``models.kv_scales``).
+
+        Raises:
+            ValueError: from ``read_kv_scales`` (a checkpoint with incomplete or bad scales).
+        """
+        mc, cache_dtype = self.config.model_config, self.config.cache_config.cache_dtype
+        if cache_dtype == "auto":
+            return self.dtype
+        num_layers = int(self.hf_config.num_hidden_layers)
+        scales = None if mc.load_format == "dummy" else read_kv_scales(mc.model, num_layers)
+        if scales is None:
+            logger.warning(
+                "kv_cache_dtype=%s without k_scale/v_scale in the checkpoint: using 1.0 (values "
+                "beyond the format's range saturate)", cache_dtype,
+            )  # fmt: skip
+            scales = [(1.0, 1.0)] * num_layers
+        sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        attach_kv_scales(self._model, scales, sharding=sharding)
+        self.kv_scales = scales
+        return kv_cache_fp8_dtype(cache_dtype)
 
     @property
     def vocab_size(self) -> int:
@@ -209,6 +241,7 @@ class Worker:
             tensor_parallel_size=self.tensor_parallel_size,
             gpu_memory_utilization=cc.gpu_memory_utilization,
             attention_backend=self.attention_backend,
+            kv_cache_dtype=str(jnp.dtype(self.kv_cache_spec.dtype)),
         )
 
     def _profile_memory(self) -> MemoryBudget | None:
@@ -258,7 +291,7 @@ class Worker:
         self.compile_seconds = time.perf_counter() - compile_start
         self.reset_kv_caches()
         self.block_mover = BlockMover(spec, self.num_cpu_blocks, cache_sharding=self._kv_sharding)
-        if is_driver():  # the start-up report: KV size (and quantized weights' savings)
+        if is_driver():  # the start-up report: KV size and dtype (and quantized weights' savings)
             logger.info("%s", self.kv_cache_report())
 
     def _make_runner(self, kv_caches: list) -> ModelRunner:
@@ -289,14 +322,15 @@ class Worker:
         self.model_runner.set_kv_caches(caches)
 
     def kv_cache_report(self) -> str:
-        """One line: KV blocks, tokens and GiB, and (after profiling) their share of the memory
-        left after weights and activations (per device)."""
+        """One line: the KV element dtype, blocks, tokens and GiB, and (after profiling) their
+        share of the memory left after weights and activations (per device)."""
         block_size = self.config.cache_config.block_size
         num_blocks = self.num_gpu_blocks
         kv_bytes = num_blocks * self.kv_cache_spec.bytes_per_block // self.tensor_parallel_size
         line = (
             f"KV cache: {kv_bytes / 2**30:.2f} GiB per device, {num_blocks} blocks of "
-            f"{block_size} tokens = {num_blocks * block_size} tokens"
+            f"{block_size} tokens = {num_blocks * block_size} tokens in "
+            f"{jnp.dtype(self.kv_cache_spec.dtype).name}"
         )
         budget = self.memory_budget
         if budget is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -107,6 +108,19 @@ def test_tensor_parallel_engine_matches_golden_and_one_device_logits(tp, golden,
             assert [s.data.shape for s in cache.addressable_shards] == [local] * tp
     _check_stories_param_shardings(_flat(engine.worker.model_runner.model_state), engine.worker.mesh, tp)
     _check_step_updates_cache_shards_in_place(engine.worker.model_runner, num_seqs=len(cases))
+
+
+def test_fp8_kv_cache_under_tensor_parallelism_matches_one_device(golden):
+    """kv_cache_dtype="fp8": the per-layer scales are replicated and reach every shard's
+    attention (shard_over_heads carries them with the metadata); tp=2 equals one device."""
+    prompts = [golden["cases"][1]["prompt_ids"]]
+    one, two = (
+        LLM(dtype="float32", kv_cache_dtype="fp8", tensor_parallel_size=tp, **SMALL_ENGINE)
+        for tp in (1, 2)
+    )
+    assert _greedy(two, prompts, 8) == _greedy(one, prompts, 8)
+    k_cache, _ = two.llm_engine.worker.model_runner.kv_caches[0]
+    assert k_cache.dtype == jnp.float8_e4m3fn and len(k_cache.addressable_shards) == 2
 
 
 def _check_step_updates_cache_shards_in_place(runner, num_seqs):

@@ -30,7 +30,7 @@ from tests.conftest import SMALL_ENGINE
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CONFIGS = REPO / "benchmarks" / "configs"
-NUM_MULTIDEVICE_CHECKS = 13
+NUM_MULTIDEVICE_CHECKS = 14  # multidevice_sharding_checks.py (quantized TP and FP8 KV under tp included)
 
 
 def test_multidevice_checks_pass_on_8_cpu_devices():
