@@ -1,8 +1,10 @@
-"""``pallas_kernels.lora_bgmv`` (interpret mode) against ``models.lora``'s per-token reference
-and its dense path, on fused (qkv-like, 3 parts) slot layouts built by ``jaxpaged.lora.slots``."""
+"""``pallas_kernels.lora_bgmv`` (interpreted; compiled on a GPU) against ``models.lora``'s
+per-token reference and its dense path, on fused (qkv-like, 3 parts) slot layouts built by
+``jaxpaged.lora.slots``."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +21,16 @@ from pallas_kernels.lora_bgmv import BGMVTiling, lora_bgmv
 SPEC = ProjectionSpec(40, (24, 8, 8))
 MAX_RANK = 8
 RANKS = (8, 3, 5)  # one adapter per slot; slot ranks below the max leave zero columns
+# Interpreted everywhere; compiled (Pallas Triton) where a GPU is present.
+INTERPRET = [
+    True,
+    pytest.param(
+        False,
+        marks=pytest.mark.skipif(
+            jax.default_backend() != "gpu", reason="compiled Pallas (Triton) kernels need a GPU"
+        ),
+    ),
+]
 
 
 def _slots(rng):
@@ -55,8 +67,9 @@ def _slots(rng):
         (20, BGMVTiling(16, 16, 16)),
     ],
 )
+@pytest.mark.parametrize("interpret", INTERPRET)
 def test_float32_matches_the_per_token_reference_and_the_dense_path(
-    num_tokens, tiling, monkeypatch
+    num_tokens, tiling, interpret, monkeypatch
 ):
     if tiling is not None:
         monkeypatch.setattr(pallas_kernels.lora_bgmv, "_TILING", tiling)
@@ -66,7 +79,7 @@ def test_float32_matches_the_per_token_reference_and_the_dense_path(
     token_slots = rng.integers(-1, len(RANKS), num_tokens).astype(np.int32)
     token_slots[-1] = -1
     args = (jnp.asarray(x), jnp.asarray(token_slots), jnp.asarray(a), jnp.asarray(b))
-    got = np.asarray(lora_bgmv(*args, max_loras=len(RANKS), interpret=True))
+    got = np.asarray(lora_bgmv(*args, max_loras=len(RANKS), interpret=interpret))
     assert got.shape == (num_tokens, SPEC.out_features) and got.dtype == np.float32
     expected = lora_delta_reference(x, token_slots, a_list, b_list)
     scale = np.abs(expected).max()
@@ -76,7 +89,8 @@ def test_float32_matches_the_per_token_reference_and_the_dense_path(
     assert not got[token_slots == -1].any()
 
 
-def test_bfloat16_within_a_few_ulps_of_the_float32_reference():
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_bfloat16_within_a_few_ulps_of_the_float32_reference(interpret):
     rng = np.random.default_rng(7)
     a_list, b_list, a, b = _slots(rng)
     num_tokens = 20  # every slot and -1 present in the one token tile
@@ -84,7 +98,7 @@ def test_bfloat16_within_a_few_ulps_of_the_float32_reference():
     token_slots = (np.arange(num_tokens) % (len(RANKS) + 1) - 1).astype(np.int32)
     args = [jnp.asarray(v, jnp.bfloat16) for v in (x, a, b)]
     got = lora_bgmv(args[0], jnp.asarray(token_slots), *args[1:], max_loras=len(RANKS),
-                    interpret=True)  # fmt: skip
+                    interpret=interpret)  # fmt: skip
     assert got.dtype == jnp.bfloat16
     # Reference from the bf16-rounded operands, in float32. The kernel rounds x @ A to bf16
     # before the expand (as the dense path does) and its output to bf16: each a relative
