@@ -33,6 +33,15 @@ adapter only writes slot values and never changes a compiled shape. Zero-padded 
 and unused slots contribute exact zeros. The cost grows with ``max_loras * max_lora_rank``,
 not with the batch's adapters (``benchmarks/results/lora/run.sh`` measures the step cost).
 
+A third path, *bgmv*, is one fused Pallas kernel per projection
+(``pallas_kernels.lora_bgmv``: shrink, per-token slot select and expand in one launch, reading
+only the slots the step's tokens use), meant for batch-1 decode, where the dense path's cost is
+its ~8 small dependent kernels per layer rather than bytes. The policy takes it only on a GPU
+and only for steps of at most :data:`LORA_KERNEL_MAX_TOKENS` tokens; 0 by default, because its
+GPU speed is unmeasured (``benchmarks/results/lora/microbench.py`` has its column). Elsewhere it
+runs only when asked for (``path="bgmv"``), in Pallas interpret mode (tests). It is written for
+one device: under tensor parallelism XLA cannot split the kernel and would gather its operands.
+
 Shape letters as in ``pallas_kernels``; ``S`` = ``max_loras``, ``C`` = columns per slot.
 """
 
@@ -45,6 +54,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.lora_bgmv import lora_bgmv
 
 # Fused projection -> the HF module names of its parts, in the fused kernel's part order
 # (``models.merged_linear``). These are the seven target modules LoRA may adapt.
@@ -62,12 +73,21 @@ LORA_PROJECTIONS: dict[str, tuple[str, ...]] = {
 # affects steps compiled after a change.
 LORA_GATHER_MAX_TOKENS = 0
 
-LORA_PATHS = ("dense", "gather")
+# Steps of at most this many tokens take the fused Pallas kernel (``"bgmv"``) when the default
+# backend is a GPU; it is checked before the gather rule. 0: never (the default until
+# ``benchmarks/results/lora/microbench.py``'s ``+bgmv`` column is measured on the H200). Read
+# while tracing, like ``LORA_GATHER_MAX_TOKENS``.
+LORA_KERNEL_MAX_TOKENS = 0
+
+LORA_PATHS = ("dense", "gather", "bgmv")
 
 
 def lora_path(num_tokens: int, max_loras: int) -> str:
-    """The path (``"dense"`` or ``"gather"``) of a step of ``num_tokens`` tokens over
-    ``max_loras`` slots, by the :data:`LORA_GATHER_MAX_TOKENS` policy."""
+    """The path (one of :data:`LORA_PATHS`) of a step of ``num_tokens`` tokens over
+    ``max_loras`` slots: ``"bgmv"`` on a GPU up to :data:`LORA_KERNEL_MAX_TOKENS` tokens, else
+    ``"gather"`` by the :data:`LORA_GATHER_MAX_TOKENS` rule, else ``"dense"``."""
+    if num_tokens <= LORA_KERNEL_MAX_TOKENS and jax.default_backend() == "gpu":
+        return "bgmv"
     if num_tokens <= LORA_GATHER_MAX_TOKENS and num_tokens < max_loras:
         return "gather"
     return "dense"
@@ -169,18 +189,23 @@ def lora_delta(
         token_slots: ``i32[T]``, each in ``[-1, max_loras)``.
         a: ``[in, S * C]``; b: ``[S * C, out]`` (module docstring layout; scale folded into b).
         max_loras: ``S``.
-        path: ``"dense"`` or ``"gather"`` (module docstring; the same sums); None:
-            :func:`lora_path`'s choice for ``T``.
+        path: ``"dense"``, ``"gather"`` or ``"bgmv"`` (module docstring; the same sums);
+            None: :func:`lora_path`'s choice for ``T``. ``"bgmv"`` runs the Pallas kernel,
+            interpreted off a GPU.
 
     Matmuls accumulate in float32; float32 inputs use full float32 precision (no TF32).
 
     Raises:
-        ValueError: ``path`` not one of ``LORA_PATHS``.
+        ValueError: ``path`` not one of ``LORA_PATHS``; on the ``"bgmv"`` path, the kernel's
+            shape checks (``pallas_kernels.lora_bgmv.lora_bgmv``).
     """
     if path is None:
         path = lora_path(x.shape[0], max_loras)
     if path not in LORA_PATHS:
         raise ValueError(f"path must be one of {list(LORA_PATHS)}, got {path!r}")
+    if path == "bgmv":
+        interpret = jax.default_backend() != "gpu"
+        return lora_bgmv(x, token_slots, a, b, max_loras=max_loras, interpret=interpret)
     cols = a.shape[1]
     per_slot = cols // max_loras
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None

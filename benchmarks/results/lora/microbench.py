@@ -1,5 +1,6 @@
-"""LoRA cost in one decoder layer's four projections: base vs +LoRA dense path vs +LoRA gather
-path (``models.lora.lora_delta``), plain JAX, no engine or server.
+"""LoRA cost in one decoder layer's four projections: base vs +LoRA by each path of
+``models.lora.lora_delta`` (dense, gather, and bgmv: the fused Pallas kernel
+``pallas_kernels.lora_bgmv``), no engine or server.
 
 One "layer" is Llama's projection chain without attention and norms' weights: ``x [T, hidden]
 -> qkv_proj`` (its q columns stand in for the attention output) ``-> o_proj -> gate_up_proj ->
@@ -17,8 +18,9 @@ Usage (the default shapes are Llama-3-8B's, bf16)::
     python benchmarks/results/lora/microbench.py            # on the GPU
     python benchmarks/results/lora/microbench.py --small    # tiny shapes, any device (a check)
 
-Before timing, the dense and gather layers' outputs are checked against each other (same sums,
-tolerance of the dtype) so a broken path cannot report a good time.
+Before timing, every path's layer output is checked against the dense path's (same sums,
+tolerance of the dtype) so a broken path cannot report a good time. Off a GPU the bgmv path runs
+the kernel in Pallas interpret mode: its ``--small`` time there means nothing.
 """
 
 from __future__ import annotations
@@ -121,21 +123,26 @@ def time_variant(x, slots, weights, args, shape, path) -> float:
 
 
 def check_paths_agree(x, slots, weights, shape, max_loras: int, dtype) -> None:
-    """One layer through each LoRA path: the same sums up to the dtype's rounding.
+    """One layer through each LoRA path: the same sums as the dense path's up to the dtype's
+    rounding.
 
     Raises:
-        RuntimeError: the paths differ beyond the tolerance (bf16: 2e-2 relative to the
-            output's scale, a few bf16 ulps after four projections; float32: 1e-4).
+        RuntimeError: a path differs from the dense one beyond the tolerance (bf16: 2e-2
+            relative to the output's scale, a few bf16 ulps after four projections; float32:
+            1e-4).
     """
-    outs = [
-        np.asarray(layer(x, slots, weights, shape=shape, max_loras=max_loras, path=p), np.float32)
+    outs = {
+        p: np.asarray(
+            layer(x, slots, weights, shape=shape, max_loras=max_loras, path=p), np.float32
+        )
         for p in LORA_PATHS
-    ]
+    }
     tol = 1e-4 if jnp.dtype(dtype) == jnp.float32 else 2e-2
-    scale = float(np.abs(outs[0]).max())
-    err = float(np.abs(outs[0] - outs[1]).max())
-    if err > tol * scale:
-        raise RuntimeError(f"dense and gather paths differ: {err} > {tol} * {scale}")
+    scale = float(np.abs(outs["dense"]).max())
+    for path, out in outs.items():
+        err = float(np.abs(out - outs["dense"]).max())
+        if err > tol * scale:
+            raise RuntimeError(f"dense and {path} paths differ: {err} > {tol} * {scale}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
