@@ -1,9 +1,10 @@
 """W4A16 matmul: 16-bit (or float32) activations times 4-bit grouped weights, dequantized in-kernel.
 
-Layout of this file: the kernel layout's description, the host-side repacks from the stored
-AWQ GEMM and GPTQ formats, the Pallas kernel body, the public ``w4a16_matmul`` with its argument
-checks and tile choice, and last the plain-JAX ``w4a16_matmul_reference``, which shares no code
-with the kernel.
+Layout of this file: the kernel layout's description, the Pallas kernel body, the public
+``w4a16_matmul`` with its argument checks and tile choice, and last the plain-JAX
+``w4a16_matmul_reference``, which shares no code with the kernel. The host-side repacks from the
+stored AWQ GEMM and GPTQ formats are ``models.quantization.w4a16`` (imports point
+``pallas_kernels`` <- ``models``).
 
 Why a kernel: on the H200, XLA compiles ``models.quantization.awq.awq_linear`` at ``T = 1`` into
 a loop fusion that reads the packed weights at about 223 GB/s, against 2.7 TB/s for the bf16
@@ -34,17 +35,13 @@ a decode step (``T = 1``, a GEMV) is padded to 16 rows: ``x`` is zero-padded to 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-
-from models.quantization.awq import awq_unpack
-from models.quantization.gptq import gptq_unpack
-from models.quantization.packing import dequantize_groups, pack_int32, unpack_int32
 
 PACK = 8  # 4-bit values per int32 word
 MIN_TILE = 16  # Triton's smallest dot dimension
@@ -57,86 +54,6 @@ _BLOCK_K = 64
 _MAX_BLOCK_T = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 3
-
-
-# --- Repacks from the stored formats (host side, once at load) ------------------------------
-
-
-def _to_planes(values: np.ndarray) -> np.ndarray:
-    """``i32[in, out]`` 4-bit values -> the kernel's ``i32[in / 8, out]`` plane-packed words."""
-    in_features, out_features = values.shape
-    planes = values.reshape(PACK, in_features // PACK, out_features)  # [j, r, o] = q[j P + r, o]
-    runs = np.ascontiguousarray(planes.transpose(1, 0, 2)).reshape(in_features, out_features)
-    return pack_int32(runs, 4, axis=0)  # word r takes run r: slot j <- planes[j, r]
-
-
-def _repacked(values, zeros, scales) -> dict[str, np.ndarray]:
-    values = np.asarray(values)
-    if values.shape[0] % PACK:
-        raise ValueError(f"in_features must be a multiple of {PACK}, got {values.shape[0]}")
-    return {
-        "qweight": _to_planes(values),
-        "scales": np.asarray(scales),
-        "zeros": np.asarray(zeros).astype(np.int8),
-    }
-
-
-def repack_awq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray) -> dict[str, np.ndarray]:
-    """AutoAWQ GEMM tensors -> the kernel layout (module docstring).
-
-    Args:
-        qweight: ``i32[in, out / 8]``, AWQ's order along ``out`` (``models.quantization.awq``).
-        qzeros: ``i32[G, out / 8]``, packed the same way.
-        scales: ``[G, out]``, kept as is.
-
-    Returns:
-        ``{"qweight": i32[in / 8, out], "zeros": i8[G, out], "scales": [G, out]}`` (numpy);
-        ``w4a16_matmul(x, **result, group_size=in // G)`` equals ``awq_linear``.
-
-    Raises:
-        ValueError: ``in`` is not a multiple of 8, or a packed tensor is not int32.
-    """
-    values, zeros = awq_unpack(jnp.asarray(qweight), jnp.asarray(qzeros))
-    return _repacked(values, zeros, scales)
-
-
-def repack_gptq(
-    qweight: np.ndarray,
-    qzeros: np.ndarray,
-    scales: np.ndarray,
-    *,
-    bits: int = 4,
-    checkpoint_format: str = "gptq",
-    g_idx: np.ndarray | None = None,
-) -> dict[str, np.ndarray]:
-    """GPTQ tensors (symmetric or not, without act-order) -> the kernel layout.
-
-    Args:
-        qweight: ``i32[in / 8, out]`` (``models.quantization.gptq``).
-        qzeros: ``i32[G, out / 8]``; v1 (``checkpoint_format="gptq"``) stores ``zero - 1``,
-            ``gptq_v2`` stores ``zero``.
-        scales: ``[G, out]``, kept as is.
-        bits: must be 4.
-        checkpoint_format: ``"gptq"`` or ``"gptq_v2"``.
-        g_idx: must be None (``load_gptq_layer`` drops the blocked one).
-
-    Returns:
-        As :func:`repack_awq`; the kernel then equals ``gptq_linear``.
-
-    Raises:
-        ValueError: ``bits`` is not 4, a ``g_idx`` (act-order) is given, or an unknown
-            ``checkpoint_format``.
-    """
-    if bits != 4:
-        raise ValueError(f"w4a16_matmul takes bits=4 only, got bits={bits}")
-    if g_idx is not None:
-        raise ValueError("w4a16_matmul does not take act-order (g_idx) GPTQ layers")
-    if checkpoint_format not in ("gptq", "gptq_v2"):
-        raise ValueError(
-            f"checkpoint_format must be 'gptq' or 'gptq_v2', got {checkpoint_format!r}"
-        )
-    values, zeros = gptq_unpack(jnp.asarray(qweight), jnp.asarray(qzeros), 4, checkpoint_format)
-    return _repacked(values, zeros, scales)
 
 
 # --- The kernel -----------------------------------------------------------------------------
@@ -187,9 +104,7 @@ def _w4a16_matmul(x, qweight, scales, zeros, *, group_size, block_t, block_n, bl
     padded = pl.cdiv(tokens, block_t) * block_t
     if padded != tokens:
         x = jnp.pad(x, ((0, padded - tokens), (0, 0)))
-    kernel = functools.partial(
-        _w4a16_kernel, planes=planes, group_size=group_size, block_k=block_k
-    )
+    kernel = functools.partial(_w4a16_kernel, planes=planes, group_size=group_size, block_k=block_k)
     out = pl.pallas_call(
         kernel,
         grid=(out_features // block_n, padded // block_t),
@@ -237,7 +152,7 @@ def w4a16_matmul(
     Args:
         x: ``[T, in]``, bfloat16, float16 or float32.
         qweight: ``i32[in / 8, out]`` in the kernel's plane layout (module docstring; made by
-            :func:`repack_awq` / :func:`repack_gptq`).
+            ``models.quantization.w4a16.repack_awq`` / ``repack_gptq``).
         scales: ``[G, out]``, float16, bfloat16 or float32, ``G = in / group_size``.
         zeros: ``[G, out]`` integer zero points (``i8`` from the repacks).
         group_size: input rows per scale group (``in`` for one group per column).
@@ -294,7 +209,7 @@ def w4a16_matmul(
         if not block_n:
             raise ValueError(f"out must be a multiple of {MIN_TILE}, got {out_features}")
     if block_k is None:
-        block_k = _largest_tile_dividing(np.gcd(planes, group_size), _BLOCK_K)
+        block_k = _largest_tile_dividing(math.gcd(planes, group_size), _BLOCK_K)
         if not block_k:
             raise ValueError(
                 f"in / 8 = {planes} and group_size = {group_size} must share a power-of-two "
@@ -343,10 +258,12 @@ def w4a16_matmul_reference(
             f"scales must have in / group_size = {x.shape[-1]} / {group_size} rows, got "
             f"{scales.shape[0]}"
         )
-    runs = unpack_int32(qweight, 4, axis=0)  # row r * 8 + j is q[j * P + r]
-    in_features, out_features = runs.shape
-    values = runs.reshape(in_features // PACK, PACK, out_features).transpose(1, 0, 2)
-    values = values.reshape(in_features, out_features)
-    weight = dequantize_groups(values, zeros.astype(jnp.int32), scales, axis=0, dtype=jnp.float32)
+    planes, out_features = qweight.shape
+    shifts = 4 * jnp.arange(PACK, dtype=jnp.int32)[:, None, None]
+    values = (qweight[None] >> shifts) & 0xF  # [j, r, o] = q[j * P + r, o]
+    values = values.reshape(PACK * planes, out_features)
+    group = jnp.arange(PACK * planes) // group_size
+    offsets = values - zeros.astype(jnp.int32)[group]
+    weight = offsets.astype(jnp.float32) * scales.astype(jnp.float32)[group]
     y = jnp.dot(x.astype(jnp.float32), weight, precision=lax.Precision.HIGHEST)
     return y.astype(x.dtype)

@@ -33,8 +33,9 @@ import numpy as np
 
 from models.quantization.awq import awq_linear
 from models.quantization.fp8 import fp8_linear
+from models.quantization.w4a16 import repack_awq
 from models.quantization.w8a8 import FP8_E4M3_MAX, w8a8_linear
-from pallas_kernels.w4a16_matmul import repack_awq, w4a16_matmul
+from pallas_kernels.w4a16_matmul import w4a16_matmul
 
 FULL = dict(hidden=4096, q=4096, kv=1024, inter=14336, layers=8)
 SMALL = dict(hidden=256, q=256, kv=64, inter=512, layers=2)
@@ -44,6 +45,11 @@ GROUP = 128
 def projections(s):
     h = s["hidden"]
     return [(h, s["q"] + 2 * s["kv"]), (s["q"], h), (h, 2 * s["inter"]), (s["inter"], h)]
+
+
+def words(key, shape):
+    """Random int32 words (every bit pattern is eight valid 4-bit values)."""
+    return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint32), jnp.int32)
 
 
 def make_weights(method, shapes, layers, key):
@@ -65,8 +71,6 @@ def make_weights(method, shapes, layers, key):
                 layer.append({"weight": jax.random.randint(k1, (n, k), -127, 128, jnp.int8),
                               "weight_scale": jnp.full((n,), 1e-3, jnp.float32)})  # fmt: skip
             elif method in ("awq", "pallas"):
-                words = lambda key, shape: jax.lax.bitcast_convert_type(
-                    jax.random.bits(key, shape, jnp.uint32), jnp.int32)  # fmt: skip
                 awq = {"qweight": words(k1, (k, n // 8)), "qzeros": words(k2, (g, n // 8)),
                        "scales": jax.random.uniform(k3, (g, n), jnp.bfloat16) * 1e-3}  # fmt: skip
                 if method == "pallas":  # repacked once, at "load", on the host
