@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.w4a16_matmul import w4a16_matmul, w4a16_matmul_reference
+from tests.pallas_kernels.test_paged_attention import has_gpu
 
 
 def random_words(rng, shape):
@@ -79,3 +80,15 @@ def test_bad_arguments_name_the_argument(change, match):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         w4a16_matmul(jnp.zeros((1, 1024), jnp.float32), **args)
+
+
+@pytest.mark.skipif(not has_gpu(), reason="compiled Pallas (Triton) kernels need a GPU")
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_compiled_kernel_matches_reference(tokens):
+    """The Triton-compiled kernel at a Llama-like shape (bf16; f32 checks TF32 is off)."""
+    rng = np.random.default_rng(tokens)
+    w = _kernel_weights(rng, 4096, 1024, 128)
+    for dtype, rtol in ((jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)):
+        x = jnp.asarray(rng.standard_normal((tokens, 4096)), dtype)
+        got = w4a16_matmul(x, **w, group_size=128)
+        assert_close(got, w4a16_matmul_reference(x, **w, group_size=128), rtol)
