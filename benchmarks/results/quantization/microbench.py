@@ -9,7 +9,10 @@ layers in one jitted chain (so weights stream from HBM, not L2), per method and 
 - ``int8``: INT8 W8A8 (``models.quantization.w8a8``);
 - ``awq``: AWQ GEMM 4-bit, group 128, unpacked from int32 words in the jitted step
   (``models.quantization.awq``);
-- ``int4``: the same values stored as ``jnp.int4 [in, out]`` (XLA's native s4 operand).
+- ``int4``: the same values stored as ``jnp.int4 [in, out]`` (XLA's native s4 operand);
+- ``pallas``: the AWQ weights repacked once on the host (``repack_awq``) and applied by the
+  Pallas W4A16 kernel (``pallas_kernels.w4a16_matmul``; interpret mode on CPU, so ``--small``
+  there checks that it runs, not its speed).
 
 Prints a table (µs per layer, ratio to bf16, GB/s of weight bytes) and, for T=1 and T=1024,
 the custom calls and the fusions' result shapes of the compiled module, which says whether the
@@ -30,7 +33,9 @@ import numpy as np
 
 from models.quantization.awq import awq_linear
 from models.quantization.fp8 import fp8_linear
+from models.quantization.w4a16 import repack_awq
 from models.quantization.w8a8 import FP8_E4M3_MAX, w8a8_linear
+from pallas_kernels.w4a16_matmul import w4a16_matmul
 
 FULL = dict(hidden=4096, q=4096, kv=1024, inter=14336, layers=8)
 SMALL = dict(hidden=256, q=256, kv=64, inter=512, layers=2)
@@ -40,6 +45,11 @@ GROUP = 128
 def projections(s):
     h = s["hidden"]
     return [(h, s["q"] + 2 * s["kv"]), (s["q"], h), (h, 2 * s["inter"]), (s["inter"], h)]
+
+
+def words(key, shape):
+    """Random int32 words (every bit pattern is eight valid 4-bit values)."""
+    return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint32), jnp.int32)
 
 
 def make_weights(method, shapes, layers, key):
@@ -60,11 +70,12 @@ def make_weights(method, shapes, layers, key):
             elif method == "int8":
                 layer.append({"weight": jax.random.randint(k1, (n, k), -127, 128, jnp.int8),
                               "weight_scale": jnp.full((n,), 1e-3, jnp.float32)})  # fmt: skip
-            elif method == "awq":
-                words = lambda key, shape: jax.lax.bitcast_convert_type(
-                    jax.random.bits(key, shape, jnp.uint32), jnp.int32)  # fmt: skip
-                layer.append({"qweight": words(k1, (k, n // 8)), "qzeros": words(k2, (g, n // 8)),
-                              "scales": jax.random.uniform(k3, (g, n), jnp.bfloat16) * 1e-3})  # fmt: skip
+            elif method in ("awq", "pallas"):
+                awq = {"qweight": words(k1, (k, n // 8)), "qzeros": words(k2, (g, n // 8)),
+                       "scales": jax.random.uniform(k3, (g, n), jnp.bfloat16) * 1e-3}  # fmt: skip
+                if method == "pallas":  # repacked once, at "load", on the host
+                    awq = jax.tree.map(jnp.asarray, repack_awq(*map(np.asarray, awq.values())))
+                layer.append(awq)
             elif method == "int4":
                 layer.append({"w": jax.random.randint(k1, (k, n), -8, 8, jnp.int8).astype(jnp.int4),
                               "scales": jax.random.uniform(k3, (g, n), jnp.bfloat16) * 1e-3})  # fmt: skip
@@ -81,6 +92,9 @@ def apply(method, x, w):
         return w8a8_linear(x, w["weight"], w["weight_scale"])
     if method == "awq":
         return awq_linear(x, w["qweight"], w["qzeros"], w["scales"])
+    if method == "pallas":
+        return w4a16_matmul(x, w["qweight"], w["scales"], w["zeros"], group_size=GROUP,
+                            interpret=jax.default_backend() == "cpu")  # fmt: skip
     k, n = w["w"].shape
     deq = (w["w"].astype(x.dtype).reshape(k // GROUP, GROUP, n) * w["scales"][:, None, :]).reshape(k, n)
     return jnp.dot(x, deq, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -118,7 +132,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--tokens", default="1,256,1024")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--methods", default="bf16,fp8,int8,awq,int4")
+    parser.add_argument("--methods", default="bf16,fp8,int8,awq,int4,pallas")
     args = parser.parse_args()
     s = SMALL if args.small else FULL
     shapes, layers = projections(s), s["layers"]
