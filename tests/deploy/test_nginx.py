@@ -15,6 +15,7 @@ Start-up on 2 CPU cores dominates: replicas share a JAX persistent compilation c
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -59,8 +60,9 @@ def _free_ports(n: int) -> list[int]:
 async def _stream(
     client: httpx.AsyncClient, url: str, request_id: str, index: int, echo: bool
 ) -> bool:
-    """One streaming completion; True when it ends with ``data: [DONE]`` after MAX_TOKENS text
-    chunks (and, with ``echo``, Nginx sent our X-Request-Id back)."""
+    """One streaming completion; True when it ends with ``data: [DONE]`` after its usage chunk
+    counts MAX_TOKENS completion tokens (and, with ``echo``, Nginx sent our X-Request-Id back).
+    Tokens are counted from usage, not chunks: a stream merges steps its reader fell behind on."""
     body = {
         "model": "stories260k",
         "prompt": PROMPTS[index % len(PROMPTS)],
@@ -68,6 +70,7 @@ async def _stream(
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     try:
         async with client.stream(
@@ -77,13 +80,15 @@ async def _stream(
                 return False
             if echo and response.headers.get("x-request-id") != request_id:
                 return False
-            chunks, done = 0, False
+            tokens, done = 0, False
             async for line in response.aiter_lines():
                 if line == "data: [DONE]":
                     done = True
                 elif line.startswith("data: "):
-                    chunks += 1
-            return done and chunks >= MAX_TOKENS
+                    usage = json.loads(line.removeprefix("data: ")).get("usage")
+                    if usage:
+                        tokens = usage["completion_tokens"]
+            return done and tokens == MAX_TOKENS
     except httpx.HTTPError:
         return False
 

@@ -43,7 +43,8 @@ def test_random_benchmark_counts_every_token_and_prints_vllm_block(bench, server
     assert metrics["completed"] == 8 and metrics["failed"] == 0
     assert metrics["total_input_tokens"] == 64
     assert metrics["total_output_tokens"] == 32
-    assert all(len(itl) == 3 for itl in metrics["itls"])  # 4 tokens: 4 chunks, 3 gaps
+    # 4 tokens: at most 4 chunks, 3 gaps (a stream merges the steps its reader fell behind on)
+    assert all(len(itl) <= 3 for itl in metrics["itls"])
     assert 0 < metrics["median_ttft_ms"] <= metrics["median_e2el_ms"]
     out = capsys.readouterr().out
     for label in (
