@@ -231,7 +231,9 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
     served_model_names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     lora_modules = parse_lora_modules(args.lora_modules)
     # Before the engine core loads the model, not after.
-    check_lora_modules(lora_modules, engine_args.enable_lora, served_model_names)
+    check_lora_modules(
+        lora_modules, engine_args.enable_lora, served_model_names, engine_args.max_lora_rank
+    )
     return dict(
         engine_args=engine_args,
         host=args.host,

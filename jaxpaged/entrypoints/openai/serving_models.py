@@ -65,11 +65,15 @@ def parse_lora_modules(values: Sequence[str] | None) -> list[LoRAModulePath]:
 
 
 def check_lora_modules(
-    modules: Sequence[LoRAModulePath], enable_lora: bool, base_model_names: Sequence[str]
+    modules: Sequence[LoRAModulePath],
+    enable_lora: bool,
+    base_model_names: Sequence[str],
+    max_lora_rank: int | None = None,
 ) -> None:
     """Refuse ``--lora-modules`` without ``--enable-lora``, a name used twice (or a served
-    base model name), or a path that is not an adapter directory; cheap, so ``jaxpaged
-    serve`` runs it before it loads the model.
+    base model name), a path that is not an adapter directory, or (given ``max_lora_rank``)
+    an adapter of a larger rank; cheap, so ``jaxpaged serve`` runs it before it loads the
+    model (the engine checks the tensors themselves when it loads the adapter).
 
     Raises:
         ValueError: any of those, naming it.
@@ -84,11 +88,13 @@ def check_lora_modules(
         return
     # Lazy: jaxpaged.lora.peft pulls in JAX (models.lora), which a server without adapters
     # never imports in the API process.
-    from jaxpaged.lora.peft import read_adapter_config
+    from jaxpaged.lora.peft import adapter_rank, read_adapter_config
 
     for module in modules:
         try:
-            read_adapter_config(module.path)
+            config = read_adapter_config(module.path)
+            if max_lora_rank is not None:
+                adapter_rank(module.path, config, max_lora_rank)
         except ValueError as error:
             raise ValueError(f"--lora-modules {module.name}: {error}") from None
 
