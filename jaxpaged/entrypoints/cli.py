@@ -210,11 +210,11 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
     """``run_server`` keywords from parsed ``serve`` flags (``environ`` supplies the key).
 
     Raises:
-        ValueError: MODEL and --model disagree, or a bad --max-num-queued-requests or
-            --data-parallel-size.
+        ValueError: MODEL and --model disagree, a bad --max-num-queued-requests or
+            --data-parallel-size, or bad --lora-modules (``check_lora_modules``).
     """
     from jaxpaged.config import DEFAULT_MODEL_NAME
-    from jaxpaged.entrypoints.openai.serving_models import parse_lora_modules
+    from jaxpaged.entrypoints.openai.serving_models import check_lora_modules, parse_lora_modules
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(
@@ -227,11 +227,18 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
         )
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    engine_args = engine_args_from(args)
+    served_model_names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    lora_modules = parse_lora_modules(args.lora_modules)
+    # Before the engine core loads the model, not after.
+    check_lora_modules(
+        lora_modules, engine_args.enable_lora, served_model_names, engine_args.max_lora_rank
+    )
     return dict(
-        engine_args=engine_args_from(args),
+        engine_args=engine_args,
         host=args.host,
         port=args.port,
-        served_model_names=args.served_model_name or [args.model or DEFAULT_MODEL_NAME],
+        served_model_names=served_model_names,
         api_key=args.api_key or environ.get("JAXPAGED_API_KEY") or None,
         chat_template=args.chat_template,
         max_num_queued_requests=args.max_num_queued_requests,
@@ -239,7 +246,7 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
         data_parallel_size=args.data_parallel_size,
         dp_routing=args.dp_routing,
         uvicorn_log_level=args.uvicorn_log_level,
-        lora_modules=parse_lora_modules(args.lora_modules),
+        lora_modules=lora_modules,
     )
 
 

@@ -94,6 +94,22 @@ def read_adapter_config(path: str) -> dict:
     return config
 
 
+def adapter_rank(path: str, config: dict, max_lora_rank: int) -> int:
+    """The rank ``r`` of the adapter at ``path`` (its ``read_adapter_config`` dict).
+
+    Raises:
+        ValueError: ``r`` is not a positive int, or is above ``max_lora_rank``.
+    """
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"adapter {path!r}: r must be a positive int, got {rank!r}")
+    if rank > max_lora_rank:
+        raise ValueError(
+            f"adapter {path!r}: LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}"
+        )
+    return rank
+
+
 def load_peft_adapter(
     path: str,
     *,
@@ -125,13 +141,7 @@ def load_peft_adapter(
             raise ValueError(
                 f"adapter {path!r}: {key}={value!r} is not supported (only {default!r})"
             )
-    rank = config.get("r")
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"adapter {path!r}: r must be a positive int, got {rank!r}")
-    if rank > max_lora_rank:
-        raise ValueError(
-            f"adapter {path!r}: LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}"
-        )
+    rank = adapter_rank(path, config, max_lora_rank)
     targets = config.get("target_modules") or []
     if isinstance(targets, (list, tuple)):
         unknown = sorted(set(targets) - set(_ACCEPTED))

@@ -123,3 +123,36 @@ def test_api_server_module_runs_the_serve_command():
     )
     assert result.returncode == 0, result.stderr
     assert "--served-model-name" in result.stdout and "--skip-tokenizer-init" in result.stdout
+
+
+def test_serve_refuses_bad_lora_modules_before_loading_the_model(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 16}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    ok = serve_options(
+        _serve_args("--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"a={adapter}"),
+        environ={},
+    )
+    assert [m.name for m in ok["lora_modules"]] == ["a"]
+    bad = {
+        "rank 16 is greater than max_lora_rank 8": (
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+            "--lora-modules",
+            f"a={adapter}",
+        ),
+        "is not a directory": ("--enable-lora", "--lora-modules", f"a={tmp_path / 'none'}"),
+        "has no adapter_config.json": ("--enable-lora", "--lora-modules", f"a={tmp_path}"),
+        "needs --enable-lora": ("--lora-modules", f"a={adapter}"),
+        "'stories260k' is used twice": (
+            "--enable-lora",
+            "--lora-modules",
+            f"stories260k={adapter}",
+        ),
+        "'a' is used twice": ("--enable-lora", "--lora-modules", f"a={adapter}", f"a={adapter}"),
+    }
+    for message, argv in bad.items():
+        with pytest.raises(ValueError, match=message):
+            serve_options(_serve_args(*argv), environ={})

@@ -64,6 +64,41 @@ def parse_lora_modules(values: Sequence[str] | None) -> list[LoRAModulePath]:
     return modules
 
 
+def check_lora_modules(
+    modules: Sequence[LoRAModulePath],
+    enable_lora: bool,
+    base_model_names: Sequence[str],
+    max_lora_rank: int | None = None,
+) -> None:
+    """Refuse ``--lora-modules`` without ``--enable-lora``, a name used twice (or a served
+    base model name), a path that is not an adapter directory, or (given ``max_lora_rank``)
+    an adapter of a larger rank; cheap, so ``jaxpaged serve`` runs it before it loads the
+    model (the engine checks the tensors themselves when it loads the adapter).
+
+    Raises:
+        ValueError: any of those, naming it.
+    """
+    if modules and not enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    names = [module.name for module in modules]
+    for name in names:
+        if names.count(name) > 1 or name in base_model_names:
+            raise ValueError(f"--lora-modules: the name {name!r} is used twice")
+    if not modules:
+        return
+    # Lazy: jaxpaged.lora.peft pulls in JAX (models.lora), which a server without adapters
+    # never imports in the API process.
+    from jaxpaged.lora.peft import adapter_rank, read_adapter_config
+
+    for module in modules:
+        try:
+            config = read_adapter_config(module.path)
+            if max_lora_rank is not None:
+                adapter_rank(module.path, config, max_lora_rank)
+        except ValueError as error:
+            raise ValueError(f"--lora-modules {module.name}: {error}") from None
+
+
 class LoadLoRAAdapterRequest(BaseModel):
     """Body of ``POST /v1/load_lora_adapter``."""
 
@@ -105,17 +140,12 @@ class OpenAIServingModels:
         return self.engine.info.get("max_loras") is not None
 
     def check_static_loras(self, modules: Sequence[LoRAModulePath]) -> None:
-        """Refuse ``--lora-modules`` without LoRA, or with a name used twice (before serving).
+        """``check_lora_modules`` against this server's engine and names (before serving).
 
         Raises:
-            ValueError: either of those, naming it.
+            ValueError: as ``check_lora_modules``.
         """
-        if modules and not self.lora_enabled:
-            raise ValueError("--lora-modules needs --enable-lora")
-        names = [module.name for module in modules]
-        for name in names:
-            if names.count(name) > 1 or name in self.base_model_names:
-                raise ValueError(f"--lora-modules: the name {name!r} is used twice")
+        check_lora_modules(modules, self.lora_enabled, self.base_model_names)
 
     async def init_static_loras(self, modules: Sequence[LoRAModulePath]) -> None:
         """Load ``--lora-modules`` in the engine core (at start-up, once the client runs).
