@@ -3,10 +3,7 @@ two CPU devices (``multidevice_lora_checks.py``, in a subprocess)."""
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import transformers
@@ -18,26 +15,13 @@ from jaxpaged.lora.slots import adapter_slot_arrays
 from models.lora import LORA_PROJECTIONS, llama_projection_specs
 from models.sharding import tp_model_config
 from models.tp_layout import TPLayout
+from tests.multidevice import run_on_cpu_devices
 
 HERE = pathlib.Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 
 
 def test_tp2_engine_with_mixed_adapters_matches_peft_and_never_compiles_on_swaps():
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=str(REPO),
-        XLA_FLAGS=(
-            os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-        ).strip(),
-    )
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "multidevice_lora_checks.py")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    report = proc.stdout[-4000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, report
+    report = run_on_cpu_devices([str(HERE / "multidevice_lora_checks.py")], 2)
     for line in (
         "tp=2: slot arrays split like their base layers",
         "tp=2: greedy tokens with mixed adapters equal peft's",
@@ -45,7 +29,7 @@ def test_tp2_engine_with_mixed_adapters_matches_peft_and_never_compiles_on_swaps
         "tp=2: loading, swapping and unloading adapters compiled nothing",
         "ALL OK",
     ):
-        assert line in proc.stdout, report
+        assert line in report, report
 
 
 def test_slot_follows_repeated_kv_heads_padded_mlp_and_shard_major_columns():

@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +21,7 @@ from jaxpaged import LLM, SamplingParams
 from models.gpt2 import GPT2LMHeadModel, alibi_slopes
 from models.weights import load_model
 from tests.models.conftest import PagedRunner, hf_logits, relative_diff
+from tests.multidevice import run_on_cpu_devices
 
 HERE = pathlib.Path(__file__).resolve().parent
 # float32 on both sides; the differences are summation order only (measured ~5e-7).
@@ -182,21 +181,10 @@ def test_unsupported_activation_raises_naming_it():
 
 
 def test_tensor_parallel_checks_pass_on_2_cpu_devices():
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=(
-            os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-        ).strip(),
-    )
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               str(HERE / "multidevice_gpt2_checks.py")]  # fmt: skip
-    proc = subprocess.run(command, cwd=HERE.parents[1], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    report = proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, report
-    assert re.search(r"\b3 passed\b", proc.stdout), report
-    assert "skipped" not in proc.stdout, report
+    pytest_args = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    report = run_on_cpu_devices([*pytest_args, str(HERE / "multidevice_gpt2_checks.py")], 2)
+    assert re.search(r"\b3 passed\b", report), report
+    assert "skipped" not in report, report
 
 
 def test_config_json_of_gpt2_and_bloom_gives_layout_and_context_limit(tmp_path):

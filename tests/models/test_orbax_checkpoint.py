@@ -3,36 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from jaxpaged.entrypoints.cli import main as cli_main
 from jaxpaged.entrypoints.convert import convert
 from models.orbax_checkpoint import MARKER, is_orbax_checkpoint, read_metadata
+from tests.multidevice import run_on_cpu_devices
 
 HERE = pathlib.Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 
 
 def test_round_trips_at_tp_1_and_2_on_cpu_devices():
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=str(REPO),
-        XLA_FLAGS=(
-            os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-        ).strip(),
-    )
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "orbax_roundtrip_checks.py")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    report = proc.stdout[-4000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, report
+    report = run_on_cpu_devices([str(HERE / "orbax_roundtrip_checks.py")], 2)
     for line in (
         "tp=1: 32 parameters restored bit for bit",
         "tp=2: 32 parameters restored bit for bit",
@@ -42,7 +26,7 @@ def test_round_trips_at_tp_1_and_2_on_cpu_devices():
         "tp=2 checkpoint at tp=1: refused by name",
         "ALL OK",
     ):
-        assert line in proc.stdout, report
+        assert line in report, report
 
 
 @pytest.mark.parametrize("method", ["awq", "fp8", "gptq"])

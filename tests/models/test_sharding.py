@@ -7,11 +7,8 @@ must be fixed before JAX starts.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -26,30 +23,22 @@ from models.sharding import kv_cache_partition_spec, make_mesh, param_partition_
 from models.tp_layout import TPLayout
 from models.weights import load_config
 from tests.conftest import SMALL_ENGINE
+from tests.multidevice import run_on_cpu_devices
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CONFIGS = REPO / "benchmarks" / "configs"
-NUM_MULTIDEVICE_CHECKS = 14  # multidevice_sharding_checks.py (quantized TP and FP8 KV under tp included)
+# multidevice_sharding_checks.py (quantized TP and FP8 KV under tp included)
+NUM_MULTIDEVICE_CHECKS = 14
 
 
 def test_multidevice_checks_pass_on_8_cpu_devices():
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=(
-            os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-        ).strip(),
-    )
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               str(HERE / "multidevice_sharding_checks.py")]  # fmt: skip
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
-    report = proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, report
+    pytest_args = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    checks = str(HERE / "multidevice_sharding_checks.py")
+    report = run_on_cpu_devices([*pytest_args, checks], 8, timeout=900)
     # Every check ran: none skipped for lack of devices or of torch.
-    assert re.search(rf"\b{NUM_MULTIDEVICE_CHECKS} passed\b", proc.stdout), report
-    assert "skipped" not in proc.stdout, report
+    assert re.search(rf"\b{NUM_MULTIDEVICE_CHECKS} passed\b", report), report
+    assert "skipped" not in report, report
 
 
 # --------------------------------------------------------------------------------- layouts
