@@ -73,6 +73,15 @@ def _hf_greedy(base: str, adapter: str | None) -> list[list[int]]:
     return outputs
 
 
+def _lora_llm(base: str, stories_dir: str) -> LLM:
+    """A float32 LLM of ``base`` with 2 LoRA slots of rank <= 8 (``stories_dir``'s tokenizer:
+    any will do, prompts and outputs are token ids)."""
+    return LLM(
+        model=base, tokenizer=stories_dir, dtype="float32", block_size=8, max_model_len=32,
+        max_num_seqs=8, max_num_batched_tokens=64, enable_lora=True, max_loras=2, max_lora_rank=8,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_mixed_adapters_match_hf_peft(tmp_path, stories_dir, name):
     base = make_hf_checkpoint(str(tmp_path / name), name)
@@ -84,18 +93,7 @@ def test_mixed_adapters_match_hf_peft(tmp_path, stories_dir, name):
     expected = {i: _hf_greedy(base, path) for i, path in enumerate(paths)}
     expected[None] = _hf_greedy(base, None)
     assert expected[0] != expected[None] and expected[1] != expected[None]  # the adapters matter
-    llm = LLM(
-        model=base,
-        tokenizer=stories_dir,  # any tokenizer: prompts and outputs are token ids
-        dtype="float32",
-        block_size=8,
-        max_model_len=32,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        enable_lora=True,
-        max_loras=2,
-        max_lora_rank=8,
-    )
+    llm = _lora_llm(base, stories_dir)
     loras = [LoRARequest(f"{name}-{i}", i + 1, path) for i, path in enumerate(paths)]
     choice = [0, 1, None]  # prompt i runs with adapter choice[i] (None: base)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -166,18 +164,7 @@ def test_phi3_fused_module_adapters_match_hf_peft(tmp_path, stories_dir):
     expected = {i: _hf_greedy(base, path) for i, path in enumerate(paths)}
     expected[None] = _hf_greedy(base, None)
     assert expected[0] != expected[None] and expected[1] != expected[None]
-    llm = LLM(
-        model=base,
-        tokenizer=stories_dir,
-        dtype="float32",
-        block_size=8,
-        max_model_len=32,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        enable_lora=True,
-        max_loras=2,
-        max_lora_rank=8,
-    )
+    llm = _lora_llm(base, stories_dir)
     loras = [LoRARequest(f"phi3-{i}", i + 1, path) for i, path in enumerate(paths)]
     picks = [0, 1, None]
     outputs = llm.generate(

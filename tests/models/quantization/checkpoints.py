@@ -198,6 +198,22 @@ def _np(t) -> np.ndarray:
     return t.numpy()
 
 
+def compressed_tensors_qparams(weight, args):
+    """``(scale, zero_point)`` of a torch ``weight [out, in]`` by compressed-tensors' own
+    ``calculate_qparams`` over the observed min/max of each group, channel or the whole tensor
+    (``args.strategy``), as its min-max observer feeds it."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    if args.strategy == "group":
+        grouped = weight.reshape(weight.shape[0], -1, args.group_size)
+        lo, hi = grouped.amin(-1), grouped.amax(-1)
+    elif args.strategy == "channel":
+        lo, hi = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
+    else:
+        lo, hi = weight.amin().reshape(1), weight.amax().reshape(1)
+    return calculate_qparams(lo, hi, args)
+
+
 def compressed_tensors_quantizer(weights: dict, inputs: dict | None, fmt: str):
     """compressed-tensors' own ``calculate_qparams`` + compressor ``compress`` per layer; the
     reference weight is the same compressor's ``decompress``."""
@@ -212,7 +228,6 @@ def compressed_tensors_quantizer(weights: dict, inputs: dict | None, fmt: str):
         QuantizationConfig,
         QuantizationScheme,
     )
-    from compressed_tensors.quantization.utils import calculate_qparams
 
     args = QuantizationArgs(**weights)
     scheme = QuantizationScheme(
@@ -229,14 +244,7 @@ def compressed_tensors_quantizer(weights: dict, inputs: dict | None, fmt: str):
     def quantize(prefix, input_key, w):
         del prefix, input_key
         weight = torch.from_numpy(w)
-        if args.strategy == "group":
-            grouped = weight.reshape(w.shape[0], -1, args.group_size)
-            lo, hi = grouped.amin(-1), grouped.amax(-1)
-        elif args.strategy == "channel":
-            lo, hi = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
-        else:
-            lo, hi = weight.amin().reshape(1), weight.amax().reshape(1)
-        scale, zero_point = calculate_qparams(lo, hi, args)
+        scale, zero_point = compressed_tensors_qparams(weight, args)
         state = {"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point}
         stored = compressor.compress(state, scheme)
         dequantized = compressor.decompress(stored, scheme)["weight"].float()

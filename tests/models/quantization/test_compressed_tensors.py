@@ -21,7 +21,6 @@ from compressed_tensors.compressors.pack_quantized.base import PackedQuantizatio
 from compressed_tensors.quantization import QuantizationArgs as CTArgs
 from compressed_tensors.quantization import QuantizationConfig as CTConfig
 from compressed_tensors.quantization import QuantizationScheme as CTScheme
-from compressed_tensors.quantization.utils import calculate_qparams
 
 from models.quantization.compressed_tensors import (
     compressed_tensors_linear,
@@ -30,6 +29,7 @@ from models.quantization.compressed_tensors import (
     sort_wna16_act_order,
 )
 from models.quantization.config import CompressedTensorsConfig
+from tests.models.quantization.checkpoints import compressed_tensors_qparams
 
 IN, OUT = 128, 48
 
@@ -60,14 +60,7 @@ def _make(
         weights=args,
         input_activations=None if inputs is None else CTArgs(**inputs),
     )
-    if args.strategy == "group":
-        grouped = weight.reshape(OUT, IN // args.group_size, args.group_size)
-        lo, hi = grouped.amin(-1), grouped.amax(-1)
-    elif args.strategy == "channel":
-        lo, hi = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
-    else:
-        lo, hi = weight.amin().reshape(1), weight.amax().reshape(1)
-    scale, zero_point = calculate_qparams(lo, hi, args)
+    scale, zero_point = compressed_tensors_qparams(weight, args)
     state = {"weight": weight, "weight_scale": scale.to(dtype), "weight_zero_point": zero_point}
     compressor = {
         "pack-quantized": PackedQuantizationCompressor,
