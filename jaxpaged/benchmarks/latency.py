@@ -21,9 +21,7 @@ import time
 import numpy as np
 
 from jaxpaged.benchmarks.dataset import random_requests
-from jaxpaged.benchmarks.throughput import (
-    build_llm,
-)
+from jaxpaged.benchmarks.throughput import parse_and_build
 from jaxpaged.entrypoints.cli import add_engine_args
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -108,12 +106,7 @@ def result_lines(result: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.n != 1:
-        parser.error(f"--n {args.n}: this benchmark supports only n=1")
-    llm = build_llm(args)
-    print(llm.llm_engine.kv_cache_report(), flush=True)
+    args, llm = parse_and_build(build_parser(), argv)
     result = run_latency(
         llm,
         batch_size=args.batch_size,

@@ -64,6 +64,18 @@ def build_llm(args: argparse.Namespace):
     return LLM(**vars(engine_args))
 
 
+def parse_and_build(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """``(args, llm)`` for a benchmark's ``main``: parse ``argv``, refuse ``--n`` other than 1
+    (these benchmarks time one sequence per request), build the ``LLM`` and print its KV-cache
+    report. A bad flag exits through ``parser.error`` (status 2)."""
+    args = parser.parse_args(argv)
+    if args.n != 1:
+        parser.error(f"--n {args.n}: this benchmark supports only n=1")
+    llm = build_llm(args)
+    print(llm.llm_engine.kv_cache_report(), flush=True)
+    return args, llm
+
+
 def run_requests(engine, requests: list[BenchmarkRequest], *, tag: str) -> dict:
     """Queue every request, step the engine until all finish; timing, tokens, fragmentation."""
     from jaxpaged.sampling_params import SamplingParams
@@ -177,13 +189,8 @@ def result_lines(result: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.n != 1:
-        parser.error(f"--n {args.n}: this benchmark supports only n=1")
-    llm = build_llm(args)
+    args, llm = parse_and_build(build_parser(), argv)
     engine = llm.llm_engine
-    print(engine.kv_cache_report(), flush=True)
     print(f"Compiled step buckets in {engine.worker.compile_seconds:.1f} s", flush=True)
     requests = make_requests(
         args.dataset_name,
