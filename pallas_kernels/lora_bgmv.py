@@ -115,7 +115,9 @@ def _lora_bgmv_kernel(
             return h + dot(x, a.astype(dtype))
 
         # A slot nobody in the tile uses: zero shrink steps, and its b rows are never read.
-        num_steps = jnp.where(used, pl.cdiv(in_features, block_k), 0)
+        # int32 on both sides: Triton's scf.for wants bounds of one type (a where of Python
+        # ints lowered to i1 on the H200).
+        num_steps = used.astype(jnp.int32) * jnp.int32(pl.cdiv(in_features, block_k))
         h = lax.fori_loop(0, num_steps, shrink_step, jnp.zeros((block_t, block_c), jnp.float32))
         h = jnp.where(mine[:, None], h, 0.0).astype(dtype)
         b = pltriton.load(b_ref.at[cols, out_cols], mask=(c_ok[:, None] & col_ok) & used, other=0)

@@ -122,7 +122,7 @@ def _ragged_paged_attention_kernel(
     if use_alibi:
         group_slopes = pltriton.load(
             alibi_ref.at[pl.ds(head * group, group_padded)],
-            mask=head_in_group[0, :, 0] < group,
+            mask=lax.broadcasted_iota(jnp.int32, (group_padded,), 0) < group,  # no slices: Triton
             other=0,
         )  # [Gp]
         slopes = jnp.broadcast_to(group_slopes[None, :], (q_tile, group_padded)).reshape(rows, 1)

@@ -54,6 +54,10 @@ _BLOCK_K = 64
 _MAX_BLOCK_T = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 3
+# Shared memory a Triton program may use on the H200 is 232,448 bytes (227 KiB); pipelining keeps
+# one K-step's tiles per stage, so the stage count is cut until they fit, with headroom for the
+# compiler's own buffers (T=1024, bf16, 64/64/64 tiles at 3 stages asked for 240,640 bytes).
+_SHARED_MEMORY_BUDGET = 200 * 1024
 
 
 # --- The kernel -----------------------------------------------------------------------------
@@ -94,6 +98,13 @@ def _w4a16_kernel(
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
+def _num_stages(block_t: int, block_n: int, block_k: int, x_itemsize: int) -> int:
+    """Pipeline stages whose tiles fit ``_SHARED_MEMORY_BUDGET``: one K-step holds eight
+    ``[block_t, block_k]`` slices of ``x`` and one ``i32[block_k, block_n]`` tile of words."""
+    per_stage = 8 * block_t * block_k * x_itemsize + 4 * block_k * block_n
+    return max(1, min(_NUM_STAGES, _SHARED_MEMORY_BUDGET // per_stage))
+
+
 @functools.partial(
     jax.jit, static_argnames=("group_size", "block_t", "block_n", "block_k", "interpret")
 )
@@ -116,7 +127,10 @@ def _w4a16_matmul(x, qweight, scales, zeros, *, group_size, block_t, block_n, bl
         ],
         out_specs=pl.BlockSpec((block_t, block_n), lambda n, t: (t, n)),
         out_shape=jax.ShapeDtypeStruct((padded, out_features), x.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=_NUM_WARPS, num_stages=_NUM_STAGES),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=_NUM_WARPS,
+            num_stages=_num_stages(block_t, block_n, block_k, jnp.dtype(x.dtype).itemsize),
+        ),
         interpret=interpret,
         name="w4a16_matmul",
     )(x, qweight, scales, zeros)
