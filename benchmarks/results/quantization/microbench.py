@@ -7,6 +7,8 @@ layers in one jitted chain (so weights stream from HBM, not L2), per method and 
 - ``bf16``: ``x @ W`` (the floor the others are compared with);
 - ``fp8``: FP8 W8A8, dynamic per-token activation scales (``models.quantization.fp8``);
 - ``int8``: INT8 W8A8 (``models.quantization.w8a8``);
+- ``fp8w`` / ``int8w``: the same FP8 / INT8 weights used weight-only: converted to bf16 inside
+  the dot (XLA may fuse the convert into its GEMM) and scaled after, activations unquantized;
 - ``awq``: AWQ GEMM 4-bit, group 128, unpacked from int32 words in the jitted step
   (``models.quantization.awq``);
 - ``int4``: the same values stored as ``jnp.int4 [in, out]`` (XLA's native s4 operand);
@@ -62,12 +64,12 @@ def make_weights(method, shapes, layers, key):
             g = k // GROUP
             if method == "bf16":
                 layer.append(jax.random.normal(k1, (k, n), jnp.bfloat16) * 0.02)
-            elif method == "fp8":
+            elif method in ("fp8", "fp8w"):
                 w = jax.random.normal(k1, (n, k), jnp.float32) * 0.02
                 scale = jnp.max(jnp.abs(w)) / FP8_E4M3_MAX
                 layer.append({"weight": (w / scale).astype(jnp.float8_e4m3fn),
                               "weight_scale": scale.reshape(1)})  # fmt: skip
-            elif method == "int8":
+            elif method in ("int8", "int8w"):
                 layer.append({"weight": jax.random.randint(k1, (n, k), -127, 128, jnp.int8),
                               "weight_scale": jnp.full((n,), 1e-3, jnp.float32)})  # fmt: skip
             elif method in ("awq", "pallas"):
@@ -88,6 +90,9 @@ def apply(method, x, w):
         return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
     if method == "fp8":
         return fp8_linear(x, w)
+    if method in ("fp8w", "int8w"):
+        y = jnp.dot(x, w["weight"].astype(x.dtype).T, preferred_element_type=jnp.float32)
+        return (y * w["weight_scale"].astype(jnp.float32)).astype(x.dtype)
     if method == "int8":
         return w8a8_linear(x, w["weight"], w["weight_scale"])
     if method == "awq":
