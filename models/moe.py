@@ -8,6 +8,10 @@ expert and ``pallas_kernels.grouped_matmul`` multiplies each expert's contiguous
 that expert's weights: ``"mosaic_gpu"`` (a Hopper grouped GEMM doing the chosen experts' work
 only) when the model runs the Pallas kernels compiled for a GPU in bf16/f16, else ``"xla"``
 (``jax.lax.ragged_dot``: exact everywhere, but XLA expands it densely, ``E`` times the FLOPs).
+At decode sizes (``T * k <= DECODE_MAX_ROWS``) the GPU path is ``"gemv"`` instead
+(``pallas_kernels.expert_gemv``: rows unsorted, each times its own expert, only the chosen
+experts' weights read; the grouped GEMM reads all ``E``). ``experts_backend`` is the one place
+that picks per static row count.
 
 Parameters (HF names in ``models.weights``; Mixtral's checkpoint keeps one tensor per expert):
 
@@ -36,7 +40,22 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from models.sharding import TP_AXIS, tp_size
+from pallas_kernels.expert_gemv import expert_gemv
 from pallas_kernels.grouped_matmul import grouped_matmul
+
+EXPERT_BACKENDS = ("xla", "mosaic_gpu", "gemv")
+# Routed rows (T * k) at or below which the GPU path reads only the chosen experts (Mixtral,
+# k = 2: decode batches up to 32 tokens). Unmeasured: scripts/benchmark_moe.py --sweep times
+# both paths at T = 1, 4, 16, 64 for the crossover.
+DECODE_MAX_ROWS = 64
+
+
+def experts_backend(backend: str, num_rows: int) -> str:
+    """The expert matmuls' backend for ``num_rows = T * k`` routed rows (static at trace time):
+    ``"mosaic_gpu"`` becomes ``"gemv"`` at ``num_rows <= DECODE_MAX_ROWS``; others unchanged."""
+    if backend == "mosaic_gpu" and num_rows <= DECODE_MAX_ROWS:
+        return "gemv"
+    return backend
 
 
 def route(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
@@ -61,6 +80,7 @@ def grouped_swiglu(
     *,
     precision: jax.lax.Precision | None,
     backend: str = "xla",
+    interpret: bool = False,
 ) -> jax.Array:
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` with grouped matmuls.
 
@@ -69,14 +89,28 @@ def grouped_swiglu(
         weights: ``f32[T, k]``; expert_ids: ``i32[T, k]`` in ``[0, E)``.
         gate_up: ``[E, hidden, 2 * I]``, gate columns then up columns (one shard's slice).
         down: ``[E, I, hidden]``.
-        precision: of the matmuls.
-        backend: of ``pallas_kernels.grouped_matmul``.
+        precision: of the matmuls (``"xla"``; the Pallas kernels accumulate in float32).
+        backend: ``"xla"`` / ``"mosaic_gpu"`` (``pallas_kernels.grouped_matmul``, rows sorted
+            by expert) or ``"gemv"`` (``pallas_kernels.expert_gemv``, rows unsorted); what runs,
+            as given (``experts_backend`` chooses).
+        interpret: of ``"gemv"`` (CPU tests).
 
     Returns:
         ``[T, hidden]`` in ``x``'s dtype (a partial sum under tensor parallelism).
     """
     num_tokens, top_k = expert_ids.shape
     num_experts = gate_up.shape[0]
+    if backend == "gemv":
+        flat_experts = expert_ids.reshape(-1)  # [T * k], (token, slot) order
+        rows = jnp.repeat(x, top_k, axis=0)
+        gemv = functools.partial(expert_gemv, interpret=interpret)
+        gate, up = jnp.split(gemv(rows, flat_experts, gate_up), 2, axis=-1)
+        y = gemv(jax.nn.silu(gate) * up, flat_experts, down).reshape(num_tokens, top_k, -1)
+        out = jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights, precision=precision)
+        return out.astype(x.dtype)
+    if backend not in EXPERT_BACKENDS:
+        raise ValueError(f"grouped_swiglu backend must be one of {list(EXPERT_BACKENDS)}, "
+                         f"got {backend!r}")  # fmt: skip
     flat_experts = expert_ids.reshape(-1)  # [T * k], (token, slot) order
     # Stable sort by expert: each expert's rows become one contiguous group, as ragged_dot needs.
     order = jnp.argsort(flat_experts, stable=True)
@@ -130,7 +164,8 @@ class SparseMoeBlock(nnx.Module):
         config: HF config with ``num_local_experts`` (``E``), ``num_experts_per_tok`` (``k``),
             ``hidden_size``, ``intermediate_size`` (``I``, per expert).
         mesh: tensor parallelism (module docstring); None on one device.
-        backend: of ``pallas_kernels.grouped_matmul`` ("xla" or "mosaic_gpu").
+        backend: "xla" or "mosaic_gpu" (``pallas_kernels.grouped_matmul``); "mosaic_gpu"
+            runs as "gemv" at decode sizes (``experts_backend``).
 
     Raises:
         ValueError: ``k`` outside ``[1, E]``.
@@ -178,6 +213,7 @@ class SparseMoeBlock(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weights, expert_ids = route(self.gate(x), self.top_k)
+        backend = experts_backend(self.backend, x.shape[0] * self.top_k)
         gate_up = self.experts.gate_up_proj[...].astype(self.dtype)
         down = self.experts.down_proj[...].astype(self.dtype)
         x = x.astype(self.dtype)
@@ -190,7 +226,7 @@ class SparseMoeBlock(nnx.Module):
                 gate_up,
                 down,
                 precision=self.precision,
-                backend=self.backend,
+                backend=backend,
             )
 
         if self.mesh is None:

@@ -17,20 +17,59 @@ Shape letters: ``M`` rows (``T * k`` routed tokens), ``K`` in, ``N`` out, ``G`` 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 BACKENDS = ("xla", "mosaic_gpu")
-# Mosaic GPU tile sizes: 128 x 128 output tiles (one warpgroup's wgmma accumulator), K in steps
-# of 64 bf16 (128-byte TMA rows), 4 stages in flight; the configuration JAX's own sweep of this
-# kernel favours at K=2048 (scripts/benchmark_moe.py re-measures it on the H200).
-_MOSAIC_TILES = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
-                     grid_block_n=1)  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "precision"))
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """Static tiles of JAX's Mosaic GPU grouped GEMM (``ragged_dot_mgpu.ragged_dot``'s
+    keyword arguments of the same names).
+
+    Attributes:
+        block_m, block_n: output tile (one warpgroup's wgmma accumulator, ``block_m x
+            block_n`` float32). A row tile never spans two groups: a tile that straddles a
+            group boundary is computed once per group, so ``M`` rows cost up to
+            ``cdiv(M, block_m) + G - 1`` row tiles.
+        block_k: K per pipeline step (64 bf16 = one 128-byte TMA row).
+        max_concurrent_steps: pipeline stages in flight (shared memory: ``(block_m +
+            block_n) * block_k * 2`` bytes each, plus the ``block_m x block_n`` output tile).
+        grid_block_n: width, in output tiles, of the strips the persistent grid snakes over.
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    max_concurrent_steps: int = 4
+    grid_block_n: int = 1
+
+
+# 128 x 128 output tiles, K in steps of 64 bf16, 4 stages in flight: the configuration JAX's own
+# sweep of this kernel favours at K=2048; measured on the H200 at Mixtral's shapes at T = 1024
+# as 48.3% of peak for the whole MoE layer (docs/benchmarks.md).
+DEFAULT_TILES = MosaicTiles()
+
+# Per-shape tiles, keyed by what is static at trace time: ``(max_m, k, n, tiles)``; the first
+# entry with ``M <= max_m`` and matching ``k`` and ``n`` (None matches any) wins, else
+# DEFAULT_TILES. ``scripts/benchmark_moe.py --sweep`` prints entries in this form.
+TILE_TABLE: tuple[tuple[int, int | None, int | None, MosaicTiles], ...] = ()
+
+
+def mosaic_tiles(m: int, k: int, n: int) -> MosaicTiles:
+    """The tiles :func:`grouped_matmul` gives the Mosaic GPU kernel for an ``[M, K] x [G, K,
+    N]`` product (module constant ``TILE_TABLE``, else ``DEFAULT_TILES``)."""
+    for max_m, k_key, n_key, tiles in TILE_TABLE:
+        if m <= max_m and k_key in (None, k) and n_key in (None, n):
+            return tiles
+    return DEFAULT_TILES
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "precision", "tiles"))
 def grouped_matmul(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -38,6 +77,7 @@ def grouped_matmul(
     *,
     backend: str = "xla",
     precision: jax.lax.Precision | None = None,
+    tiles: MosaicTiles | None = None,
 ) -> jax.Array:
     """``out[r] = lhs[r] @ rhs[g(r)]`` for rows sorted by group.
 
@@ -47,6 +87,7 @@ def grouped_matmul(
         group_sizes: ``i32[G]``, summing to at most ``M`` (rows past the sum are unspecified).
         backend: "xla" or "mosaic_gpu" (module docstring).
         precision: of the "xla" matmul (``HIGHEST`` for true float32 on GPUs).
+        tiles: of "mosaic_gpu"; None looks them up (:func:`mosaic_tiles`).
 
     Returns:
         ``[M, N]`` in ``lhs``'s dtype.
@@ -69,10 +110,12 @@ def grouped_matmul(
                 f"grouped_matmul mosaic_gpu needs bf16 or f16 operands of one dtype, got "
                 f"{lhs.dtype} and {rhs.dtype}"
             )
-        if k % _MOSAIC_TILES["block_k"] or n % _MOSAIC_TILES["block_n"]:
+        if tiles is None:
+            tiles = mosaic_tiles(lhs.shape[0], k, n)
+        if k % tiles.block_k or n % tiles.block_n:
             raise ValueError(
-                f"grouped_matmul mosaic_gpu needs K % {_MOSAIC_TILES['block_k']} == 0 and "
-                f"N % {_MOSAIC_TILES['block_n']} == 0, got K={k}, N={n}"
+                f"grouped_matmul mosaic_gpu needs K % {tiles.block_k} == 0 and "
+                f"N % {tiles.block_n} == 0, got K={k}, N={n}"
             )
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # GPU-only imports
 
@@ -84,7 +127,7 @@ def grouped_matmul(
         if padded != m:
             lhs = jnp.pad(lhs, ((0, padded - m), (0, 0)))
             sizes = sizes.at[-1].add(padded - m)
-        out = ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, **_MOSAIC_TILES)
+        out = ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, **dataclasses.asdict(tiles))
         return out[:m]
     raise ValueError(f"grouped_matmul backend must be one of {list(BACKENDS)}, got {backend!r}")
 

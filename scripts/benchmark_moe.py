@@ -11,7 +11,30 @@ as two plain GEMMs (``[T * k, hidden] x [hidden, 2I]`` and ``[T * k, I] x [I, hi
 every row went to one expert): what XLA's best GEMM does at that shape. The two backends'
 outputs are compared (max |difference| / max |output|) at every ``T``.
 
-``--smoke`` runs a tiny config on CPU with the ``xla`` backend only (checks the script).
+``--smoke`` runs a tiny config on CPU with the ``xla`` and (interpreted) ``gemv`` backends only
+(checks the script).
+
+``--sweep`` (GPU; ``--smoke --sweep`` runs its code paths on CPU with stand-ins) times the
+grouped GEMM's tiles (``pallas_kernels.grouped_matmul.MosaicTiles``) on the model's two grouped
+matmuls as the model calls them (``[M, hidden] x [E, hidden, 2I]`` and ``[M, I] x [E, I,
+hidden]``, ``transpose_rhs=False``, ``M = T * k`` rows sorted by expert from a random routing),
+all within ``--budget-s`` seconds (compiles included; the stages run in priority order and stop
+launching configs at the deadline):
+
+1. T = 1024: every tile config of the grid that fits in shared memory (``grid_block_n`` 1);
+   a config that fails to compile prints one line and is skipped.
+2. T = 1024: ``grid_block_n`` 2, 4, 8 on the best three of each matmul.
+3. Decode, T = 1, 4, 16, 64: the whole MoE layer through the grouped GEMM against
+   ``"gemv"`` (``pallas_kernels.expert_gemv``, chosen experts' weights only) and a few of its
+   tilings, with the active-weight floor at ``--hbm-tbps``.
+4. The whole layer at T = 1024 with the winners pasted into the tile table, against the
+   default tiles and plain GEMMs.
+5. T = 256 and 4096: the best three of step 1/2 and the default; then the whole layer there.
+
+Every config's output is compared with XLA's ragged dot on the same inputs (max |difference| /
+max |reference|); one above 2e-2 is marked wrong and never wins. The end prints sorted tables
+(% of ``--peak-tflops`` on that matmul's FLOPs, ``2 * M * K * N``), ``TILE_TABLE`` entries to
+paste into ``pallas_kernels/grouped_matmul.py``, and writes everything to ``--output-json``.
 """
 
 from __future__ import annotations
@@ -57,10 +80,28 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256, 1024, 4096])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--peak-tflops", type=float, default=716.0)
-    parser.add_argument("--backends", nargs="+", default=["xla", "mosaic_gpu"])
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        default=["xla", "mosaic_gpu"],
+        help="of models.moe.grouped_swiglu: xla, mosaic_gpu, gemv",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny config on CPU")
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--sweep", action="store_true", help="tile sweep (module docstring)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=125.0,
+        help="--sweep's time budget, compiles included (JAX start-up not)",
+    )
+    parser.add_argument("--hbm-tbps", type=float, default=4.3, help="for the decode floor")
     args = parser.parse_args()
+    if args.sweep:
+        from scripts.moe_sweep import sweep  # noqa: PLC0415 - only the sweep needs it
+
+        sweep(args, _shapes(args))
+        return
     cfg = _shapes(args)
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     num_experts, top_k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
@@ -75,9 +116,8 @@ def main() -> None:
         @jax.jit
         def moe(x, router, gate_up, down):
             weights, ids = route(x @ router, top_k)
-            return grouped_swiglu(
-                x, weights, ids, gate_up, down, precision=precision, backend=backend
-            )
+            return grouped_swiglu(x, weights, ids, gate_up, down, precision=precision,
+                                  backend=backend, interpret=args.smoke)  # fmt: skip
 
         return moe
 
@@ -87,7 +127,7 @@ def main() -> None:
         g, u = jnp.split(h, 2, axis=-1)
         return (jax.nn.silu(g) * u) @ w_down
 
-    backends = ["xla"] if args.smoke else args.backends
+    backends = ["xla", "gemv"] if args.smoke else args.backends
     results = []
     print(f"device: {jax.devices()[0].device_kind}; hidden {hidden}, I {inter}, "
           f"E {num_experts}, k {top_k}, dtype {jnp.dtype(dtype).name}")  # fmt: skip

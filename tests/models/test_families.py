@@ -20,10 +20,11 @@ import jax
 import numpy as np
 import pytest
 
+import models.moe
 from jaxpaged import LLM, SamplingParams
 from models.attention import kv_cache_head_dim
 from models.llama import DecoderOptions
-from models.moe import grouped_swiglu, route
+from models.moe import DECODE_MAX_ROWS, experts_backend, grouped_swiglu, route
 from models.registry import get_model_class, supported_architectures
 from models.weights import fused_checkpoint_views, load_config, load_model
 from tests.models.conftest import (
@@ -100,6 +101,22 @@ def test_logits_match_hf_over_paged_cache(checkpoints, name):
 def test_compiled_pallas_kernels_match_hf_on_gpu(checkpoints, name):
     """On a GPU: Gemma-2's soft cap and windows, Phi-3's padded D in the Triton kernels."""
     _paged_logits_match_hf(checkpoints[name], "pallas")
+
+
+def test_mixtral_logits_through_the_decode_experts_path_match_hf(checkpoints, monkeypatch):
+    """Every MoE layer forced onto ``"gemv"`` (the GPU's decode path, interpreted on CPU):
+    prefill and decode logits still equal HF's."""
+    monkeypatch.setattr(models.moe, "experts_backend", lambda backend, num_rows: "gemv")
+    gemv = models.moe.expert_gemv
+    monkeypatch.setattr(models.moe, "expert_gemv",
+                        lambda *a, **kw: gemv(*a, **{**kw, "interpret": True}))  # fmt: skip
+    _paged_logits_match_hf(checkpoints["mixtral"])
+
+
+def test_experts_backend_reads_only_the_chosen_experts_at_decode_sizes():
+    assert experts_backend("mosaic_gpu", DECODE_MAX_ROWS) == "gemv"
+    assert experts_backend("mosaic_gpu", DECODE_MAX_ROWS + 1) == "mosaic_gpu"
+    assert experts_backend("xla", 2) == "xla"  # CPU and float32: XLA's exact ragged dot
 
 
 def test_pallas_kernels_pad_a_head_dim_that_is_not_a_power_of_two(checkpoints):
@@ -192,9 +209,11 @@ def test_fused_checkpoint_views_split_rows_by_the_configs_sizes():
     )
 
 
-def test_grouped_experts_equal_a_dense_loop_over_experts():
-    """Routing and the ragged-dot grouped matmul against a per-token numpy loop; tokens pile
-    onto a few experts and one expert gets none (empty group)."""
+@pytest.mark.parametrize("backend", ["xla", "gemv"])
+def test_grouped_experts_equal_a_dense_loop_over_experts(backend):
+    """Routing and the expert matmuls (XLA's ragged dot over rows sorted by expert; the decode
+    path's per-row expert GEMV, interpreted) against a per-token numpy loop; tokens pile onto a
+    few experts and one expert gets none (empty group)."""
     rng = np.random.default_rng(0)
     num_tokens, hidden, inter, num_experts, top_k = 9, 8, 6, 5, 2
     x = rng.normal(size=(num_tokens, hidden)).astype(np.float32)
@@ -203,7 +222,8 @@ def test_grouped_experts_equal_a_dense_loop_over_experts():
     gate_up = rng.normal(size=(num_experts, hidden, 2 * inter)).astype(np.float32)
     down = rng.normal(size=(num_experts, inter, hidden)).astype(np.float32)
     weights, ids = route(logits, top_k)
-    out = np.asarray(grouped_swiglu(x, weights, ids, gate_up, down, precision=None))
+    out = np.asarray(grouped_swiglu(x, weights, ids, gate_up, down, precision=None,
+                                    backend=backend, interpret=True))  # fmt: skip
 
     expected = np.zeros_like(x)
     for t in range(num_tokens):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -57,3 +58,17 @@ def test_bad_arguments_raise_naming_them():
         grouped_matmul(lhs16, rhs16, group_sizes, backend="mosaic_gpu")
     with pytest.raises(ValueError, match=r"must be \[M, K\], \[G, K, N\] and \[G\]"):
         grouped_matmul(lhs, rhs[:, :8], group_sizes)
+
+
+def test_tile_table_picks_the_first_matching_entry(monkeypatch):
+    small = gm.MosaicTiles(block_m=64)
+    wide = gm.MosaicTiles(block_n=256, block_m=64)
+    monkeypatch.setattr(gm, "TILE_TABLE", ((512, 4096, None, small), (4096, None, 28672, wide)))
+    assert gm.mosaic_tiles(512, 4096, 28672) == small
+    assert gm.mosaic_tiles(513, 4096, 28672) == wide
+    assert gm.mosaic_tiles(513, 14336, 4096) == gm.DEFAULT_TILES  # no entry matches
+    assert gm.mosaic_tiles(8192, 4096, 28672) == gm.DEFAULT_TILES
+    # The validation names the tiles in use.
+    lhs16, rhs16, sizes = _case(4, 64, 192, [2, 2], jnp.bfloat16)
+    with pytest.raises(ValueError, match="N % 256 == 0, got K=64, N=192"):
+        grouped_matmul(lhs16, rhs16, sizes, backend="mosaic_gpu", tiles=wide)
