@@ -45,9 +45,10 @@ from pallas_kernels.grouped_matmul import grouped_matmul
 
 EXPERT_BACKENDS = ("xla", "mosaic_gpu", "gemv")
 # Routed rows (T * k) at or below which the GPU path reads only the chosen experts (Mixtral,
-# k = 2: decode batches up to 32 tokens). Unmeasured: scripts/benchmark_moe.py --sweep times
-# both paths at T = 1, 4, 16, 64 for the crossover.
-DECODE_MAX_ROWS = 64
+# k = 2: decode batches up to 16 tokens). H200, whole MoE layer, gemv vs grouped GEMM: T=1
+# 0.203 vs 1.463 ms, T=4 0.517 vs 1.453, T=16 0.685 vs 1.251 (benchmarks/results/
+# h200-round7-2026-12-01/call2/moe_sweep.log); larger T was not timed for gemv, so it stops here.
+DECODE_MAX_ROWS = 32
 
 
 def experts_backend(backend: str, num_rows: int) -> str:

@@ -57,7 +57,16 @@ DEFAULT_TILES = MosaicTiles()
 # Per-shape tiles, keyed by what is static at trace time: ``(max_m, k, n, tiles)``; the first
 # entry with ``M <= max_m`` and matching ``k`` and ``n`` (None matches any) wins, else
 # DEFAULT_TILES. ``scripts/benchmark_moe.py --sweep`` prints entries in this form.
-TILE_TABLE: tuple[tuple[int, int | None, int | None, MosaicTiles], ...] = ()
+# Winners of the H200 sweep at Mixtral-8x7B's shapes (benchmarks/results/h200-round7-2026-12-01/
+# call2/moe_sweep.log; % of 716 TFLOP/s): 64-row tiles waste less of the grid on tiles that
+# straddle two experts (the kernel computes such a tile once per expert).
+_WIDE = MosaicTiles(block_m=64, block_n=256, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+TILE_TABLE: tuple[tuple[int, int | None, int | None, MosaicTiles], ...] = (
+    (512, 14336, 4096, _WIDE),  # down, T=256: 32.5% (default 26.7%)
+    (512, 4096, 28672, _WIDE),  # gate_up, T=256: 31.9% (default 27.7%)
+    (2048, 14336, 4096, _WIDE),  # down, T=1024: 67.9%
+    (2048, 4096, 28672, _WIDE),  # gate_up, T=1024: 65.8% (default 60.7%)
+)  # T=4096 (M=8192): the default's 73.6% won
 
 
 def mosaic_tiles(m: int, k: int, n: int) -> MosaicTiles:
