@@ -221,7 +221,8 @@ def place_quantized_layers(
     host: HostLayers,
     sharding_of: Callable[[LayerPath, QuantizedLinear, str, tuple[int, ...]], Any] | None = None,
 ) -> None:
-    """Put each layer's host tensors on the device(s) and attach them to ``model``'s layers.
+    """Put each layer's host tensors on the device(s), in the layout of the layer's linear
+    backend (``method.repack``), and attach them to ``model``'s layers.
 
     ``sharding_of(path, module, tensor name, shape)`` gives each tensor's sharding; None: the
     default device.
@@ -231,7 +232,7 @@ def place_quantized_layers(
         for name, array in host[path].items():
             sharding = None if sharding_of is None else sharding_of(path, module, name, array.shape)
             tensors[name] = jax.device_put(array, sharding)
-        module.set_tensors(tensors)
+        module.set_tensors(module.method.repack(tensors, module.in_features, module.out_features))
 
 
 def quantized_weight_bytes(model: nnx.Module) -> tuple[int, int]:
