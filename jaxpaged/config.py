@@ -15,6 +15,7 @@ from jaxpaged.core.scheduler import PREEMPTION_MODES
 from models.attention_backends import ATTENTION_BACKEND_CHOICES
 from models.dtypes import DTYPE_CHOICES
 from models.hub import resolve_model_path
+from models.linear_backends import LINEAR_BACKEND_CHOICES, with_linear_backend
 from models.quantization import QUANTIZATION_METHODS
 from models.quantization.config import QuantizationConfig, resolve_quantization
 from models.tp_layout import TPLayout
@@ -117,6 +118,11 @@ class EngineArgs:
     attention_backend: str = _arg(
         "auto",
         "reference (plain JAX), pallas (kernels; interpret mode on CPU), or auto (pallas on GPU).",
+    )
+    linear_backend: str = _arg(
+        "auto",
+        "Backend of 4-bit quantized linears (awq, gptq, compressed-tensors W4A16): xla "
+        "(dequantize into XLA's dot), pallas (the W4A16 Pallas kernel; one device), or auto (xla).",
     )
     preemption_mode: str | None = _arg(
         None,
@@ -319,6 +325,11 @@ class EngineConfig:
             args.quantization, hf_config_json.get("quantization_config"), args.load_format
         )
         parallel_config = _parallel_config(args, hf_config_json)
+        _check_choice("linear_backend", args.linear_backend, LINEAR_BACKEND_CHOICES)
+        quant_config = with_linear_backend(
+            quant_config, args.linear_backend,
+            tensor_parallel_size=parallel_config.tensor_parallel_size,
+        )  # fmt: skip
         # GPT-2 names it n_positions; BLOOM (ALiBi) has none: vLLM's default of 2048.
         model_limit = int(
             hf_config_json.get("max_position_embeddings")

@@ -23,15 +23,17 @@ byte per quantized weight.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from models.lora import LORA_PROJECTIONS
 from models.quantization.merge import merge_column_parts
+from models.quantization.stored import TensorSpec
 from models.quantized_linear import QuantizedLinear, QuantizedMergedColumnParallelLinear
 from models.sharding import parallel_style
 
@@ -119,13 +121,16 @@ def read_quantized_layers(
 def dummy_quantized_layers(
     layers: list[tuple[LayerPath, QuantizedLinear]], seed: int, num_shards: int
 ) -> HostLayers:
-    """``load_format="dummy"``: each part's float weight ``[out, in]`` drawn as ``normal * 0.02``
-    (numpy, from ``(seed, layer, part)``; the same for every ``num_shards``) and quantized at
-    once, so host memory holds one float layer at a time.
+    """``load_format="dummy"``: every layer's tensors drawn on the host from ``(seed, layer,
+    part)`` (the same for every ``num_shards``), then checked, fused and sorted as a checkpoint's.
 
-    Raises:
-        ValueError: a method that does not quantize at load (``awq``, ``gptq``,
-            ``compressed-tensors``, pre-quantized ``fp8`` / ``bitsandbytes``).
+    - Methods that quantize at load (online ``fp8``, ``bitsandbytes``): each part's float weight
+      ``[out, in]`` drawn as ``normal * 0.02`` and quantized at once (one float layer at a time).
+    - Pre-quantized methods (``awq``, ``gptq``, ``compressed-tensors``, serialized ``fp8``,
+      pre-quantized ``bitsandbytes``): the stored tensors of ``method.tensor_specs``, of exactly
+      the checkpoint's shapes and dtypes, drawn directly (:func:`dummy_stored_tensors`): random packed
+      int32 words and int8 / FP8 values, small positive scales, blocked ``g_idx``. No float
+      weight is made, so an 8B model draws in seconds.
     """
     return {
         path: _host_layer(path, module, _dummy_weights(module, seed, index), num_shards)
@@ -134,22 +139,81 @@ def dummy_quantized_layers(
 
 
 def _dummy_weights(module: QuantizedLinear, seed: int, index: int):
-    """``tensors_of`` for :func:`_host_layer`: part ``p``'s float weight from ``(seed, index, p)``."""
+    """``tensors_of`` for :func:`_host_layer`: part ``p``'s tensors from ``(seed, index, p)``."""
     part_index = itertools.count()
 
     def tensors_of(prefix: str, suffixes: list[str], size: int) -> dict[str, np.ndarray]:
-        del suffixes
-        if not module.method.quantizes_at_load:
-            raise ValueError(
-                f"load_format='dummy' draws float weights and quantizes them at load, which "
-                f"only quantization 'fp8' and 'bitsandbytes' do on an unquantized checkpoint; "
-                f"got {module.method.method!r} for {prefix}"
-            )
+        del prefix, suffixes
         rng = np.random.default_rng((seed, index, next(part_index)))
-        weight = rng.standard_normal((size, module.in_features), dtype=np.float32)
-        return {"weight": weight * np.float32(_DUMMY_STD)}
+        if module.method.quantizes_at_load:
+            weight = rng.standard_normal((size, module.in_features), dtype=np.float32)
+            return {"weight": weight * np.float32(_DUMMY_STD)}
+        specs = module.method.tensor_specs(module.in_features, size)
+        # llm-compressor saves scales in the model's dtype; AutoAWQ / GPTQ tools in float16.
+        scale_dtype = module.dtype if module.method.method == "compressed-tensors" else None
+        return dummy_stored_tensors(rng, specs, module.in_features, size, scale_dtype)
 
     return tensors_of
+
+
+# Std of the stored values' contribution to a dequantized weight: 4-bit offsets ``q - z`` with
+# random zeros (about 6.5), int8 values (about 74), the FP8 values drawn below (about 0.6). The
+# dummy scales are ``_DUMMY_STD`` over it, so every format dequantizes to weights of about 0.02.
+_VALUE_STD = {"int32": 6.5, "int8": 74.0, "float8_e4m3fn": 0.6}
+_STATIC_INPUT_SCALE = 0.01  # a static activation scale (W8A8 input_scale)
+_ML_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
+
+
+def dummy_stored_tensors(
+    rng: np.random.Generator, specs: Mapping[str, TensorSpec], in_features: int,
+    out_features: int, scale_dtype: Any = None,
+) -> dict[str, np.ndarray]:
+    """One layer part's stored tensors (suffix -> array) for ``specs`` (``method.tensor_specs(
+    in_features, out_features)``), each of its spec's shape and first dtype; optional tensors
+    (GPTQ's ``g_idx`` without ``desc_act``) are left out.
+
+    - packed ``i32`` words and ``i8`` values: uniformly random bits;
+    - FP8 values: random bytes with the top exponent bit cleared (``|v| < 2``, never NaN);
+    - float scales: ``0.02 / value std`` spread by ±50% (``SCB``, an absmax: times 127), in
+      ``scale_dtype`` if given and allowed by the spec;
+    - ``weight_shape``: the unpacked ``(out, in)``; ``g_idx`` / ``weight_g_idx`` (required
+      with act-order): the blocked ``i // group_size``, a valid act-order that sorts to itself.
+    """
+    values = next(s for n, s in specs.items() if n in ("qweight", "weight_packed", "weight"))
+    value_dtype = values.dtypes[0]
+    out = {}
+    for name, spec in specs.items():
+        if spec.optional:
+            continue
+        stored = spec.dtypes[0]
+        if scale_dtype is not None and np.dtype(scale_dtype).name in spec.dtypes:
+            stored = np.dtype(scale_dtype).name
+        dtype = np.dtype(_ML_DTYPES.get(stored, stored))
+        if name == "weight_shape":
+            out[name] = np.asarray([out_features, in_features], dtype=dtype)
+        elif name.endswith("g_idx"):
+            groups = (specs["scales"].shape[0] if "scales" in specs
+                      else specs["weight_scale"].shape[1])  # fmt: skip
+            out[name] = (np.arange(in_features) // (in_features // groups)).astype(dtype)
+        elif str(dtype) in ("int32", "int8"):
+            out[name] = _random_bits(rng, spec.shape, dtype)
+        elif str(dtype) == "float8_e4m3fn":
+            bits = _random_bits(rng, spec.shape, np.dtype(np.uint8)) & np.uint8(0xBF)
+            out[name] = bits.view(dtype)
+        elif name == "input_scale":
+            out[name] = np.full(spec.shape, _STATIC_INPUT_SCALE, dtype=dtype)
+        else:
+            scale = _DUMMY_STD / _VALUE_STD[value_dtype] * (127.0 if name == "SCB" else 1.0)
+            out[name] = (scale * rng.uniform(0.5, 1.5, spec.shape)).astype(dtype)
+    return out
+
+
+def _random_bits(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Uniformly random bits of ``shape`` and ``dtype`` from the bit generator's raw 64-bit
+    words (about 1 GB/s on one core, a few times ``rng.integers``)."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    words = rng.bit_generator.random_raw(-(-nbytes // 8))
+    return words.view(np.uint8)[:nbytes].view(dtype).reshape(shape)
 
 
 def place_quantized_layers(
@@ -157,7 +221,8 @@ def place_quantized_layers(
     host: HostLayers,
     sharding_of: Callable[[LayerPath, QuantizedLinear, str, tuple[int, ...]], Any] | None = None,
 ) -> None:
-    """Put each layer's host tensors on the device(s) and attach them to ``model``'s layers.
+    """Put each layer's host tensors on the device(s), in the layout of the layer's linear
+    backend (``method.repack``), and attach them to ``model``'s layers.
 
     ``sharding_of(path, module, tensor name, shape)`` gives each tensor's sharding; None: the
     default device.
@@ -167,7 +232,7 @@ def place_quantized_layers(
         for name, array in host[path].items():
             sharding = None if sharding_of is None else sharding_of(path, module, name, array.shape)
             tensors[name] = jax.device_put(array, sharding)
-        module.set_tensors(tensors)
+        module.set_tensors(module.method.repack(tensors, module.in_features, module.out_features))
 
 
 def quantized_weight_bytes(model: nnx.Module) -> tuple[int, int]:

@@ -508,7 +508,8 @@ def load_model(
         quant_config: the resolved quantization (``models.quantization.resolve_quantization``);
             None: the checkpoint's own (auto-detected), or none. Quantized layers keep their
             tensors quantized on the device (``models.quantized_weights``); with
-            ``load_format="dummy"`` only ``fp8`` / ``bitsandbytes`` (quantized at load) apply.
+            ``load_format="dummy"`` online methods quantize random float weights and
+            pre-quantized formats get random stored tensors of the checkpoint's shapes.
 
     Returns:
         ``(model, hf_config)``; the model is an ``nnx.Module`` whose parameters are jax arrays

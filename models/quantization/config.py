@@ -99,6 +99,8 @@ class AWQConfig:
     group_size: int  # 32, 64, 128, ... input rows per scale; -1: one group
     zero_point: bool
     modules_to_not_convert: tuple[str, ...] = ()
+    # The backend of its 4-bit layers (models.linear_backends): set by the engine, not stored.
+    linear_backend: str = "xla"
     method = "awq"
 
     @classmethod
@@ -137,6 +139,8 @@ class GPTQConfig:
     desc_act: bool  # act-order: rows belong to groups through g_idx, not in blocks
     sym: bool
     checkpoint_format: str = "gptq"  # "gptq" (v1: qzeros stored minus one) or "gptq_v2"
+    # The backend of its 4-bit layers (models.linear_backends): set by the engine, not stored.
+    linear_backend: str = "xla"
     method = "gptq"
 
     @classmethod
@@ -324,6 +328,8 @@ class CompressedTensorsConfig:
     format: str | None
     # FP8 KV cache with calibrated per-layer k_scale / v_scale stored in the checkpoint.
     kv_cache_scheme: QuantizationArgs | None = None
+    # The backend of its 4-bit layers (models.linear_backends): set by the engine, not stored.
+    linear_backend: str = "xla"
     method = "compressed-tensors"
 
     @classmethod

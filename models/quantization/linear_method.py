@@ -11,6 +11,8 @@ loaders then only call its four members; no method-specific code outside this pa
 - ``sort_act_order(tensors)``: an act-order layer's input rows sorted by group (whole or
   column-parallel layers; others unchanged);
 - ``split_axis(name, parallel, shape)``: the ``tp`` axis of each loaded tensor (or None);
+- ``repack(tensors)``: the placed tensors in the layout of the layer's linear backend
+  (``models.linear_backends``; unchanged on ``xla``);
 - ``apply(x, params)``: ``x [..., in] -> [..., out]`` in ``x.dtype``.
 """
 
@@ -22,7 +24,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from models.quantization import awq, bitsandbytes, compressed_tensors, fp8, gptq
+from models.quantization import awq, bitsandbytes, compressed_tensors, fp8, gptq, w4a16
 from models.quantization.config import (
     AWQConfig,
     BitsAndBytesConfig,
@@ -127,8 +129,44 @@ class LinearMethod:
         )
         return tp_split_axis(self.method, name, parallel, shape, act_order=act_order)
 
+    def repack(
+        self, tensors: Mapping[str, jax.Array], in_features: int, out_features: int
+    ) -> dict[str, jax.Array]:
+        """The layer's placed tensors in its linear backend's layout: on ``linear_backend=
+        "pallas"`` a 4-bit layer the W4A16 kernel tiles (``w4a16.kernel_fits``; AWQ, GPTQ
+        without act-order, compressed-tensors W4A16 without act-order) is repacked on the
+        device to the kernel's ``qweight`` / ``zeros`` / ``scales``; any other layer, and every
+        layer on ``xla``, is returned unchanged. Whole (unsharded) layers only."""
+        c = self.config
+        if getattr(c, "linear_backend", "xla") != "pallas":
+            return dict(tensors)
+        if isinstance(c, AWQConfig):
+            scales = tensors["scales"]
+        elif isinstance(c, GPTQConfig) and c.weight_bits == 4 and "perm" not in tensors:
+            scales = tensors["scales"]
+        elif (self.scheme is not None and self.scheme.kind == "wna16"
+              and self.scheme.weights.num_bits == 4 and "perm" not in tensors):  # fmt: skip
+            scales = tensors["weight_scale"].T
+        else:
+            return dict(tensors)
+        if not w4a16.kernel_fits(in_features, out_features, scales.shape[0]):
+            return dict(tensors)
+        if isinstance(c, AWQConfig):
+            return w4a16.awq_to_kernel(tensors["qweight"], tensors["qzeros"], tensors["scales"])
+        if isinstance(c, GPTQConfig):
+            return w4a16.gptq_to_kernel(
+                tensors["qweight"], tensors["qzeros"], tensors["scales"],
+                checkpoint_format=c.checkpoint_format,
+            )  # fmt: skip
+        return w4a16.wna16_to_kernel(
+            tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_zero_point")
+        )
+
     def apply(self, x: jax.Array, params: Mapping[str, jax.Array]) -> jax.Array:
-        """``x: [..., in]`` -> ``[..., out]`` in ``x.dtype``; ``params`` as :meth:`load` made them."""
+        """``x: [..., in]`` -> ``[..., out]`` in ``x.dtype``; ``params`` as :meth:`load` (then
+        :meth:`repack`) made them."""
+        if w4a16.is_kernel_layout(params):
+            return w4a16.w4a16_linear(x, params)
         c = self.config
         if isinstance(c, AWQConfig):
             return awq.awq_linear(x, params["qweight"], params["qzeros"], params["scales"])

@@ -7,6 +7,7 @@ logits and the output, the reference multiplying each element. Against float32 K
 the cache's rounding, bounded as in docs/quantization.md.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -66,7 +67,13 @@ def check_within_fp8_bound(out, exact, q, k, v, k_deq, v_deq, seq_of_row, lens, 
             assert np.abs(out[row, h] - exact[row, h]).max() <= bound * (1 + 1e-4) + 1e-6
 
 
-def test_decode_kernel_reads_fp8_cache_like_its_reference(dtype=jnp.float8_e4m3fn):
+# Interpreted everywhere; compiled (Pallas Triton) where a GPU is present.
+INTERPRET = [True, pytest.param(False, marks=pytest.mark.skipif(
+    jax.default_backend() != "gpu", reason="compiled Pallas (Triton) kernels need a GPU"))]
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_decode_kernel_reads_fp8_cache_like_its_reference(interpret, dtype=jnp.float8_e4m3fn):
     """e4m3 here; the ragged test runs both formats (the kernels share the FP8 code path)."""
     rng = np.random.default_rng(0)
     seq_lens = [1, BLOCK_SIZE - 1, BLOCK_SIZE + 1, MAX_BLOCKS * BLOCK_SIZE]
@@ -76,7 +83,7 @@ def test_decode_kernel_reads_fp8_cache_like_its_reference(dtype=jnp.float8_e4m3f
     sm = D**-0.5
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     expected = paged_attention_reference(q, k8_c, v8_c, lens, scale=sm, **scales)
-    out = paged_attention(q, k8, v8, tables, lens, scale=sm, interpret=True, **scales)
+    out = paged_attention(q, k8, v8, tables, lens, scale=sm, interpret=interpret, **scales)
     assert_close(out, expected, F32_TOL)
     # The split path (partials scaled by v_scale, then combined) with a soft cap (k_scale
     # inside the tanh) agrees too.
@@ -84,7 +91,7 @@ def test_decode_kernel_reads_fp8_cache_like_its_reference(dtype=jnp.float8_e4m3f
     assert _split_plan(len(seq_lens), HKV, BLOCK_SIZE, MAX_BLOCKS, tiling)[1] > 1
     split = _paged_attention(
         q, k8, v8, tables, lens, None, jnp.stack([k_scale, v_scale]), scale=sm, soft_cap=5.0,
-        sliding_window=None, interpret=True, tiling=tiling,
+        sliding_window=None, interpret=interpret, tiling=tiling,
     )  # fmt: skip
     capped = paged_attention_reference(q, k8_c, v8_c, lens, scale=sm, soft_cap=5.0, **scales)
     assert_close(split, capped, F32_TOL)
@@ -95,8 +102,9 @@ def test_decode_kernel_reads_fp8_cache_like_its_reference(dtype=jnp.float8_e4m3f
     assert np.abs(np.asarray(out) - np.asarray(exact)).max() > 0
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("dtype", FP8_DTYPES)
-def test_ragged_kernel_reads_fp8_cache_like_its_reference(dtype):
+def test_ragged_kernel_reads_fp8_cache_like_its_reference(dtype, interpret):
     rng = np.random.default_rng(1)
     seq_lens, q_lens = mixed_batch(BLOCK_SIZE, MAX_BLOCKS)
     k8, v8, tables, k, v, k8_c, v8_c, k_scale, v_scale = fp8_case(rng, seq_lens, dtype)
@@ -104,7 +112,7 @@ def test_ragged_kernel_reads_fp8_cache_like_its_reference(dtype):
     q = jnp.asarray(rng.standard_normal((num_tokens, HKV * GROUP, D)), jnp.float32)
     lens, cu = jnp.asarray(seq_lens, jnp.int32), jnp.asarray(cu_of(q_lens))
     options = dict(scale=D**-0.5, k_scale=k_scale, v_scale=v_scale)
-    out = ragged_paged_attention(q, k8, v8, tables, lens, cu, interpret=True, **options)
+    out = ragged_paged_attention(q, k8, v8, tables, lens, cu, interpret=interpret, **options)
     assert_close(out, ragged_paged_attention_reference(q, k8_c, v8_c, lens, cu, **options), F32_TOL)
     exact = ragged_paged_attention_reference(q, k, v, lens, cu, scale=D**-0.5)
     k_deq, v_deq = dequantize_kv(k8_c, k_scale), dequantize_kv(v8_c, v_scale)

@@ -55,10 +55,11 @@ _SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj":
                  "up_proj": "gate_up"}  # fmt: skip
 
 
-def tiny_llama(path: str, seed: int = 0) -> str:
-    """A random float32 Llama of :data:`TINY_LLAMA` saved as an HF checkpoint at ``path``
-    (numpy only: linears and embeddings ``normal * 0.1``, norm weights ``1 + normal * 0.1``)."""
-    c = TINY_LLAMA
+def tiny_llama(path: str, seed: int = 0, **overrides) -> str:
+    """A random float32 Llama of :data:`TINY_LLAMA` (``overrides`` replacing its entries) saved
+    as an HF checkpoint at ``path`` (numpy only: linears and embeddings ``normal * 0.1``, norm
+    weights ``1 + normal * 0.1``)."""
+    c = {**TINY_LLAMA, **overrides}
     rng = np.random.default_rng(seed)
     hidden, inter, head_dim = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim

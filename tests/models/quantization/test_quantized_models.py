@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -191,11 +192,48 @@ def test_bad_checkpoints_fail_by_name_before_any_weight_reaches_the_device(
         load_model(bad, dtype="float32")
 
 
-def test_dummy_weights_quantize_only_with_online_methods(tiny_dir):
-    """fp8 / bitsandbytes draw float dummies and quantize them per layer; a tool format refuses."""
+def test_dummy_online_methods_draw_float_weights_and_quantize_them(tiny_dir):
     fp8, _ = load_model(tiny_dir, load_format="dummy", dtype="float32",
                         quant_config=resolve_quantization("fp8", None, "dummy"))  # fmt: skip
     down = fp8.model.layers[1].mlp.down_proj.tensors()
     assert down["weight"].dtype == np.dtype("float8_e4m3fn") and down["weight_scale"].shape == (1,)
-    with pytest.raises(ValueError, match="load_format='dummy' draws float weights"):
-        load_model(str(ckpt.AWQ_DIR), load_format="dummy", dtype="float32")
+
+
+def _checkpoint_of(kind: str, tiny_dir: str, tmp_path) -> str:
+    if kind in ACTIVATION:
+        quantize, config = ckpt.compressed_tensors_quantizer(*ACTIVATION[kind])
+        return ckpt.quantize_checkpoint(
+            tiny_dir, str(tmp_path / "q"), str(tmp_path / "ref"), quantize, config
+        )[0]
+    return _build(kind, tiny_dir, tmp_path)[0]
+
+
+@pytest.mark.parametrize("kind", ["awq", *GPTQ, "ct-w4a16", *ACTIVATION])
+def test_dummy_prequantized_layers_have_the_checkpoints_tensors_and_generate(
+    kind, tiny_dir, tmp_path
+):
+    """A config-only directory of a pre-quantized format: the dummy layers hold exactly the
+    tensors (names, shapes, dtypes) that loading the real checkpoint gives, and the model
+    generates finite logits."""
+    real_dir = _checkpoint_of(kind, tiny_dir, tmp_path)
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((pathlib.Path(real_dir) / "config.json").read_text())
+    real, _ = load_model(real_dir, dtype="float32")
+    dummy = load_model(str(config_only), load_format="dummy", dtype="float32")
+    layers = [(path, layer) for path, layer in nnx.iter_graph(real)
+              if isinstance(layer, QuantizedLinear)]  # fmt: skip
+    assert layers
+    for path, layer in layers:
+        ours = _node(dummy[0], path).tensors()
+        assert {k: (v.shape, v.dtype) for k, v in ours.items()} == {
+            k: (v.shape, v.dtype) for k, v in layer.tensors().items()
+        }, path
+    for seq in _greedy(dummy):
+        assert np.all(np.isfinite(np.stack(seq.logits)))
+
+
+def _node(model, path):
+    for part in path:
+        model = model[int(part)] if str(part).isdigit() else getattr(model, str(part))
+    return model
