@@ -26,11 +26,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import transformers
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
@@ -38,6 +37,9 @@ from models.registry import get_model_class
 from models.sharding import TP_AXIS, param_partition_spec, tp_model_config
 from models.tp_layout import TPLayout
 from models.weights import abstract_model, load_config, resolve_dtype
+
+if TYPE_CHECKING:  # transformers imports PyTorch when installed: only when a config is read
+    import transformers
 
 MARKER = "jaxpaged_checkpoint.json"
 FORMAT = "jaxpaged-orbax"
