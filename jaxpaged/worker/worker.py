@@ -138,12 +138,9 @@ class Worker:
         )
         load = functools.partial(load, quant_config=mc.quant_config)
         if mc.load_format != "dummy" and is_orbax_checkpoint(mc.model):  # `jaxpaged convert`
-            if mc.quant_config is not None:
-                raise ValueError(
-                    f"quantization {mc.quant_config.method!r} is not supported for the orbax "
-                    f"checkpoint {mc.model} (jaxpaged convert saves float weights)"
-                )
-            load = functools.partial(load_orbax_model, mesh=self.mesh)
+            load = functools.partial(
+                load_orbax_model, mesh=self.mesh, quant_config=mc.quant_config
+            )
         self._model, self.hf_config = load(
             mc.model,
             dtype=mc.dtype,
