@@ -160,9 +160,12 @@ class ModelRunner:
             np.zeros(self.seq_buckets[-1], np.int32), self._input_sharding
         )
         self._prev_scheduled: list = []
-        # What steps are lowered against: shapes, dtypes and shardings of the arguments a step
-        # replaces (KV caches and LogitsState are donated), so that a background thread can
-        # lower while steps run (ExecutableTable).
+        # What steps are lowered against: shapes, dtypes and (with a mesh) shardings, never the
+        # arrays. The KV caches and LogitsState are donated by every step, so a background thread
+        # could not lower against them (ExecutableTable); and one-device weights lower to the
+        # same module (the same persistent-cache key) whether their loader committed them to
+        # the device (orbax) or not (safetensors, dummy).
+        self._weight_specs = self._spec(self._weights)
         self._kv_cache_specs = self._spec(kv_caches)
         self._logits_state_spec = self._spec(self.logits_state)
         self._prev_tokens_spec = self._spec(self._prev_tokens)
@@ -300,7 +303,7 @@ class ModelRunner:
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         lora_weights = self._lora_weights()
         return self._jitted_step.lower(
-            self._weights,
+            self._weight_specs,
             self._kv_cache_specs,
             self._logits_state_spec,
             self._prev_tokens_spec,
