@@ -37,6 +37,7 @@ else
   DT=bfloat16
   ENGINE="--dtype $DT --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048"
   T=150
+  mkdir -p $OUT
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $OUT/gpu.txt 2>&1
 fi
 mkdir -p $OUT $WORK
