@@ -16,6 +16,7 @@ from models.attention_backends import ATTENTION_BACKEND_CHOICES
 from models.dtypes import DTYPE_CHOICES
 from models.hub import resolve_model_path
 from models.linear_backends import LINEAR_BACKEND_CHOICES, with_linear_backend
+from models.orbax_metadata import checkpoint_quantization, is_orbax_checkpoint, read_metadata
 from models.quantization import QUANTIZATION_METHODS
 from models.quantization.config import QuantizationConfig, resolve_quantization
 from models.tp_layout import TPLayout
@@ -320,10 +321,16 @@ class EngineConfig:
                 f"kv_cache_memory_bytes must be positive, got {args.kv_cache_memory_bytes}"
             )
 
-        # Quantization: resolved once here (auto-detection, flag/checkpoint mismatch).
-        quant_config = resolve_quantization(
-            args.quantization, hf_config_json.get("quantization_config"), args.load_format
-        )
+        # Quantization: resolved once here (auto-detection, flag/checkpoint mismatch); a
+        # `jaxpaged convert` directory records the quantization its tensors were made with.
+        if args.load_format != "dummy" and is_orbax_checkpoint(model):
+            quant_config = checkpoint_quantization(
+                model, read_metadata(model), hf_config_json, args.quantization
+            )
+        else:
+            quant_config = resolve_quantization(
+                args.quantization, hf_config_json.get("quantization_config"), args.load_format
+            )
         parallel_config = _parallel_config(args, hf_config_json)
         _check_choice("linear_backend", args.linear_backend, LINEAR_BACKEND_CHOICES)
         quant_config = with_linear_backend(

@@ -26,22 +26,36 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import transformers
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
+from models.orbax_metadata import (  # noqa: F401  (re-exported: the format's names)
+    FORMAT,
+    FORMAT_VERSION,
+    MARKER,
+    checkpoint_quantization,
+    is_orbax_checkpoint,
+    read_metadata,
+)
+from models.quantization.config import QuantizationConfig
+from models.quantized_weights import quantized_layers
 from models.registry import get_model_class
-from models.sharding import TP_AXIS, param_partition_spec, tp_model_config
+from models.sharding import (
+    TP_AXIS,
+    param_partition_spec,
+    quantized_partition_spec,
+    tp_model_config,
+)
 from models.tp_layout import TPLayout
 from models.weights import abstract_model, load_config, resolve_dtype
 
-MARKER = "jaxpaged_checkpoint.json"
-FORMAT = "jaxpaged-orbax"
-FORMAT_VERSION = 1
+if TYPE_CHECKING:  # transformers imports PyTorch when installed: only when a config is read
+    import transformers
+
 PARAMS_DIR = "params"
 # HF files copied next to the parameters when present (config.json is rewritten, not copied).
 SERVING_FILES = (
@@ -57,30 +71,6 @@ SERVING_FILES = (
 )
 
 
-def is_orbax_checkpoint(model_dir: str) -> bool:
-    """True if ``model_dir`` was written by ``save_checkpoint`` (it holds ``MARKER``)."""
-    return os.path.isfile(os.path.join(model_dir, MARKER))
-
-
-def read_metadata(model_dir: str) -> dict:
-    """The ``MARKER`` file of a converted directory.
-
-    Raises:
-        ValueError: the file is missing, or of another format or version.
-    """
-    path = os.path.join(model_dir, MARKER)
-    if not os.path.isfile(path):
-        raise ValueError(f"{model_dir} is not a jaxpaged orbax checkpoint (no {MARKER})")
-    with open(path) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{path}: format {meta.get('format')!r} version {meta.get('version')!r} is not "
-            f"{FORMAT!r} version {FORMAT_VERSION}; convert the model again"
-        )
-    return meta
-
-
 def param_key(path: tuple) -> str:
     """The checkpoint key of an NNX state path: its parts joined by ``.``."""
     return ".".join(str(p) for p in path)
@@ -93,6 +83,7 @@ def save_checkpoint(
     *,
     tensor_parallel_size: int,
     quantization: str | None = None,
+    quantization_load_format: str | None = None,
 ) -> dict:
     """Write ``model``'s parameters with orbax plus the serving files of ``hf_dir``.
 
@@ -102,7 +93,11 @@ def save_checkpoint(
         hf_dir: the source HF directory (config and tokenizer files are taken from it).
         out_dir: the new directory; it must not exist yet or be empty.
         tensor_parallel_size: the shard count ``model`` was built for (recorded).
-        quantization: recorded as is (None: unquantized).
+        quantization: the method ``model`` was loaded with (None: unquantized); recorded with
+            ``quantization_load_format`` (the ``load_format`` it was loaded with), from which
+            ``models.orbax_metadata.checkpoint_quantization`` gives the config back. The
+            quantized layers' tensors (``models.quantized_linear``) are written as they are
+            (int8, float8, packed int32 and their scales).
 
     Returns:
         The metadata written to ``MARKER``.
@@ -118,7 +113,10 @@ def save_checkpoint(
     os.makedirs(out_dir, exist_ok=True)
     flat = nnx.to_flat_state(nnx.state(model))
     arrays = {param_key(path): variable.get_value() for path, variable in flat}
-    dtypes = {str(a.dtype) for a in arrays.values()}
+    layers = {".".join(path): list(m.tensor_names) for path, m in quantized_layers(model)}
+    quantized = {f"{layer}.{name}" for layer, names in layers.items() for name in names}
+    # The float parameters' dtype (the quantized tensors keep their own).
+    dtypes = {str(a.dtype) for k, a in arrays.items() if k not in quantized}
     import orbax.checkpoint as ocp  # 0.6 s to import: only when a checkpoint is written
 
     checkpointer = ocp.StandardCheckpointer()
@@ -143,6 +141,8 @@ def save_checkpoint(
         tensor_parallel_size=tensor_parallel_size,
         dtype=dtype,
         quantization=quantization,
+        quantization_load_format=quantization_load_format,
+        quantized_layers=layers,
         architectures=config_json.get("architectures"),
         params={k: [list(a.shape), str(a.dtype)] for k, a in arrays.items()},
     )
@@ -160,6 +160,7 @@ def load_orbax_model(
     attention_backend: str = "reference",
     interpret: bool = False,
     seed: int = 0,
+    quant_config: QuantizationConfig | None = None,
 ) -> tuple[nnx.Module, transformers.PretrainedConfig]:
     """``models.weights.load_model`` / ``load_sharded_model`` for a converted directory.
 
@@ -170,13 +171,18 @@ def load_orbax_model(
         dtype, attention_backend, interpret, seed: as ``load_model``; a dtype other than the
             checkpoint's is cast by orbax while reading.
         load_format: "auto" (the only format of a converted directory).
+        quant_config: the quantization the directory was converted with (the engine resolves it
+            in ``jaxpaged.config``); None: read it from the directory
+            (``models.orbax_metadata.checkpoint_quantization``). Quantized tensors restore in
+            their stored dtypes, split as ``models.sharding.quantized_partition_spec`` says.
 
     Returns:
         ``(model, hf_config)`` with every parameter on the devices, sharded as the engine runs it.
 
     Raises:
         ValueError: not a converted directory, a different shard count, or a parameter the
-            checkpoint lacks, holds with another shape, or holds beyond the model's (named).
+            checkpoint lacks, holds with another shape, or holds beyond the model's (named);
+            a ``quant_config`` of another method than the recorded one.
     """
     if load_format != "auto":
         raise ValueError(
@@ -191,6 +197,16 @@ def load_orbax_model(
             f"with --tensor-parallel-size {tp}"
         )
     hf_config = load_config(model_dir)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config_json = json.load(f)
+    recorded = checkpoint_quantization(model_dir, meta, config_json)
+    if quant_config is None:
+        quant_config = recorded
+    elif recorded is None or quant_config.method != recorded.method:
+        raise ValueError(
+            f"quantization={quant_config.method!r} does not match the orbax checkpoint "
+            f"{model_dir}, converted with quantization={meta.get('quantization')!r}"
+        )
     model_class = get_model_class(hf_config)
     resolved = resolve_dtype(dtype, hf_config)
     physical_config = hf_config
@@ -205,7 +221,9 @@ def load_orbax_model(
         interpret=interpret,
         seed=seed,
         mesh=mesh,
+        quant_config=quant_config,
     )
+    quantized = _quantized_targets(abstract, meta, model_dir, mesh)
     graphdef, abstract_state = nnx.split(abstract)
     flat_state = nnx.to_flat_state(abstract_state)
     target = {}
@@ -223,6 +241,8 @@ def load_orbax_model(
             else NamedSharding(mesh, param_partition_spec(path, layout))
         )
         target[key] = jax.ShapeDtypeStruct(shape, jnp.dtype(resolved), sharding=sharding)
+    for tensors in quantized.values():
+        target.update(dict(tensors.values()))
     extra = sorted(set(meta["params"]) - set(target))
     if extra:
         raise ValueError(
@@ -235,4 +255,44 @@ def load_orbax_model(
     restored = checkpointer.restore(os.path.join(os.path.abspath(model_dir), PARAMS_DIR), target)
     checkpointer.close()
     filled = [(path, variable.replace(restored[param_key(path)])) for path, variable in flat_state]
-    return nnx.merge(graphdef, nnx.from_flat_state(filled)), hf_config
+    model = nnx.merge(graphdef, nnx.from_flat_state(filled))
+    for path, module in quantized_layers(model):  # in the order the loader attached them
+        module.set_tensors({name: restored[key] for name, (key, _) in quantized[path].items()})
+    return model, hf_config
+
+
+def _quantized_targets(
+    abstract: nnx.Module, meta: dict, model_dir: str, mesh: Mesh | None
+) -> dict[tuple[str, ...], dict[str, jax.ShapeDtypeStruct]]:
+    """``{layer path: {tensor name: (checkpoint key, target)}}`` for every quantized layer of
+    ``abstract``, in the recorded order; a target has the stored shape and dtype on the
+    tensor's sharding (``quantized_partition_spec``).
+
+    Raises:
+        ValueError: a quantized layer the checkpoint has no tensors for (named).
+    """
+    recorded = meta.get("quantized_layers") or {}
+    out = {}
+    for path, module in quantized_layers(abstract):
+        layer = ".".join(path)
+        names = recorded.get(layer)
+        if not names:
+            raise ValueError(
+                f"quantized layer {layer} has no tensors in the checkpoint {model_dir} "
+                f"(converted with quantization={meta.get('quantization')!r})"
+            )
+        tensors = {}
+        for name in names:
+            key = f"{layer}.{name}"
+            shape, dtype = meta["params"][key]
+            sharding = (
+                SingleDeviceSharding(jax.local_devices()[0])
+                if mesh is None
+                else NamedSharding(
+                    mesh, quantized_partition_spec(path[-1], module.method, name, tuple(shape))
+                )
+            )
+            target = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
+            tensors[name] = (key, target)
+        out[path] = tensors
+    return out

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import functools
 from contextlib import ExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import transformers
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
@@ -66,6 +65,9 @@ from models.weights import (
     open_reader,
     resolve_dtype,
 )
+
+if TYPE_CHECKING:  # transformers imports PyTorch when installed: only when a config is read
+    import transformers
 
 # An axis map: ("repeat", heads, replicas, head_dim), ("pad", checkpoint_size) or
 # ("fused", num_shards, ((part_size, part_map), ...)); None: identity.

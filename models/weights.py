@@ -19,13 +19,12 @@ import itertools
 import json
 import os
 from contextlib import ExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import safetensors
-import transformers
 from flax import nnx
 
 from models.dtypes import DTYPES as _DTYPES
@@ -38,6 +37,9 @@ from models.quantized_weights import (
     read_quantized_layers,
 )
 from models.registry import checkpoint_view, get_model_class
+
+if TYPE_CHECKING:  # transformers imports PyTorch when installed: only when a config is read
+    import transformers
 
 # bitsandbytes: the safetensors read with quantization="bitsandbytes" (8-bit at load).
 _LOAD_FORMATS = ("auto", "safetensors", "dummy", "bitsandbytes")
@@ -416,6 +418,8 @@ def load_config(model_dir: str) -> transformers.PretrainedConfig:
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"model directory {model_dir} has no config.json ({config_path})")
+    import transformers  # seconds (it imports PyTorch when installed): only when needed
+
     return transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
 
 

@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     llm = LLM(**vars(engine_args))
     engine = llm.llm_engine
+    engine.wait_for_executables()  # a warm start loads buckets in the background
     print(f"engine ready in {time.perf_counter() - start:.1f} s", flush=True)
     vocab = engine.vocab_size
     requests = make_requests(

@@ -120,6 +120,7 @@ def main(argv=None) -> None:
     rng = random.Random(args.seed)
     engine_args = engine_args_from(args)
     llm = LLM(**dataclasses.asdict(engine_args))
+    llm.llm_engine.wait_for_executables()  # a warm start loads buckets in the background
     tokenizer = llm.get_tokenizer()
     length_range = tuple(int(x) for x in args.input_length_range.split(":"))
     if args.dataset_path is not None:

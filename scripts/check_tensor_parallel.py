@@ -84,6 +84,7 @@ def run_qwen72b(args) -> None:
         async_scheduling=args.async_scheduling,
     )  # fmt: skip
     engine = llm.llm_engine
+    engine.wait_for_executables()  # a warm start loads buckets in the background
     spec = engine.worker.kv_cache_spec
     kv_bytes = engine.num_blocks * spec.bytes_per_block
     stats = jax.local_devices()[0].memory_stats() or {}

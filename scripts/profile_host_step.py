@@ -108,6 +108,7 @@ def main(argv=None) -> None:
         ),
         show_progress=False,
     )
+    engine.wait_for_executables()  # a warm start loads buckets in the background
     rng = np.random.default_rng(args.seed)
     params = SamplingParams(
         temperature=1.0,

@@ -62,3 +62,19 @@ def test_only_the_cli_reads_the_environment():
         if "os.environ" in path.read_text() or "os.getenv" in path.read_text()
     ]
     assert set(readers) <= {"jaxpaged/entrypoints/cli.py"}, readers
+
+
+def test_importing_the_offline_api_imports_neither_transformers_nor_torch():
+    # transformers imports PyTorch when it is installed: seconds of every restart (issue 18).
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from jaxpaged import LLM, SamplingParams, EngineArgs; "
+        "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

@@ -61,7 +61,9 @@ def build_llm(args: argparse.Namespace):
     set_jax_memory_fraction(engine_args.gpu_memory_utilization)
     from jaxpaged.entrypoints.llm import LLM
 
-    return LLM(**vars(engine_args))
+    llm = LLM(**vars(engine_args))
+    llm.llm_engine.wait_for_executables()  # a warm start loads buckets in the background
+    return llm
 
 
 def parse_and_build(parser: argparse.ArgumentParser, argv: list[str] | None):

@@ -13,8 +13,6 @@ import time
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 
-from transformers import AutoTokenizer
-
 from jaxpaged.beam_search import BeamSearchParams
 from jaxpaged.config import EngineArgs, EngineConfig
 from jaxpaged.core.kv_cache_manager import KVCacheManager
@@ -24,6 +22,7 @@ from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.core.step_history import StepHistory
 from jaxpaged.engine.async_scheduling import InFlightStep, commit_with_placeholders, resolve
 from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.engine.startup import StartupTimer, prefetch_transformers
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sample.logprobs import ModelRunnerOutput
@@ -31,6 +30,7 @@ from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_f
 from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from jaxpaged.worker.model_runner import PendingStep
 from jaxpaged.worker.worker import Worker
+from models.weights import load_config
 
 logger = logging.getLogger(__name__)
 
@@ -48,16 +48,37 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, show_progress: bool = True):
         self.config = config
         mc, cc = config.model_config, config.cache_config
-        # skip_tokenizer_init (vLLM's name): prompts are token ids and outputs carry empty text,
-        # so a config-only directory with dummy weights is enough (benchmarks).
-        self.tokenizer = (
-            None if mc.skip_tokenizer_init else AutoTokenizer.from_pretrained(mc.tokenizer)
-        )
+        # Seconds per start-up phase, logged as one line at the end (engine/startup.py).
+        self.startup = StartupTimer()
+        # transformers (seconds: it imports PyTorch when installed) while the backend starts.
+        importing = prefetch_transformers()
         # The worker owns the device: weights, memory profiling, KV cache, compiled buckets.
-        self.worker = Worker(config, show_progress=show_progress)
-        self.worker.load_model()
-        self.num_blocks = self.worker.determine_num_blocks()
+        with self.startup.phase("backend"):
+            self.worker = Worker(config, show_progress=show_progress)
+        with self.startup.phase("config/tokenizer"):
+            if importing is not None:
+                importing.join()
+            load_config(mc.model)  # reports a bad directory before the weights
+            # skip_tokenizer_init (vLLM's name): prompts are token ids and outputs carry empty
+            # text, so a config-only directory with dummy weights is enough (benchmarks).
+            self.tokenizer = None
+            if not mc.skip_tokenizer_init:
+                from transformers import AutoTokenizer
+
+                self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
+        with self.startup.phase("weights"):
+            self.worker.load_model()
+        with self.startup.phase("memory profiling"):
+            self.num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_cache(self.num_blocks)
+        w = self.worker
+        self.startup.add(
+            "executables",
+            w.compile_seconds,
+            f"{w.executables_loaded} loaded, {w.executables_compiled} compiled, "
+            f"{w.executables_deferred} loading in the background",
+        )
+        self.startup.add("KV allocation", w.kv_allocation_seconds)
         self.vocab_size = self.worker.vocab_size
         self.eos_token_id = _first_eos(self.worker.hf_config, self.tokenizer)
         # Multi-LoRA (None: off): the worker's, which its model runner steps with.
@@ -83,6 +104,12 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self.async_scheduling = config.async_scheduling
         self._seed_counter = itertools.count()
+        self.startup.log()
+
+    def wait_for_executables(self) -> None:
+        """Return once every step bucket is compiled or loaded (a warm start loads most on a
+        background thread while serving; benchmarks call this before they time anything)."""
+        self.worker.wait_for_executables()
 
     def kv_cache_report(self) -> str:
         """One line on the KV cache's size and memory share (``Worker.kv_cache_report``)."""

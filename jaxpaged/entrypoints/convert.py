@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 
-# Quantization methods ``convert`` can write; quantized linears are not built yet (issue 14).
-SUPPORTED_QUANTIZATION = ("none",)
+# Methods that quantize an unquantized checkpoint while loading it (``--quantization``); a
+# checkpoint quantized by its tool (AWQ, GPTQ, compressed-tensors, FP8, bitsandbytes) keeps its
+# own method, detected from its config.json.
+ONLINE_QUANTIZATION = ("fp8", "bitsandbytes")
 
 
 def convert(
@@ -35,43 +38,69 @@ def convert(
         dtype: "auto" (the checkpoint's), "float32", "bfloat16", "float16".
         tensor_parallel_size: shards to lay the parameters out for, >= 1; needs that many
             devices here, and the output restores only at this size.
-        quantization: None or "none"; any other method is refused by name.
-        load_format: "auto"/"safetensors", or "dummy" (random weights of the real shapes).
+        quantization: None (the checkpoint's own quantization_config, if any, else float),
+            "none" (float; refused for a quantized checkpoint) or an online method,
+            ``ONLINE_QUANTIZATION``: the engine's own quantized tensors are written, exactly
+            as ``LLM(model, quantization=...)`` would run them.
+        load_format: "auto"/"safetensors", "bitsandbytes" (what ``auto`` means with
+            ``quantization="bitsandbytes"``), or "dummy" (random weights of the real shapes).
         seed: seed of dummy weights.
 
     Returns:
         The metadata written next to the parameters.
 
     Raises:
-        ValueError: an unsupported quantization, a bad directory, dtype or shard count.
+        ValueError: an unsupported quantization or one that does not go with the checkpoint
+            or ``load_format`` (named), a bad directory, dtype or shard count.
     """
-    if quantization not in (None, *SUPPORTED_QUANTIZATION):
+    if quantization not in (None, "none", *ONLINE_QUANTIZATION):
         raise ValueError(
-            f"quantization must be one of {list(SUPPORTED_QUANTIZATION)} for jaxpaged convert, "
-            f"got {quantization!r} (quantized checkpoints are not supported yet)"
+            f"quantization must be one of {['none', *ONLINE_QUANTIZATION]} for jaxpaged convert "
+            f"(a checkpoint quantized by its tool keeps its method: leave it unset), got "
+            f"{quantization!r}"
         )
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"output path {out} exists and is not a directory")
     if os.path.isdir(out) and os.listdir(out):  # before loading anything big
         raise ValueError(f"output directory {out} exists and is not empty")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
+    config_path = os.path.join(model, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"model directory {model} has no config.json ({config_path})")
+    with open(config_path) as f:
+        stored = json.load(f).get("quantization_config")
+    from models.quantization.config import resolve_quantization
+
+    if quantization == "none":
+        if stored is not None:
+            raise ValueError(
+                f"quantization='none' cannot convert {model}: its config.json has "
+                f"quantization_config (quant_method {stored.get('quant_method')!r}), which is "
+                "kept as stored; leave quantization unset"
+            )
+        quantization = None
+    if quantization == "bitsandbytes" and load_format == "auto":
+        load_format = "bitsandbytes"  # the engine's pairing (models.quantization.config)
+    quant_config = resolve_quantization(quantization, stored, load_format)
     from models.orbax_checkpoint import save_checkpoint
     from models.sharded_weights import load_sharded_model
     from models.sharding import make_mesh
-    from models.weights import load_config, load_model
+    from models.weights import load_model
 
-    if getattr(load_config(model), "quantization_config", None) is not None:
-        raise ValueError(
-            f"{model} is a quantized checkpoint (config.json has quantization_config); jaxpaged "
-            "convert writes float checkpoints only: serve it directly with --quantization"
-        )
-    if tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
     load = load_model
     if tensor_parallel_size > 1:
         load = functools.partial(load_sharded_model, mesh=make_mesh(tensor_parallel_size))
-    loaded, _ = load(model, dtype=dtype, load_format=load_format, seed=seed)
+    loaded, _ = load(
+        model, dtype=dtype, load_format=load_format, seed=seed, quant_config=quant_config
+    )
     return save_checkpoint(
-        loaded, model, out, tensor_parallel_size=tensor_parallel_size, quantization=None
+        loaded,
+        model,
+        out,
+        tensor_parallel_size=tensor_parallel_size,
+        quantization=None if quant_config is None else quant_config.method,
+        quantization_load_format=None if quant_config is None else load_format,
     )
 
 
@@ -97,13 +126,16 @@ def add_convert_parser(sub) -> None:
     parser.add_argument(
         "--quantization",
         default=None,
-        help="quantization method; only none for now (default: none)",
+        help="online quantization written as the engine runs it: fp8 or bitsandbytes (8-bit); "
+        "none: float. Default: the checkpoint's own quantization_config if it has one (kept), "
+        "else float",
     )
     parser.add_argument(
         "--load-format",
         default="auto",
-        choices=["auto", "safetensors", "dummy"],
-        help="auto/safetensors: read MODEL's weights; dummy: random weights (default: auto)",
+        choices=["auto", "safetensors", "bitsandbytes", "dummy"],
+        help="auto/safetensors: read MODEL's weights (bitsandbytes: the same, paired with "
+        "--quantization bitsandbytes, which auto implies); dummy: random weights (default: auto)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of dummy weights (default: 0)")
 
@@ -120,8 +152,9 @@ def run_convert(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     print(
-        f"wrote {len(meta['params'])} parameters ({meta['dtype']}, tensor_parallel_size="
-        f"{meta['tensor_parallel_size']}) to {args.out}",
+        f"wrote {len(meta['params'])} parameters ({meta['dtype']}, quantization "
+        f"{meta['quantization']}, tensor_parallel_size={meta['tensor_parallel_size']}) to "
+        f"{args.out}",
         flush=True,
     )
     return 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +33,7 @@ from jaxpaged.sample.metadata import SamplerVariant, SamplingMetadata
 from jaxpaged.sample.sampler import sample
 from jaxpaged.worker.beam_candidates import top_logprobs
 from jaxpaged.worker.buckets import make_buckets, round_up_to_bucket
+from jaxpaged.worker.executables import ExecutableTable
 from jaxpaged.worker.input_prep import PackedInputBuilder
 from jaxpaged.worker.step_buffer import PackedLayout
 from jaxpaged.worker.step_timeline import StepTimeline
@@ -131,11 +131,11 @@ class ModelRunner:
             neutral_slot=self.logits_state.neutral_slot,
             max_cached_seqs=2 * max_num_seqs,
         )
-        self._executables: dict[BucketKey, jax.stages.Compiled] = {}
-        self.num_compilations = 0
-        self._compile_lock = threading.Lock()
+        # Every bucket's executable, got once on whichever thread asks first (executables.py).
+        self._executable_table = ExecutableTable(self._lower_and_compile)
         placement = {}
         self._input_sharding = None
+        self._mesh = mesh
         if mesh is not None:
             self._input_sharding = NamedSharding(mesh, P())
             cache_shardings = jax.tree.map(lambda cache: cache.sharding, kv_caches)
@@ -160,6 +160,15 @@ class ModelRunner:
             np.zeros(self.seq_buckets[-1], np.int32), self._input_sharding
         )
         self._prev_scheduled: list = []
+        # What steps are lowered against: shapes, dtypes and (with a mesh) shardings, never the
+        # arrays. The KV caches and LogitsState are donated by every step, so a background thread
+        # could not lower against them (ExecutableTable); and one-device weights lower to the
+        # same module (the same persistent-cache key) whether their loader committed them to
+        # the device (orbax) or not (safetensors, dummy).
+        self._weight_specs = self._spec(self._weights)
+        self._kv_cache_specs = self._spec(kv_caches)
+        self._logits_state_spec = self._spec(self.logits_state)
+        self._prev_tokens_spec = self._spec(self._prev_tokens)
         # Set by the benchmarks to time each step on the device (``StepTimeline``).
         self.timeline: StepTimeline | None = None
         # Scheduled tokens and the bucket tokens they were padded to, over every dispatch.
@@ -181,6 +190,26 @@ class ModelRunner:
                 f"{have[:1]}, got {len(kv_caches)} pairs starting {got[:1]}"
             )
         self.kv_caches = kv_caches
+
+    def _spec(self, tree):
+        """``tree``'s arrays as ``jax.ShapeDtypeStruct`` s; with a mesh they keep their
+        shardings (without one, everything is on the one device)."""
+
+        def spec(x):
+            sharding = getattr(x, "sharding", None) if self._mesh is not None else None
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        return jax.tree.map(spec, tree)
+
+    @property
+    def _executables(self) -> dict[BucketKey, jax.stages.Compiled]:
+        """The executables got so far, by bucket."""
+        return self._executable_table.compiled
+
+    @property
+    def num_compilations(self) -> int:
+        """Executables got so far (each an XLA compilation or a persistent-cache load)."""
+        return self._executable_table.num_compilations
 
     @property
     def model_state(self) -> nnx.State:
@@ -215,15 +244,27 @@ class ModelRunner:
         t = round_up_to_bucket(num_tokens, self.token_buckets)
         return BucketKey(t, self._mixed_num_seqs(t), False)
 
-    def compile_all(self, *, show_progress: bool = True, num_threads: int | None = None) -> None:
-        """Compile every bucket now (start-up), with a progress bar.
+    def first_step_keys(self) -> list[BucketKey]:
+        """The buckets a warm start gets before it returns (the rest load in the background):
+        the smallest mixed bucket (a short prompt's prefill) and the smallest decode bucket."""
+        return [self.bucket_for(1, 1, False), self.bucket_for(1, 1, True)]
+
+    def compile_all(
+        self,
+        *,
+        show_progress: bool = True,
+        num_threads: int | None = None,
+        keys: list[BucketKey] | None = None,
+    ) -> None:
+        """Compile every bucket (or ``keys``) now (start-up), with a progress bar.
 
         ``kv_caches`` may still be ``jax.ShapeDtypeStruct`` s (with their shardings): compiling
         before the cache is allocated leaves XLA's autotuner the memory the cache will take.
         XLA compiles outside the GIL, so buckets compile on ``num_threads`` threads (default:
         the CPU count, at most 16).
         """
-        keys = [k for k in self.all_bucket_keys() if k not in self._executables]
+        keys = self.all_bucket_keys() if keys is None else keys
+        keys = [k for k in keys if k not in self._executable_table]
         num_threads = num_threads or min(16, os.cpu_count() or 1)
         with (
             concurrent.futures.ThreadPoolExecutor(num_threads) as pool,
@@ -239,25 +280,40 @@ class ModelRunner:
         empty = ls.host_rows([], self.vocab_size)
         self.logits_state = ls.write_rows(self.logits_state, padding, empty)
 
+    def load_in_background(self, keys: list[BucketKey]) -> None:
+        """Get ``keys``' executables on a background thread (warm start: persistent-cache
+        loads); a step that needs one first waits for it or gets it itself."""
+        self._executable_table.load_in_background(keys)
+
+    @property
+    def executables_left(self) -> int:
+        """Buckets the background thread has not got yet (0 without one)."""
+        return self._executable_table.background_left
+
+    def wait_for_executables(self) -> None:
+        """Return once every bucket given to ``load_in_background`` is there."""
+        self._executable_table.wait()
+
     def _compile(self, key: BucketKey) -> jax.stages.Compiled:
+        """The executable of ``key``: got (compiled or loaded) once, on this or another thread."""
+        return self._executable_table.get(key)
+
+    def _lower_and_compile(self, key: BucketKey) -> jax.stages.Compiled:
         layout = PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-        compiled = self._jitted_step.lower(
-            self._weights,
-            self.kv_caches,
-            self.logits_state,
-            self._prev_tokens,
+        lora_weights = self._lora_weights()
+        return self._jitted_step.lower(
+            self._weight_specs,
+            self._kv_cache_specs,
+            self._logits_state_spec,
+            self._prev_tokens_spec,
             packed,
-            self._lora_weights(),
+            None if lora_weights is None else self._spec(lora_weights),
             layout=layout,
             decode_only=key.decode_only,
             num_beam_candidates=key.num_beam_candidates,
             variant=key.variant,
         ).compile()
-        with self._compile_lock:
-            self._executables[key] = compiled
-            self.num_compilations += 1
-        return compiled
 
     def profile_run(self) -> None:
         """Run the largest mixed bucket once on padding so the device's peak memory includes the
@@ -373,7 +429,7 @@ class ModelRunner:
         packed = self._prepare_inputs(scheduled, layout, slots)
         self.num_scheduled_tokens += scheduler_output.num_batched_tokens
         self.num_bucket_tokens += key.num_tokens
-        executable = self._executables.get(key) or self._compile(key)
+        executable = self._compile(key)
         out, self.kv_caches, self.logits_state = executable(
             self._weights,
             self.kv_caches,

@@ -79,6 +79,24 @@ def test_engine_serves_a_gptq_checkpoint_like_its_dequantized_twin(gptq_dirs, ca
         assert list(out.outputs[0].token_ids) == ref.tokens[len(prompt):] + [ref.next_token]
 
 
+def test_a_converted_gptq_checkpoint_keeps_gptq_and_serves_the_same_tokens(gptq_dirs, tmp_path):
+    from jaxpaged.entrypoints.convert import convert
+
+    quant_dir, _ = gptq_dirs
+    out = str(tmp_path / "orbax")
+    meta = convert(quant_dir, out, dtype="float32")  # the method is detected and kept
+    assert meta["quantization"] == "gptq" and meta["quantized_layers"]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    tokens = []
+    for model in (quant_dir, out):
+        llm = LLM(model=model, dtype="float32", skip_tokenizer_init=True, **SMALL_ENGINE)
+        assert llm.llm_engine.config.model_config.quant_config.method == "gptq"
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        tokens.append([list(o.outputs[0].token_ids) for o in outputs])
+    assert tokens[0] == tokens[1]
+
+
 def test_lora_applies_on_a_quantized_base(stories_dir, tmp_path):
     """bitsandbytes 8-bit base (weight-only, |dW| <= absmax/254 per row) with the LoRA test
     adapters: the adapter changes the output as it does on the float base (HF + peft golden),

@@ -29,11 +29,45 @@ def test_round_trips_at_tp_1_and_2_on_cpu_devices():
         assert line in report, report
 
 
-@pytest.mark.parametrize("method", ["awq", "fp8", "gptq"])
-def test_quantization_other_than_none_is_refused_by_name(stories_dir, tmp_path, method):
-    with pytest.raises(ValueError, match=f"quantization must be one of \\['none'\\].*'{method}'"):
-        convert(stories_dir, str(tmp_path / "out"), quantization=method)
+def test_quantized_round_trips_at_tp_1_and_2_on_cpu_devices():
+    report = run_on_cpu_devices([str(HERE / "orbax_quantized_checks.py")], 2)
+    for method in ("fp8", "bitsandbytes"):
+        for tp in (1, 2):
+            assert f"{method} tp={tp}: 52 tensors" in report, report
+            assert f"{method} tp={tp}: greedy tokens equal" in report, report
+    assert "fp8 checkpoint with quantization=bitsandbytes: refused by name" in report
+    assert "ALL OK" in report, report
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(quantization="awq"), "quantization must be one of .*'none', 'fp8', 'bitsandbytes'.*'awq'"),
+        (dict(quantization="gptq"), "quantization must be one of .*'gptq'"),
+        (
+            dict(quantization="fp8", load_format="bitsandbytes"),
+            "quantization='bitsandbytes' and load_format='bitsandbytes' go together, got "
+            "quantization='fp8'",
+        ),
+        (dict(load_format="bitsandbytes"), "load_format='bitsandbytes' needs quantization"),
+    ],
+)
+def test_bad_quantization_combinations_are_refused_by_name(stories_dir, tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        convert(stories_dir, str(tmp_path / "out"), **kwargs)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_pre_quantized_checkpoint_keeps_its_method_and_refuses_none(stories_dir, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    config = json.loads((pathlib.Path(stories_dir) / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantization='none' cannot convert .*'fp8'"):
+        convert(str(src), str(tmp_path / "out"), quantization="none")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        convert(str(src), str(tmp_path / "out"), quantization="awq")
 
 
 def test_cli_reports_a_bad_quantization_as_an_error(stories_dir, tmp_path, capsys):

@@ -37,6 +37,8 @@ def main() -> None:
                 gpu_memory_utilization=0.7,
             )
             out = llm.generate("Once upon a time", SamplingParams(max_tokens=4), use_tqdm=False)
+            # a warm start loads most buckets on a background thread: count those too
+            llm.llm_engine.wait_for_executables()
         results.append(
             dict(
                 max_num_seqs=max_num_seqs,
@@ -44,6 +46,8 @@ def main() -> None:
                 compiled=counter.compiled,
                 requests=counter.requests,
                 cache_hits=counter.cache_hits,
+                deferred=llm.llm_engine.worker.executables_deferred,
+                startup=llm.llm_engine.startup.as_dict(),
                 tokens=list(out[0].outputs[0].token_ids),
                 cache_dir=llm.llm_engine.compilation_cache_dir,
                 # the first engine of the process sized JAX's (GPU) pool before the backend started

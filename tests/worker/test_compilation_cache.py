@@ -37,6 +37,11 @@ def test_restart_compiles_nothing_and_a_changed_config_recompiles(tmp_path):
     assert cold["started_before"] is False
     assert cold["client_options"] == {"memory_fraction": 0.7}
     assert warm["compiled"] == 0, warm  # a restart loads every executable from disk
+    # the cold start compiled every bucket before it returned; the warm one got the first
+    # steps' buckets and left the others to its background thread
+    assert cold["deferred"] == 0
+    assert 0 < warm["deferred"] < warm["buckets"]
+    assert warm["startup"]["executables_s"] < cold["startup"]["executables_s"]
     assert warm["cache_hits"] == warm["requests"] == cold["requests"]
     assert warm["tokens"] == cold["tokens"]
     # max_num_seqs changes the step's shapes: its buckets are new keys, compiled, not reused
