@@ -75,8 +75,9 @@ for fmt in safetensors orbax; do
   done
 done
 
-# 3. warm start from each checkpoint (compilation cache filled by step 1: same shapes).
-for fmt in safetensors orbax; do
+# 3. warm start from each checkpoint (compilation cache filled by step 1: same shapes);
+#    CHECKPOINT_STARTS=0 skips it (when device time is short).
+for fmt in $([ "${CHECKPOINT_STARTS:-1}" = 0 ] || echo safetensors orbax); do
   dir=$WORK/st; [ $fmt = orbax ] && dir=$WORK/orbax
   echo "page cache before start_$fmt: $(drop_caches)" >> $OUT/page_cache.txt
   timeout $T $B start --model $dir --cache $WORK/cache $ENGINE \
