@@ -2,7 +2,7 @@
 
 A converted directory holds
 
-- ``params/``: an orbax-checkpoint (``StandardCheckpointer``, OCDBT + TensorStore) of the model's
+- ``params/``: an orbax-checkpoint (OCDBT + TensorStore, written uncompressed) of the model's
   *physical* parameters, exactly the arrays the step runs on: fused ``qkv_proj`` /
   ``gate_up_proj`` kernels (``[in, out]``, columns laid out shard by shard as in
   ``models.merged_linear``), KV heads repeated and the MLP padded for tensor parallelism
@@ -119,9 +119,11 @@ def save_checkpoint(
     dtypes = {str(a.dtype) for k, a in arrays.items() if k not in quantized}
     import orbax.checkpoint as ocp  # 0.6 s to import: only when a checkpoint is written
 
-    checkpointer = ocp.StandardCheckpointer()
+    # Uncompressed: orbax compresses with zstd by default, and decompressing 15 GB of bf16 kept
+    # the H200's restore CPU-bound at 0.69 GiB/s with the files in the page cache (a serving
+    # checkpoint is read far more often than written; docs/benchmarks.md, issue 18).
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
     checkpointer.save(os.path.join(out_dir, PARAMS_DIR), arrays)
-    checkpointer.wait_until_finished()
     checkpointer.close()
 
     with open(os.path.join(hf_dir, "config.json")) as f:
