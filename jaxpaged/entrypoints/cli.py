@@ -183,6 +183,15 @@ def _add_serve_parser(sub) -> None:
         "--tensor-parallel-size devices, behind this one API server (default: 1)",
     )
     serve.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=1,
+        help="API server processes (HTTP, tokenization, detokenization, streaming) in front of "
+        "the one engine core, sharing one listening port; more keep up with a fast GPU; "
+        ">= 1, and 1 with --data-parallel-size > 1 (default: 1)",
+    )
+    serve.add_argument(
         "--dp-routing",
         default="least_loaded",
         choices=DP_ROUTING_CHOICES,
@@ -210,10 +219,12 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
     """``run_server`` keywords from parsed ``serve`` flags (``environ`` supplies the key).
 
     Raises:
-        ValueError: MODEL and --model disagree, a bad --max-num-queued-requests or
-            --data-parallel-size, or bad --lora-modules (``check_lora_modules``).
+        ValueError: MODEL and --model disagree, a bad --max-num-queued-requests,
+            --data-parallel-size or --api-server-count, or bad --lora-modules
+            (``check_lora_modules``).
     """
     from jaxpaged.config import DEFAULT_MODEL_NAME
+    from jaxpaged.entrypoints.openai.api_server import check_api_server_count
     from jaxpaged.entrypoints.openai.serving_models import check_lora_modules, parse_lora_modules
 
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -227,6 +238,7 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
         )
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    check_api_server_count(args.api_server_count, args.data_parallel_size)
     engine_args = engine_args_from(args)
     served_model_names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     lora_modules = parse_lora_modules(args.lora_modules)
@@ -247,6 +259,7 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
         dp_routing=args.dp_routing,
         uvicorn_log_level=args.uvicorn_log_level,
         lora_modules=lora_modules,
+        api_server_count=args.api_server_count,
     )
 
 
@@ -256,8 +269,7 @@ def _serve(args: argparse.Namespace) -> int:
     options = serve_options(args)
     # The engine core (a child process) inherits the variable; this process never uses JAX.
     set_jax_memory_fraction(options["engine_args"].gpu_memory_utilization)
-    run_server(**options)
-    return 0
+    return run_server(**options)
 
 
 def _generate(args: argparse.Namespace) -> int:
