@@ -31,6 +31,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -280,6 +281,9 @@ def run_engine_core(
         cuda_visible_devices: the GPUs this core may use, as indices into the ones the process
             sees (``"2,3"``; JAX's ``jax_cuda_visible_devices``); None: all of them.
     """
+    # Ctrl-C reaches the whole process group: the core leaves when the process that started it
+    # says so (a shutdown message), or when that process is gone (the heartbeat thread).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO)
     parent = os.getppid()
     try:

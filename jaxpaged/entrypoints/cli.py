@@ -2,15 +2,19 @@
 ``jaxpaged bench throughput|latency|serve`` (vLLM's ``vllm bench``).
 
 Every ``EngineArgs`` field is a flag (``--max-model-len``, ``--block-size``, ...), as in vLLM.
-This is the only module that reads ``os.environ`` (``JAXPAGED_API_KEY`` for ``serve``).
+This is the only module that reads ``os.environ`` (``JAXPAGED_API_KEY`` for ``serve``) or sets
+it for child processes (``XLA_PYTHON_CLIENT_MEM_FRACTION``, ``PROMETHEUS_MULTIPROC_DIR``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import shutil
 import sys
+import tempfile
 import time
 import types
 import typing
@@ -52,6 +56,25 @@ def set_jax_memory_fraction(gpu_memory_utilization: float) -> None:
     Library users set the variable themselves before using jax.
     """
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{gpu_memory_utilization:.4f}")
+
+
+@contextlib.contextmanager
+def prometheus_multiproc_dir():
+    """A fresh directory exported as ``PROMETHEUS_MULTIPROC_DIR`` for the block (removed, and
+    the variable restored, after it): prometheus_client's multiprocess mode for the API
+    processes of ``--api-server-count`` (children read it when they import prometheus_client,
+    so it is set before they start)."""
+    path = tempfile.mkdtemp(prefix="jaxpaged-prometheus-")
+    previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    try:
+        yield path
+    finally:
+        if previous is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
@@ -269,7 +292,10 @@ def _serve(args: argparse.Namespace) -> int:
     options = serve_options(args)
     # The engine core (a child process) inherits the variable; this process never uses JAX.
     set_jax_memory_fraction(options["engine_args"].gpu_memory_utilization)
-    return run_server(**options)
+    if options["api_server_count"] == 1:
+        return run_server(**options)
+    with prometheus_multiproc_dir() as metrics_dir:
+        return run_server(**options, multiprocess_metrics_dir=metrics_dir)
 
 
 def _generate(args: argparse.Namespace) -> int:

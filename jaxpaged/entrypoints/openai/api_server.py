@@ -275,17 +275,21 @@ def run_server(
     uvicorn_log_level: str = "info",
     lora_modules: Sequence[LoRAModulePath] = (),
     api_server_count: int = 1,
+    multiprocess_metrics_dir: str | None = None,
 ) -> int:
     """Start the engine core for ``engine_args`` (``EngineArgs``) and serve until interrupted;
     returns the exit status (0, or 1 when an API process of several died).
 
     ``host`` None listens on all interfaces (vLLM's default). The tokenizer is loaded here
     (the API process) unless ``engine_args.skip_tokenizer_init``. ``api_server_count`` > 1:
-    that many API processes over one core (``multi_api_server.run_multi_api_server``).
+    that many API processes over one core (``multi_api_server.run_multi_api_server``), whose
+    metrics live in ``multiprocess_metrics_dir`` (``PROMETHEUS_MULTIPROC_DIR``, exported by
+    ``jaxpaged serve``).
 
     Raises:
-        ValueError: invalid engine arguments (checked before the core starts), or
-            ``api_server_count`` < 1 or above 1 with data parallelism.
+        ValueError: invalid engine arguments (checked before the core starts),
+            ``api_server_count`` < 1 or above 1 with data parallelism or without
+            ``multiprocess_metrics_dir``.
         RuntimeError: the engine core failed to start.
     """
     import uvicorn
@@ -302,9 +306,15 @@ def run_server(
     if api_server_count > 1:
         from jaxpaged.entrypoints.openai.multi_api_server import run_multi_api_server
 
+        if multiprocess_metrics_dir is None:
+            raise ValueError(
+                f"--api-server-count {api_server_count} needs a multiprocess_metrics_dir "
+                "(the PROMETHEUS_MULTIPROC_DIR of the API processes)"
+            )
         return run_multi_api_server(
             engine_args,
             api_server_count=api_server_count,
+            multiprocess_metrics_dir=multiprocess_metrics_dir,
             host=host,
             port=port,
             max_num_queued_requests=max_num_queued_requests,

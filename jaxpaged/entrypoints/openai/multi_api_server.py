@@ -14,9 +14,9 @@ generates tokens, so N processes share that work. The process layout::
   kernel hands each new connection to one of them), so clients see one address.
 - Requests: each carries its API server's ``client_index``; the core sends its acks and outputs
   only to that server and applies a server's aborts only to its own requests (``core.py``).
-- Metrics: the parent exports ``PROMETHEUS_MULTIPROC_DIR`` (a fresh temporary directory,
-  removed at the end) before it starts the API servers; ``/metrics`` on any of them renders all
-  of their values (``jaxpaged.metrics``: per-request metrics summed, engine-level gauges and
+- Metrics: ``jaxpaged serve`` exports ``PROMETHEUS_MULTIPROC_DIR`` (a fresh temporary directory,
+  removed at the end; ``cli.prometheus_multiproc_dir``) before the API servers start, and passes
+  the directory here; ``/metrics`` on any of them renders all of their values (``jaxpaged.metrics``: per-request metrics summed, engine-level gauges and
   counters kept by API server 0 only).
 - LoRA: ``--lora-modules`` adapters are loaded by every API server (the core registers each
   once); runtime ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` answer 400 naming
@@ -46,7 +46,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -63,8 +62,8 @@ _GRACE_S = 10.0
 _ORPHAN_CHECK_S = 1.0
 
 
-class _Terminated(Exception):
-    """SIGTERM reached the parent."""
+class _Stop(Exception):
+    """SIGINT or SIGTERM reached the parent."""
 
 
 def bind_server_socket(host: str | None, port: int) -> socket.socket:
@@ -92,6 +91,7 @@ def run_multi_api_server(
     engine_args,
     *,
     api_server_count: int,
+    multiprocess_metrics_dir: str,
     host: str | None = None,
     port: int = 8000,
     max_num_queued_requests: int | None = None,
@@ -104,6 +104,9 @@ def run_multi_api_server(
     Args:
         engine_args: ``EngineArgs`` of the engine core.
         api_server_count: API processes, >= 2.
+        multiprocess_metrics_dir: an empty directory that ``PROMETHEUS_MULTIPROC_DIR`` names in
+            this process's environment (the API processes inherit it and must see it before
+            they import prometheus_client); its values are what ``/metrics`` renders.
         host / port: the listening address (``host`` None: all interfaces).
         max_num_queued_requests: the core's bound on waiting requests (429 beyond).
         uvicorn_log_level: uvicorn's log level in every API process.
@@ -124,25 +127,17 @@ def run_multi_api_server(
         )
     model_config = engine_args.create_engine_config().model_config  # checks before any start
     sock = bind_server_socket(host, port)
-    metrics_dir = tempfile.mkdtemp(prefix="jaxpaged-prometheus-")
-    # Read by prometheus_client when an API process imports it (spawned: after this line).
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     spawn = multiprocessing.get_context("spawn")
     servers: list[multiprocessing.Process] = []
     core = None
-    previous_term = signal.signal(signal.SIGTERM, _raise_terminated)
+    # Our own handlers, also for SIGINT: a shell starts a background job with SIGINT ignored.
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        # Ctrl-C reaches the whole process group; the core leaves on our shutdown message
-        # instead (a spawned process keeps an ignored SIGINT: Python leaves it ignored).
-        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            core = start_core_process(
-                engine_args,
-                num_clients=api_server_count,
-                max_num_queued_requests=max_num_queued_requests,
-            )
-        finally:
-            signal.signal(signal.SIGINT, previous_int)
+        core = start_core_process(
+            engine_args,
+            num_clients=api_server_count,
+            max_num_queued_requests=max_num_queued_requests,
+        )
         logger.info("engine core ready (pid %d)", core.process.pid)
         tokenizer_path = None if model_config.skip_tokenizer_init else model_config.tokenizer
         for index in range(api_server_count):
@@ -155,7 +150,7 @@ def run_multi_api_server(
                     input_address=core.input_address,
                     output_address=core.output_addresses[index],
                     info=core.info,
-                    metrics_dir=metrics_dir,
+                    metrics_dir=multiprocess_metrics_dir,
                     app_options=app_options or {},
                     uvicorn_log_level=uvicorn_log_level,
                 ),
@@ -169,21 +164,22 @@ def run_multi_api_server(
             "serving on http://%s:%d with %d API servers", address[0], address[1], len(servers)
         )
         return _watch(core, servers)
-    except (KeyboardInterrupt, _Terminated):
+    except _Stop:
         logger.info("shutting down")
         return 0
     finally:
-        signal.signal(signal.SIGTERM, previous_term)
+        for sig in previous:  # a second signal would interrupt the shutdown
+            signal.signal(sig, signal.SIG_IGN)
         _shutdown(core, servers)
         sock.close()
-        shutil.rmtree(metrics_dir, ignore_errors=True)
-        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         if core is not None:
             shutil.rmtree(core.ipc_dir, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated
+def _raise_stop(signum, frame) -> None:
+    raise _Stop
 
 
 def _watch(core, servers: Sequence[multiprocessing.Process]) -> int:
