@@ -88,7 +88,9 @@ class CoreConnection:
 class RemoteCoreProcess:
     """The engine-core process as an API process that did not start it sees it
     (``--api-server-count``): the ``multiprocessing.Process`` calls the client makes, on a
-    pidfd, which turns readable when the process ends (reaped or not).
+    pidfd, which turns readable when the process ends (reaped or not). Where pidfds are not
+    allowed (old kernels, strict seccomp), ``os.kill(pid, 0)``: the core counts as alive until
+    the parent has reaped it, which its watch loop does at once.
 
     Args:
         pid: the core's process id (``EngineCore.info()["pid"]``).
@@ -101,26 +103,43 @@ class RemoteCoreProcess:
 
     def __init__(self, pid: int):
         self.pid = pid
-        self._pidfd = os.pidfd_open(pid)
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise
+        except OSError:
+            self._pidfd = None
+            os.kill(pid, 0)  # ProcessLookupError if gone
+        self._closed = False
 
     def is_alive(self) -> bool:
-        if self._pidfd is None:
+        if self._closed:
             return False
+        if self._pidfd is None:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            return True
         ready, _, _ = select.select([self._pidfd], [], [], 0)
         return not ready
 
     def join(self, timeout: float | None = None) -> None:
-        if self._pidfd is not None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._pidfd is not None and not self._closed:
             select.select([self._pidfd], [], [], timeout)
+            return
+        while self.is_alive() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.05)
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
 
     def close(self) -> None:
-        if self._pidfd is not None:
+        if self._pidfd is not None and not self._closed:
             os.close(self._pidfd)
-            self._pidfd = None
+        self._closed = True
 
 
 @dataclasses.dataclass

@@ -70,8 +70,9 @@ def build_app(
     api_server_count: int = 1,
     multiprocess_metrics_dir: str | None = None,
 ) -> FastAPI:
-    """The server app over ``client`` (a spawned ``EngineCoreClient``); the client's tasks
-    start with the app's lifespan, and the core is shut down with it.
+    """The server app over ``client`` (a spawned ``EngineCoreClient``, or one connected to a
+    core the parent process started); the client's tasks start with the app's lifespan, and a
+    core the client started is shut down with it.
 
     Args:
         model: the model path, reported as ``root`` by ``/v1/models``.
