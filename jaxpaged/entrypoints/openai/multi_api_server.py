@@ -153,6 +153,7 @@ def run_multi_api_server(
                     metrics_dir=multiprocess_metrics_dir,
                     app_options=app_options or {},
                     uvicorn_log_level=uvicorn_log_level,
+                    parent_pid=os.getpid(),
                 ),
                 name=f"jaxpaged-api-server-{index}",
             )
@@ -254,9 +255,13 @@ def _run_api_server(
     metrics_dir: str,
     app_options: dict,
     uvicorn_log_level: str,
+    parent_pid: int,
 ) -> None:
     """One API process (spawned): its tokenizer, a client of the core as ``client_index``
-    ``index``, and uvicorn serving the app on the shared ``sock`` until SIGTERM/SIGINT."""
+    ``index``, and uvicorn serving the app on the shared ``sock`` until SIGTERM/SIGINT, or
+    until ``parent_pid`` is no longer its parent."""
+    # First: the parent may die while this process still loads.
+    threading.Thread(target=_leave_when_orphaned, args=(parent_pid,), daemon=True).start()
     import uvicorn
 
     from jaxpaged.engine.core_client import EngineCoreClient
@@ -284,12 +289,12 @@ def _run_api_server(
         **app_options,
     )
     config = uvicorn.Config(app, log_level=uvicorn_log_level, timeout_graceful_shutdown=5)
-    threading.Thread(target=_leave_when_orphaned, args=(os.getppid(),), daemon=True).start()
     uvicorn.Server(config).run(sockets=[sock])
 
 
 def _leave_when_orphaned(parent: int) -> None:
-    """SIGTERM ourselves (uvicorn's graceful shutdown) once the parent is gone."""
+    """SIGTERM ourselves once ``parent`` is gone: uvicorn's graceful shutdown, or the default
+    action (exit) before uvicorn has installed its handlers."""
     while os.getppid() == parent:
         time.sleep(_ORPHAN_CHECK_S)
     os.kill(os.getpid(), signal.SIGTERM)
