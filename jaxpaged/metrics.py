@@ -20,7 +20,16 @@ as vLLM v0 reports it (``vllm/engine/llm_engine.py`` ``_get_stats``; v1 only reg
 a LoRA config). Only the latest label set is kept, so it is one series.
 
 Each ``ServerMetrics`` owns its own ``CollectorRegistry`` (never the process-global one), so
-several servers (and tests) in one process do not collide. All ``observe_*`` methods are called
+several servers (and tests) in one process do not collide.
+
+Several API processes (``--api-server-count N``) use prometheus_client's multiprocess mode: the
+parent sets ``PROMETHEUS_MULTIPROC_DIR`` to a fresh directory before it starts them, each
+process writes its values there, and ``render_multiprocess`` (whichever process answers
+``/metrics``) adds them up. Per-request metrics (counters, histograms) are summed: each process
+counts only its own requests. Engine-level metrics are written by one process only, API process
+0 (``observes_engine``), which the engine core sends its stats after every step; their gauges use
+``multiprocess_mode="mostrecent"``, so processes that never set them (value 0 at time 0) do not
+count, and nothing is summed N times. All ``observe_*`` methods are called
 from the engine thread; prometheus_client's metrics are thread-safe for the scraping side.
 Times are ``time.monotonic()`` seconds.
 """
@@ -79,6 +88,12 @@ class ServerMetrics:
             ``<prefix>:<name>``).
         engine_index: value of the ``engine`` label, the data-parallel engine index, >= 0.
         max_loras: the ``max_lora`` label of ``lora_requests_info`` (0: LoRA off).
+        observes_engine: whether this process keeps the engine-level metrics (gauges,
+            preemptions, prefix-cache counters, ``lora_requests_info``); False in API processes
+            other than the first of ``--api-server-count`` (they only count their requests).
+        multiprocess: prometheus_client runs in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``
+            was set before it was imported); label sets are then never removed (it cannot),
+            ``render_multiprocess`` keeps the newest ``lora_requests_info`` instead.
 
     Raises:
         ValueError: an unknown ``prefix`` or a negative ``engine_index`` / ``max_loras``.
@@ -92,6 +107,8 @@ class ServerMetrics:
         prefix: str = DEFAULT_METRICS_PREFIX,
         engine_index: int = 0,
         max_loras: int = 0,
+        observes_engine: bool = True,
+        multiprocess: bool = False,
     ):
         if prefix not in METRICS_PREFIX_CHOICES:
             raise ValueError(
@@ -106,6 +123,8 @@ class ServerMetrics:
         self.prefix = prefix
         self.engine_index = engine_index
         self.max_loras = max_loras
+        self.observes_engine = observes_engine
+        self.multiprocess = multiprocess
         prefix = prefix + ":"
         labels = (model_name, str(engine_index))
 
@@ -114,20 +133,22 @@ class ServerMetrics:
                 prefix + name, doc, ["model_name", "engine"], registry=self.registry, **kwargs
             ).labels(*labels)
 
-        self.num_requests_running = make(
-            Gauge, "num_requests_running", "Number of requests in the running batch."
+        def gauge(name, doc):  # the engine's state, set by one process (see module doc)
+            return make(Gauge, name, doc, multiprocess_mode="mostrecent")
+
+        self.num_requests_running = gauge(
+            "num_requests_running", "Number of requests in the running batch."
         )
-        self.num_requests_waiting = make(
-            Gauge, "num_requests_waiting", "Number of requests waiting to be scheduled."
+        self.num_requests_waiting = gauge(
+            "num_requests_waiting", "Number of requests waiting to be scheduled."
         )
-        self.num_requests_swapped = make(
-            Gauge, "num_requests_swapped", "Number of requests swapped out to host memory."
+        self.num_requests_swapped = gauge(
+            "num_requests_swapped", "Number of requests swapped out to host memory."
         )
-        self.kv_cache_usage_perc = make(
-            Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use, 0 to 1."
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc", "Fraction of KV-cache blocks in use, 0 to 1."
         )
-        self.gpu_cache_usage_perc = make(
-            Gauge,
+        self.gpu_cache_usage_perc = gauge(
             "gpu_cache_usage_perc",
             "Fraction of KV-cache blocks in use, 0 to 1 (vLLM v0 name of kv_cache_usage_perc).",
         )
@@ -153,6 +174,7 @@ class ServerMetrics:
             "running and waiting adapters (comma-joined names) and max_lora.",
             ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
             registry=self.registry,
+            multiprocess_mode="mostrecent",
         )
         self._lora_labels: tuple[str, str, str] | None = None
         self.observe_lora_adapters((), ())
@@ -210,7 +232,10 @@ class ServerMetrics:
         new one is set, so a scrape never finds the metric empty).
 
         Called once at construction (no adapters); with multi-LoRA (issue 15) the engine loop
-        calls it after each step with the scheduler's running and waiting adapter names."""
+        calls it after each step with the scheduler's running and waiting adapter names.
+        A no-op unless ``observes_engine``."""
+        if not self.observes_engine:
+            return
         labels = (
             str(self.max_loras),
             ",".join(dict.fromkeys(running)),
@@ -218,7 +243,7 @@ class ServerMetrics:
         )
         self.lora_requests_info.labels(*labels).set_to_current_time()
         previous, self._lora_labels = self._lora_labels, labels
-        if previous is not None and previous != labels:
+        if previous is not None and previous != labels and not self.multiprocess:
             self.lora_requests_info.remove(*previous)
 
     # --------------------------------------------------------------- engine-thread callbacks
@@ -278,7 +303,8 @@ class ServerMetrics:
                 self._observe_finished(output, times, now)
         if step_tokens:
             self.generation_tokens.inc(step_tokens)
-        self.observe_engine_state(stats)
+        if self.observes_engine:
+            self.observe_engine_state(stats)
 
     def _observe_finished(self, output, times: _RequestTimes, now: float) -> None:
         del self._requests[output.request_id]
@@ -361,3 +387,31 @@ def render_all(metrics: SequenceABC[ServerMetrics]) -> bytes:
     registry = CollectorRegistry()
     registry.register(_Merged([m.registry for m in metrics]))
     return generate_latest(registry)
+
+
+def render_multiprocess(path: str) -> bytes:
+    """One Prometheus text exposition of every API process's values in ``path`` (the
+    ``PROMETHEUS_MULTIPROC_DIR`` of ``--api-server-count``; module docstring).
+
+    ``lora_requests_info`` keeps only its newest label set (its value is the Unix time of its
+    last update): prometheus_client cannot remove a label set in multiprocess mode, and the
+    metric is one series (vLLM's).
+    """
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    registry.register(_NewestLoRAInfo(multiprocess.MultiProcessCollector(None, path=path)))
+    return generate_latest(registry)
+
+
+class _NewestLoRAInfo(Collector):
+    """``collector``'s families, with ``*:lora_requests_info`` cut to its newest sample."""
+
+    def __init__(self, collector):
+        self._collector = collector
+
+    def collect(self):
+        for family in self._collector.collect():
+            if family.name.endswith(":lora_requests_info") and family.samples:
+                family.samples = [max(family.samples, key=lambda sample: sample.value)]
+            yield family

@@ -11,17 +11,27 @@ Requests arrive tokenized and outputs leave as token ids (``core_messages``): th
 detokenizes and never looks for stop strings, so its engine is built without a tokenizer.
 Every request runs in DELTA mode (``best_of > n`` in FINAL_ONLY: its ranking is only final).
 
-Liveness: a thread sends a heartbeat every ``HEARTBEAT_INTERVAL_S`` and ends the process when
-its parent is gone. An exception in the loop is sent as a ``dead`` message, then the process
-exits with status 1.
+Clients: one core serves ``num_clients`` API processes (``--api-server-count``; vLLM's
+``client_index``). Every client connects to the core's one input socket and binds an output
+socket of its own; adds carry the client's index, and the core sends a request's acks and
+outputs only to the client that added it, answers a utility call to its caller, and applies a
+client's aborts only to that client's requests. Client 0 receives a message after every step
+(it keeps the engine-level metrics: gauges, preemptions, prefix-cache counters); another client
+only after steps with news for it.
+
+Liveness: a thread sends a heartbeat to every client every ``HEARTBEAT_INTERVAL_S`` and ends the
+process when its parent is gone. An exception in the loop is sent as a ``dead`` message to every
+client, then the process exits with status 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -56,6 +66,11 @@ class EngineCore:
         engine: a built ``LLMEngine`` (its tokenizer is unused: requests come tokenized).
         max_num_queued_requests: most requests that may wait in the scheduler's queue; an add
             beyond it is refused with ``QueueFullError`` (HTTP 429). None: unbounded (vLLM).
+        num_clients: API processes served, >= 1; each request belongs to the client that
+            added it (``client_index`` in ``[0, num_clients)``).
+
+    Raises:
+        ValueError: ``num_clients`` < 1.
     """
 
     # Methods the API process may call by name (``utility`` messages); subclasses may add.
@@ -68,11 +83,16 @@ class EngineCore:
         "list_loras",
     )
 
-    def __init__(self, engine, *, max_num_queued_requests: int | None = None):
+    def __init__(self, engine, *, max_num_queued_requests: int | None = None, num_clients: int = 1):
+        if num_clients < 1:
+            raise ValueError(f"num_clients must be at least 1, got {num_clients}")
         self.engine = engine
         self.max_num_queued_requests = max_num_queued_requests
+        self.num_clients = num_clients
         self.num_steps = 0
         self._seen_running: set[str] = set()
+        # request id -> index of the client that added it (only with several clients).
+        self._client_of: dict[str, int] = {}
 
     def info(self) -> dict:
         """What the API process needs to know about this engine (sent once, when ready)."""
@@ -95,10 +115,12 @@ class EngineCore:
         params: dict,
         arrival_time: float,
         lora: list | None = None,
+        client_index: int = 0,
     ):
         """Admit one tokenized request; returns None, or ``[class name, message, parameter]``
         of the error that refused it (the API process re-raises it). ``lora``: the adapter
-        (``core_messages.lora_to_wire``), None for the base model."""
+        (``core_messages.lora_to_wire``), None for the base model; ``client_index``: the API
+        process that owns it (its outputs go there)."""
         try:
             limit = self.max_num_queued_requests
             waiting = self.engine.scheduler.num_waiting
@@ -125,12 +147,24 @@ class EngineCore:
             )
         except (ValueError, QueueFullError) as error:
             return [type(error).__name__, str(error), getattr(error, "parameter", None)]
+        if self.num_clients > 1:
+            self._client_of[request_id] = client_index
         return None
 
-    def abort_requests(self, request_ids) -> None:
+    def abort_requests(self, request_ids, client_index: int | None = None) -> None:
+        """Abort ``request_ids``; given ``client_index``, only those that client owns (a client
+        never touches another's requests, even one that reused an id)."""
         for request_id in request_ids:
+            if client_index is not None and self.num_clients > 1:
+                if self._client_of.get(request_id) != client_index:
+                    continue
             self.engine.abort_request(request_id)
             self._seen_running.discard(request_id)
+            self._client_of.pop(request_id, None)
+
+    def client_of(self, request_id: str) -> int:
+        """Index of the client that added ``request_id`` (0 with one client, or if unknown)."""
+        return self._client_of.get(request_id, 0)
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -152,6 +186,30 @@ class EngineCore:
         stats["scheduled"] = scheduled
         stats["step_start"] = step_start
         return [[encode_output(o) for o in outputs], stats]
+
+    def route(self, step: list) -> list[tuple[int, list]]:
+        """Split ``step()``'s ``[outputs, stats]`` by owning client: ``(client_index,
+        [outputs, stats])`` pairs, each client's own outputs and ``scheduled`` ids. Client 0
+        always gets one (its metrics follow the engine's state after every step); another
+        client only when it has outputs or newly scheduled requests. Finished requests are
+        forgotten here."""
+        outputs, stats = step
+        if self.num_clients == 1:
+            return [(0, step)]
+        client_of = self._client_of
+        per_client: dict[int, tuple[list, list]] = {0: ([], [])}
+        for wire in outputs:  # wire: core_messages.encode_output
+            request_id = wire[0]
+            client = client_of.get(request_id, 0)
+            if wire[1]:  # finished
+                client_of.pop(request_id, None)
+            per_client.setdefault(client, ([], []))[0].append(wire)
+        for request_id in stats["scheduled"]:
+            per_client.setdefault(client_of.get(request_id, 0), ([], []))[1].append(request_id)
+        return [
+            (client, [client_outputs, stats | {"scheduled": scheduled}])
+            for client, (client_outputs, scheduled) in sorted(per_client.items())
+        ]
 
     # ------------------------------------------------------------------------ utilities
     def get_stats(self) -> dict:
@@ -199,7 +257,7 @@ class EngineCore:
 def run_engine_core(
     engine_args,
     input_address: str,
-    output_address: str,
+    output_addresses: list[str],
     ready_pipe,
     *,
     core_class: str = "jaxpaged.engine.core:EngineCore",
@@ -210,17 +268,22 @@ def run_engine_core(
 
     Args:
         engine_args: ``EngineArgs`` of the engine (its tokenizer is not loaded here).
-        input_address / output_address: ZMQ addresses the API process binds (PUSH to us /
-            PULL from us).
+        input_address: ZMQ address the core binds (PULL); every client connects a PUSH to it.
+        output_addresses: one ZMQ address per client (index = ``client_index``), bound by that
+            client (PULL); the core connects a PUSH to each. Connecting never waits for the
+            peer: ZMQ queues what is sent until the client has bound its address.
         ready_pipe: a ``multiprocessing`` connection (the status pipe); receives the msgpack of
             ``EngineCore.info()`` once the engine is built, and a ``Kind.DEAD`` message naming
             the error if building or the loop fails. A pipe write is in the OS's buffer before
-            ``os._exit``, unlike a ZMQ send still queued in its I/O thread, so the API process
-            always learns why the core died.
+            ``os._exit``, unlike a ZMQ send still queued in its I/O thread, so the process that
+            started the core always learns why it died.
         core_class: ``module:Class`` of the ``EngineCore`` (tests give a subclass).
         cuda_visible_devices: the GPUs this core may use, as indices into the ones the process
             sees (``"2,3"``; JAX's ``jax_cuda_visible_devices``); None: all of them.
     """
+    # Ctrl-C reaches the whole process group: the core leaves when the process that started it
+    # says so (a shutdown message), or when that process is gone (the heartbeat thread).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO)
     parent = os.getppid()
     try:
@@ -234,27 +297,37 @@ def run_engine_core(
         engine = LLMEngine(config)
         module, _, name = core_class.partition(":")
         cls = getattr(importlib.import_module(module), name)
-        core = cls(engine, max_num_queued_requests=max_num_queued_requests)
+        core = cls(
+            engine,
+            max_num_queued_requests=max_num_queued_requests,
+            num_clients=len(output_addresses),
+        )
     except BaseException as error:
         logger.exception("engine core failed to start")
         ready_pipe.send_bytes(encode(Kind.DEAD, f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from error
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
-    inputs.connect(input_address)
-    outputs = context.socket(zmq.PUSH)
-    outputs.connect(output_address)
+    inputs.setsockopt(zmq.RCVHWM, 0)
+    inputs.bind(input_address)
+    outputs = []
+    for address in output_addresses:
+        socket = context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.connect(address)
+        outputs.append(socket)
     # The heartbeat has a context of its own, so that ours can be terminated (which flushes
-    # what we sent) while the heartbeat thread still holds its socket.
-    threading.Thread(target=_heartbeat, args=(output_address, parent), daemon=True).start()
+    # what we sent) while the heartbeat thread still holds its sockets.
+    threading.Thread(target=_heartbeat, args=(output_addresses, parent), daemon=True).start()
     ready_pipe.send_bytes(encode(Kind.ACKS, core.info()))
     try:
         _loop(core, inputs, outputs)
     except BaseException as error:
         logger.exception("engine core loop died")
         message = encode(Kind.DEAD, f"{type(error).__name__}: {error}")
-        ready_pipe.send_bytes(message)  # reliable: read by the client once we have exited
-        outputs.send(message)  # fast: read while the API process waits for the exit
+        ready_pipe.send_bytes(message)  # reliable: read by the parent once we have exited
+        for socket in outputs:
+            socket.send(message)  # fast: read while the API processes wait for the exit
         _flush_and_exit(context, inputs, outputs, 1)
     _flush_and_exit(context, inputs, outputs, 0)
 
@@ -266,14 +339,17 @@ def _flush_and_exit(context, inputs, outputs, code: int) -> None:
     ``context.term()`` waits for it. ``os._exit`` skips the daemon heartbeat thread.
     """
     inputs.close(linger=0)
-    outputs.close(linger=2000)
+    for socket in outputs:
+        socket.close(linger=2000)
     context.term()
     os._exit(code)
 
 
-def _loop(core: EngineCore, inputs, outputs) -> None:
+def _loop(core: EngineCore, inputs, outputs: list) -> None:
+    """Serve until a ``shutdown`` message; ``outputs[i]`` is client ``i``'s socket."""
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    several = len(outputs) > 1
     while True:
         timeout = 0 if core.has_work() else _IDLE_POLL_MS
         acks, aborts = [], []
@@ -284,34 +360,47 @@ def _loop(core: EngineCore, inputs, outputs) -> None:
                 except zmq.Again:
                     break
                 if kind is Kind.ADD:
-                    request_id = payload[0]
-                    acks.append([request_id, core.add_request(*payload)])
+                    # payload: [request_id, ids, params, arrival_time, lora, client_index]
+                    acks.append((payload[5], [payload[0], core.add_request(*payload)]))
                 elif kind is Kind.ABORT:
-                    aborts.extend(payload)
+                    aborts.append(payload)  # [client_index, [request_id, ...]]
                 elif kind is Kind.UTILITY:
-                    call_id, name, args = payload
+                    client, call_id, name, args = payload
                     try:
                         result, error = core.call_utility(name, args), None
                     except Exception as failure:  # answered to the caller, the core lives on
                         result, error = None, f"{type(failure).__name__}: {failure}"
-                    outputs.send(encode(Kind.UTILITY, [call_id, result, error]))
+                    outputs[client].send(encode(Kind.UTILITY, [call_id, result, error]))
                 elif kind is Kind.SHUTDOWN:
                     return
-        if aborts:
-            core.abort_requests(aborts)
+        for client, request_ids in aborts:
+            core.abort_requests(request_ids, client)
         if acks:
-            outputs.send(encode(Kind.ACKS, acks))
+            if several:
+                by_client: dict[int, list] = {}
+                for client, ack in acks:
+                    by_client.setdefault(client, []).append(ack)
+                for client, client_acks in by_client.items():
+                    outputs[client].send(encode(Kind.ACKS, client_acks))
+            else:
+                outputs[0].send(encode(Kind.ACKS, [ack for _, ack in acks]))
         if core.has_work():
-            outputs.send(encode(Kind.OUTPUTS, core.step()))
+            for client, message in core.route(core.step()):
+                outputs[client].send(encode(Kind.OUTPUTS, message))
 
 
-def _heartbeat(address: str, parent: int) -> None:
-    """Tell the API process we live; leave when it is gone (we would be orphaned)."""
-    socket = zmq.Context().socket(zmq.PUSH)
-    socket.connect(address)
+def _heartbeat(addresses: list[str], parent: int) -> None:
+    """Tell every client we live; leave when our parent is gone (we would be orphaned)."""
+    context = zmq.Context()
+    sockets = [context.socket(zmq.PUSH) for _ in addresses]
+    for socket, address in zip(sockets, addresses, strict=True):
+        socket.connect(address)
     frame = encode(Kind.HEARTBEAT, None)
     while True:
         if os.getppid() != parent:
             os._exit(0)
-        socket.send(frame)
+        for socket in sockets:
+            # A client that is gone would fill its queue and block us: drop its beats instead.
+            with contextlib.suppress(zmq.Again):
+                socket.send(frame, zmq.NOBLOCK)
         time.sleep(HEARTBEAT_INTERVAL_S)

@@ -21,6 +21,12 @@ its heartbeat) for ``heartbeat_timeout_s``. Then every open stream and pending c
 
 One core is one ``CoreConnection`` with its count of outstanding requests, so that several
 cores behind one client (``--data-parallel-size``) need only a choice of connection per request.
+
+Several API processes over one core (``--api-server-count N``): the parent starts the core with
+``start_core_process(num_clients=N)``; API process ``i`` reaches it through
+``EngineCoreClient.connect(..., client_index=i)``. Such a client does not own the core: it
+watches the core's pid (a pidfd) instead of a child process, and its ``shutdown`` leaves the
+core running (the parent stops it).
 """
 
 from __future__ import annotations
@@ -29,26 +35,27 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 
 import zmq
-import zmq.asyncio
 
 from jaxpaged.engine.client_outputs import ClientRequestState
-from jaxpaged.engine.core import QueueFullError, run_engine_core
+from jaxpaged.engine.core import QueueFullError
 from jaxpaged.engine.core_messages import (
     Kind,
     decode,
     decode_output,
-    encode,
     lora_to_wire,
     params_to_wire,
     scheduler_stats,
+)
+from jaxpaged.engine.core_process import (
+    CoreConnection,
+    RemoteCoreProcess,
+    client_sockets,
+    start_core_process,
 )
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.metrics import ServerMetrics
@@ -57,7 +64,14 @@ from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineCoreClient", "EngineDeadError", "QueueFullError", "RequestStream"]
+__all__ = [
+    "CoreConnection",
+    "EngineCoreClient",
+    "EngineDeadError",
+    "QueueFullError",
+    "RequestStream",
+    "start_core_process",
+]
 
 # How often the watch task looks at the core process (seconds).
 _WATCH_INTERVAL_S = 0.1
@@ -119,60 +133,6 @@ class RequestStream:
                 self._client.abort(self.request_id)
 
 
-class CoreConnection:
-    """One engine-core process: its sockets, its info, and its outstanding requests.
-
-    Args:
-        index: the core's position among the client's cores.
-        process: the ``multiprocessing.Process`` running ``run_engine_core``.
-        input_socket: sync PUSH socket bound by the client (never blocks: no high-water mark).
-        info: ``EngineCore.info()`` from the core's ready message.
-        status_pipe: read end of the core's status pipe (``run_engine_core``'s ``ready_pipe``),
-            where a core whose loop failed leaves its ``Kind.DEAD`` message before exiting.
-    """
-
-    def __init__(self, index: int, process, input_socket, info: dict, status_pipe=None):
-        self.index = index
-        self.process = process
-        self.status_pipe = status_pipe
-        self.input_socket = input_socket
-        self.info = info
-        self.outstanding: set[str] = set()
-        self.last_seen = time.monotonic()
-
-    @property
-    def num_outstanding(self) -> int:
-        """Requests sent to this core and not finished (what a balancer compares)."""
-        return len(self.outstanding)
-
-    def send(self, kind: Kind, payload) -> None:
-        self.input_socket.send(encode(kind, payload), copy=False)
-
-    def close(self) -> None:
-        """Close the input socket and the status pipe (after the process is gone)."""
-        self.input_socket.close()
-        if self.status_pipe is not None:
-            self.status_pipe.close()
-            self.status_pipe = None
-
-    def exit_reason(self) -> str:
-        """Why the (exited) core died: the error it left on its status pipe, else its exit code."""
-        reason = f"the engine core process exited with code {self.process.exitcode}"
-        pipe, self.status_pipe = self.status_pipe, None
-        if pipe is None:
-            return reason
-        try:
-            while pipe.poll(0):
-                kind, payload = decode(pipe.recv_bytes())
-                if kind is Kind.DEAD:
-                    reason = payload
-        except (EOFError, OSError):
-            pass
-        finally:
-            pipe.close()
-        return reason
-
-
 class EngineCoreClient:
     """Requests in, ``RequestStream``s out, over one engine-core process (see module doc).
 
@@ -184,6 +144,8 @@ class EngineCoreClient:
         tokenizer: the API process's tokenizer, or None (``skip_tokenizer_init``).
         heartbeat_timeout_s: silence after which the core counts as dead (it is then killed).
         metrics: optional ``jaxpaged.metrics.ServerMetrics`` fed from each step's outputs.
+        client_index: this API process's index among the core's clients (``connect``).
+        owns_core: whether this client started the core (``spawn``), and so stops it.
     """
 
     def __init__(
@@ -196,8 +158,12 @@ class EngineCoreClient:
         tokenizer,
         heartbeat_timeout_s: float,
         metrics=None,
+        client_index: int = 0,
+        owns_core: bool = True,
     ):
         self.core = connection
+        self.client_index = client_index
+        self.owns_core = owns_core
         # Called with a request's id when this client forgets it (finished, aborted or lost
         # with a dead core): the data-parallel client's balancer counts outstanding requests.
         self.on_forget: Callable[[str], None] | None = None
@@ -243,60 +209,68 @@ class EngineCoreClient:
             ValueError: ``max_num_queued_requests`` or ``heartbeat_timeout_s`` out of range.
             RuntimeError: the core failed to build its engine (its message) or exited.
         """
-        if max_num_queued_requests is not None and max_num_queued_requests < 0:
-            raise ValueError(
-                f"max_num_queued_requests must be >= 0 or None, got {max_num_queued_requests}"
-            )
         if not heartbeat_timeout_s > 0:
             raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
-        ipc_dir = tempfile.mkdtemp(prefix="jaxpaged-core-")
-        input_address = f"ipc://{os.path.join(ipc_dir, 'input')}"
-        output_address = f"ipc://{os.path.join(ipc_dir, 'output')}"
-        context = zmq.asyncio.Context()
-        input_socket = zmq.Context.instance().socket(zmq.PUSH)
-        input_socket.setsockopt(zmq.SNDHWM, 0)
-        input_socket.setsockopt(zmq.LINGER, 0)
-        input_socket.bind(input_address)
-        output_socket = context.socket(zmq.PULL)
-        output_socket.setsockopt(zmq.RCVHWM, 0)
-        output_socket.setsockopt(zmq.LINGER, 0)
-        output_socket.bind(output_address)
-        spawn = multiprocessing.get_context("spawn")
-        reader, writer = spawn.Pipe(duplex=False)
-        process = spawn.Process(
-            target=run_engine_core,
-            args=(engine_args, input_address, output_address, writer),
-            kwargs=dict(
-                core_class=core_class,
-                max_num_queued_requests=max_num_queued_requests,
-                cuda_visible_devices=cuda_visible_devices,
-            ),
-            name="jaxpaged-engine-core",
-            daemon=True,
+        started = start_core_process(
+            engine_args,
+            core_class=core_class,
+            max_num_queued_requests=max_num_queued_requests,
+            cuda_visible_devices=cuda_visible_devices,
         )
-        process.start()
-        writer.close()
-        try:
-            frame = reader.recv_bytes()  # EOFError if the process dies before answering
-            kind, payload = decode(frame)
-        except EOFError:
-            process.join(5)
-            kind, payload = Kind.DEAD, f"the engine core exited with code {process.exitcode}"
-        if kind is Kind.DEAD:
-            reader.close()
-            input_socket.close()
-            output_socket.close()
-            shutil.rmtree(ipc_dir, ignore_errors=True)
-            raise RuntimeError(f"the engine core failed to start: {payload}")
-        connection = CoreConnection(0, process, input_socket, payload, status_pipe=reader)
+        input_socket, context, output_socket = client_sockets(
+            started.input_address, started.output_addresses[0]
+        )
+        connection = CoreConnection(
+            0, started.process, input_socket, started.info, status_pipe=started.status_pipe
+        )
         return cls(
             connection,
             context=context,
             output_socket=output_socket,
-            ipc_dir=ipc_dir,
+            ipc_dir=started.ipc_dir,
             tokenizer=tokenizer,
             heartbeat_timeout_s=heartbeat_timeout_s,
             metrics=metrics,
+        )
+
+    @classmethod
+    def connect(
+        cls,
+        *,
+        input_address: str,
+        output_address: str,
+        info: dict,
+        client_index: int,
+        tokenizer=None,
+        heartbeat_timeout_s: float = 10.0,
+    ) -> EngineCoreClient:
+        """A client of a core another process started (``start_core_process``), as API
+        process ``client_index`` of several (``--api-server-count``).
+
+        Args:
+            input_address / output_address: the core's input address and this client's
+                output address (``StartedCore``).
+            info: the core's ``EngineCore.info()`` (its ``pid`` is watched).
+
+        Raises:
+            ValueError: ``client_index`` < 0 or ``heartbeat_timeout_s`` <= 0.
+            ProcessLookupError: the core is already gone.
+        """
+        if client_index < 0:
+            raise ValueError(f"client_index must be >= 0, got {client_index}")
+        if not heartbeat_timeout_s > 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
+        process = RemoteCoreProcess(info["pid"])
+        input_socket, context, output_socket = client_sockets(input_address, output_address)
+        return cls(
+            CoreConnection(0, process, input_socket, info),
+            context=context,
+            output_socket=output_socket,
+            ipc_dir="",
+            tokenizer=tokenizer,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            client_index=client_index,
+            owns_core=False,
         )
 
     def attach_metrics(self, make_metrics: Callable[[int], ServerMetrics]) -> list[ServerMetrics]:
@@ -319,8 +293,17 @@ class EngineCoreClient:
         ]
 
     async def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the core (after its current step) and the tasks; open streams fail."""
+        """Stop the core (after its current step; only if this client owns it) and the tasks;
+        open streams fail."""
         process = self.core.process
+        if not self.owns_core:
+            self._die("the API server was shut down", expected=True)
+            for task in self._tasks:
+                task.cancel()
+            self.core.close()
+            process.close()
+            self._output.close()
+            return
         if process.is_alive():
             with contextlib.suppress(zmq.ZMQError):
                 self.core.send(Kind.SHUTDOWN, None)
@@ -376,7 +359,14 @@ class EngineCoreClient:
         self._requests[request_id] = (state, stream)
         self.core.outstanding.add(request_id)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        wire = [request_id, ids, params_to_wire(params), arrival_time, lora_to_wire(lora_request)]
+        wire = [
+            request_id,
+            ids,
+            params_to_wire(params),
+            arrival_time,
+            lora_to_wire(lora_request),
+            self.client_index,
+        ]
         # Before the send: the receive task may read the ack and the first step's outputs
         # before this coroutine resumes, and those outputs must count.
         if self.metrics is not None:
@@ -401,7 +391,7 @@ class EngineCoreClient:
         if self._forget(request_id) is None or self.is_dead:
             return
         with contextlib.suppress(zmq.ZMQError):
-            self.core.send(Kind.ABORT, [request_id])
+            self.core.send(Kind.ABORT, [self.client_index, [request_id]])
         if self.metrics is not None:
             self.metrics.observe_aborted(request_id)
 
@@ -425,7 +415,7 @@ class EngineCoreClient:
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._utility[call_id] = future
-        self.core.send(Kind.UTILITY, [call_id, name, list(args)])
+        self.core.send(Kind.UTILITY, [self.client_index, call_id, name, list(args)])
         try:
             return await asyncio.wait_for(future, timeout)
         finally:
@@ -509,7 +499,7 @@ class EngineCoreClient:
             delivered.append(output)
             if state.finished:
                 if state.needs_core_abort:
-                    self.core.send(Kind.ABORT, [delta.request_id])
+                    self.core.send(Kind.ABORT, [self.client_index, [delta.request_id]])
                 self._forget(delta.request_id)
         if self.metrics is not None:
             self.metrics.observe_step(

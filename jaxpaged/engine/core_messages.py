@@ -6,24 +6,28 @@ crosses. Every message is one msgpack frame, ``[kind, payload]``. numpy arrays t
 msgpack extension (type ``NDARRAY_EXT``) holding ``[dtype.str, shape, raw bytes]``; nothing is
 pickled, so a peer can only ever send data, never code.
 
-API process -> core (``INPUT_*`` kinds):
+API process -> core (``INPUT_*`` kinds); ``client_index`` is the sending API process's index
+among the core's clients (vLLM's ``EngineCoreRequest.client_index``; 0 with one API process):
 
 - ``add``: ``[request_id, prompt_token_ids i32[P], sampling params dict, arrival_time,
-  lora]`` (``EngineCoreRequest``; ``arrival_time`` is ``time.monotonic()``, one clock per
-  host; ``lora`` is None for the base model, else ``[lora_name, lora_int_id, lora_path]``,
-  ``lora_to_wire``).
-- ``abort``: ``[request_id, ...]``.
-- ``utility``: ``[call_id, method name, args list]`` (answered by an ``utility`` output).
-- ``shutdown``: ``None``.
+  lora, client_index]`` (``EngineCoreRequest``; ``arrival_time`` is ``time.monotonic()``, one
+  clock per host; ``lora`` is None for the base model, else ``[lora_name, lora_int_id,
+  lora_path]``, ``lora_to_wire``).
+- ``abort``: ``[client_index, [request_id, ...]]`` (only that client's requests are touched).
+- ``utility``: ``[client_index, call_id, method name, args list]`` (answered by an ``utility``
+  output to that client).
+- ``shutdown``: ``None`` (from the process that started the core).
 
-Core -> API process (``OUTPUT_*`` kinds):
+Core -> API process (``OUTPUT_*`` kinds), on the client's own output socket:
 
 - ``acks``: ``[[request_id, None | [error class name, message, parameter]], ...]`` for every
-  ``add`` applied before a step; an error means the request never entered the engine.
-- ``outputs``: ``[[EngineCoreOutput, ...], stats dict]`` after each step: per request only what
-  is new (DELTA), see ``encode_output``; ``stats`` is ``LLMEngine.get_stats()`` as a dict plus
-  ``num_steps`` and ``scheduled`` (ids that entered the running batch this step), and with
-  LoRA ``max_loras``, ``running_lora_adapters`` and ``waiting_lora_adapters``
+  ``add`` of this client applied before a step; an error means the request never entered the
+  engine.
+- ``outputs``: ``[[EngineCoreOutput, ...], stats dict]`` after each step (client 0: every step;
+  another client: steps with news for it): per request of this client only what is new
+  (DELTA), see ``encode_output``; ``stats`` is ``LLMEngine.get_stats()`` as a dict plus
+  ``num_steps`` and ``scheduled`` (this client's ids that entered the running batch this
+  step), and with LoRA ``max_loras``, ``running_lora_adapters`` and ``waiting_lora_adapters``
   (``jaxpaged.lora.metrics.lora_stats``).
 - ``utility``: ``[call_id, result, error message or None]``.
 - ``heartbeat``: ``None``, every ``HEARTBEAT_INTERVAL_S`` from a thread of the core process.

@@ -2,15 +2,19 @@
 ``jaxpaged bench throughput|latency|serve`` (vLLM's ``vllm bench``).
 
 Every ``EngineArgs`` field is a flag (``--max-model-len``, ``--block-size``, ...), as in vLLM.
-This is the only module that reads ``os.environ`` (``JAXPAGED_API_KEY`` for ``serve``).
+This is the only module that reads ``os.environ`` (``JAXPAGED_API_KEY`` for ``serve``) or sets
+it for child processes (``XLA_PYTHON_CLIENT_MEM_FRACTION``, ``PROMETHEUS_MULTIPROC_DIR``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import shutil
 import sys
+import tempfile
 import time
 import types
 import typing
@@ -52,6 +56,25 @@ def set_jax_memory_fraction(gpu_memory_utilization: float) -> None:
     Library users set the variable themselves before using jax.
     """
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{gpu_memory_utilization:.4f}")
+
+
+@contextlib.contextmanager
+def prometheus_multiproc_dir():
+    """A fresh directory exported as ``PROMETHEUS_MULTIPROC_DIR`` for the block (removed, and
+    the variable restored, after it): prometheus_client's multiprocess mode for the API
+    processes of ``--api-server-count`` (children read it when they import prometheus_client,
+    so it is set before they start)."""
+    path = tempfile.mkdtemp(prefix="jaxpaged-prometheus-")
+    previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    try:
+        yield path
+    finally:
+        if previous is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
@@ -183,6 +206,15 @@ def _add_serve_parser(sub) -> None:
         "--tensor-parallel-size devices, behind this one API server (default: 1)",
     )
     serve.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=1,
+        help="API server processes (HTTP, tokenization, detokenization, streaming) in front of "
+        "the one engine core, sharing one listening port; more keep up with a fast GPU; "
+        ">= 1, and 1 with --data-parallel-size > 1 (default: 1)",
+    )
+    serve.add_argument(
         "--dp-routing",
         default="least_loaded",
         choices=DP_ROUTING_CHOICES,
@@ -210,10 +242,12 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
     """``run_server`` keywords from parsed ``serve`` flags (``environ`` supplies the key).
 
     Raises:
-        ValueError: MODEL and --model disagree, a bad --max-num-queued-requests or
-            --data-parallel-size, or bad --lora-modules (``check_lora_modules``).
+        ValueError: MODEL and --model disagree, a bad --max-num-queued-requests,
+            --data-parallel-size or --api-server-count, or bad --lora-modules
+            (``check_lora_modules``).
     """
     from jaxpaged.config import DEFAULT_MODEL_NAME
+    from jaxpaged.entrypoints.openai.api_server import check_api_server_count
     from jaxpaged.entrypoints.openai.serving_models import check_lora_modules, parse_lora_modules
 
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -227,6 +261,7 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
         )
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    check_api_server_count(args.api_server_count, args.data_parallel_size)
     engine_args = engine_args_from(args)
     served_model_names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     lora_modules = parse_lora_modules(args.lora_modules)
@@ -247,6 +282,7 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
         dp_routing=args.dp_routing,
         uvicorn_log_level=args.uvicorn_log_level,
         lora_modules=lora_modules,
+        api_server_count=args.api_server_count,
     )
 
 
@@ -256,8 +292,10 @@ def _serve(args: argparse.Namespace) -> int:
     options = serve_options(args)
     # The engine core (a child process) inherits the variable; this process never uses JAX.
     set_jax_memory_fraction(options["engine_args"].gpu_memory_utilization)
-    run_server(**options)
-    return 0
+    if options["api_server_count"] == 1:
+        return run_server(**options)
+    with prometheus_multiproc_dir() as metrics_dir:
+        return run_server(**options, multiprocess_metrics_dir=metrics_dir)
 
 
 def _generate(args: argparse.Namespace) -> int:

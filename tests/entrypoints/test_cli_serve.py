@@ -57,6 +57,16 @@ def test_serve_rejects_conflicting_model_and_negative_queue_bound():
         serve_options(_serve_args("--max-num-queued-requests", "-1"), environ={})
 
 
+def test_api_server_count_defaults_to_one_and_refuses_zero_negative_and_data_parallel():
+    assert serve_options(_serve_args(), environ={})["api_server_count"] == 1
+    assert serve_options(_serve_args("-asc", "4"), environ={})["api_server_count"] == 4
+    for bad in ("0", "-2"):
+        with pytest.raises(ValueError, match=f"--api-server-count must be at least 1, got {bad}"):
+            serve_options(_serve_args("--api-server-count", bad), environ={})
+    with pytest.raises(ValueError, match="--api-server-count 2 needs --data-parallel-size 1"):
+        serve_options(_serve_args("--api-server-count", "2", "-dp", "2"), environ={})
+
+
 def test_jaxpaged_serve_without_a_tokenizer_serves_token_ids_and_refuses_text(monkeypatch):
     """``main(["serve", ..., "--skip-tokenizer-init"])`` end to end (engine core process
     included), with uvicorn's blocking ``run`` replaced by a recorder whose app is then served

@@ -1,9 +1,12 @@
 #!/bin/bash
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.
-# Issue 13's job: the same engine offline and behind `jaxpaged serve` (API process + engine-core
+# Issue 13's job: the same engine offline and behind `jaxpaged serve` (API processes + engine-core
 # process), on one H200: Llama-3-8B shape, bf16, dummy weights, max_num_seqs 512, async
-# scheduling. Logs and JSON in $OUT; one table at the end (summarize.py).
+# scheduling. The server runs --api-server-count $API_SERVERS (default 4 of the host's 16 CPU
+# cores; one Python API process cannot stream 16k tok/s). Logs and JSON in $OUT; one table at
+# the end (summarize.py).
 #   bash benchmarks/results/server-split/run.sh           # H200 (about 6-8 minutes)
+#   API_SERVERS=1 bash benchmarks/results/server-split/run.sh   # the one-API-process baseline
 #   bash benchmarks/results/server-split/run.sh --smoke   # CPU, stories260k, tiny counts
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
@@ -12,11 +15,13 @@ mkdir -p "$OUT"
 HERE=benchmarks/results/server-split
 PORT=8011
 if [ "${1:-}" = "--smoke" ]; then
+    API_SERVERS=${API_SERVERS:-2}
     ENGINE="--skip-tokenizer-init --dtype float32 --max-model-len 256 --max-num-seqs 8
         --max-num-batched-tokens 128 --async-scheduling"
     N_SAT=16; IN_SAT=16; OUT_SAT=8; N_RATE=8; RATE=20; IN_RATE=32; OUT_RATE=8
     N_CONC=8; CONC=4; IN_CONC=16; OUT_CONC=8; WAIT=300
 else
+    API_SERVERS=${API_SERVERS:-4}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
     ENGINE="--model benchmarks/configs/llama-3-8b --load-format dummy --skip-tokenizer-init
         --dtype bfloat16 --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 4096
@@ -31,9 +36,10 @@ $CLI bench throughput $ENGINE --dataset-name random --input-len $IN_SAT --output
     --num-prompts $N_SAT --output-json "$OUT/offline.json" > "$OUT/offline.log" 2>&1
 grep -E "Throughput|KV cache" "$OUT/offline.log"
 
-# 2. The server on the same engine configuration.
+# 2. The server on the same engine configuration, with $API_SERVERS API processes.
+echo "api_server_count $API_SERVERS" > "$OUT/server-config.txt"
 python3 -m jaxpaged.entrypoints.openai.api_server --host 127.0.0.1 --port $PORT $ENGINE \
-    --uvicorn-log-level warning > "$OUT/server.log" 2>&1 &
+    --api-server-count $API_SERVERS --uvicorn-log-level warning > "$OUT/server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq $WAIT); do
     python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/health').status_code != 200)" \

@@ -12,6 +12,10 @@ core has died), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GE
 ``Authorization: Bearer <key>`` (401 otherwise), as in vLLM. With ``--skip-tokenizer-init``
 there is no tokenizer: prompts must be token ids and outputs carry no text.
 
+``--api-server-count N`` runs N such processes in front of one engine core, sharing one
+listening socket (``multi_api_server.py``); ``build_app`` then gets the process's index and the
+multiprocess metrics directory.
+
 A client that disconnects has its engine requests aborted: streaming responses through
 Starlette's disconnect listener (which cancels the body iterator), whole responses through
 ``_cancel_on_disconnect``.
@@ -49,7 +53,7 @@ from jaxpaged.entrypoints.openai.serving_models import (
     OpenAIServingModels,
     add_lora_routes,
 )
-from jaxpaged.metrics import ServerMetrics, render_all
+from jaxpaged.metrics import ServerMetrics, render_all, render_multiprocess
 
 
 def build_app(
@@ -62,9 +66,13 @@ def build_app(
     chat_template: str | None = None,
     metrics_prefix: str = "jaxpaged",
     lora_modules: Sequence[LoRAModulePath] = (),
+    api_server_index: int = 0,
+    api_server_count: int = 1,
+    multiprocess_metrics_dir: str | None = None,
 ) -> FastAPI:
-    """The server app over ``client`` (a spawned ``EngineCoreClient``); the client's tasks
-    start with the app's lifespan, and the core is shut down with it.
+    """The server app over ``client`` (a spawned ``EngineCoreClient``, or one connected to a
+    core the parent process started); the client's tasks start with the app's lifespan, and a
+    core the client started is shut down with it.
 
     Args:
         model: the model path, reported as ``root`` by ``/v1/models``.
@@ -77,6 +85,13 @@ def build_app(
             for gateways and autoscalers; ``jaxpaged.metrics``).
         lora_modules: LoRA adapters loaded at start-up (``--lora-modules``; needs an engine
             core built with ``enable_lora``), in the core once the app's lifespan starts.
+        api_server_index / api_server_count: this process's index among the API processes of
+            one engine core (``--api-server-count``). Only index 0 keeps the engine-level
+            metrics; with a count above 1 runtime LoRA loading is refused (HTTP 400: each
+            process has its own adapter list).
+        multiprocess_metrics_dir: the ``PROMETHEUS_MULTIPROC_DIR`` of several API processes;
+            ``/metrics`` then renders every process's values (``render_multiprocess``). None:
+            this process's own registries.
 
     ``app.state.engine`` is the client, ``app.state.metrics`` its ``ServerMetrics``.
 
@@ -94,6 +109,8 @@ def build_app(
             prefix=metrics_prefix,
             engine_index=index,
             max_loras=client.info.get("max_loras") or 0,
+            observes_engine=api_server_index == 0,
+            multiprocess=multiprocess_metrics_dir is not None,
         )
     )
     metrics = engine_metrics[0]
@@ -107,7 +124,9 @@ def build_app(
     )
     completion = OpenAIServingCompletion(**common)
     chat = OpenAIServingChat(**common, chat_template=load_chat_template(chat_template))
-    models = OpenAIServingModels(engine, names, model, max_model_len)
+    models = OpenAIServingModels(
+        engine, names, model, max_model_len, api_server_count=api_server_count
+    )
     models.check_static_loras(lora_modules)
     completion.models = chat.models = models
 
@@ -188,7 +207,11 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        return Response(render_all(engine_metrics), media_type=CONTENT_TYPE_LATEST)
+        if multiprocess_metrics_dir is not None:
+            text = await asyncio.to_thread(render_multiprocess, multiprocess_metrics_dir)
+        else:
+            text = render_all(engine_metrics)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -252,24 +275,55 @@ def run_server(
     dp_routing: str = "least_loaded",
     uvicorn_log_level: str = "info",
     lora_modules: Sequence[LoRAModulePath] = (),
-) -> None:
-    """Start the engine core for ``engine_args`` (``EngineArgs``) and serve until interrupted.
+    api_server_count: int = 1,
+    multiprocess_metrics_dir: str | None = None,
+) -> int:
+    """Start the engine core for ``engine_args`` (``EngineArgs``) and serve until interrupted;
+    returns the exit status (0, or 1 when an API process of several died).
 
     ``host`` None listens on all interfaces (vLLM's default). The tokenizer is loaded here
-    (the API process) unless ``engine_args.skip_tokenizer_init``.
+    (the API process) unless ``engine_args.skip_tokenizer_init``. ``api_server_count`` > 1:
+    that many API processes over one core (``multi_api_server.run_multi_api_server``), whose
+    metrics live in ``multiprocess_metrics_dir`` (``PROMETHEUS_MULTIPROC_DIR``, exported by
+    ``jaxpaged serve``).
 
     Raises:
-        ValueError: invalid engine arguments (checked before the core starts).
+        ValueError: invalid engine arguments (checked before the core starts),
+            ``api_server_count`` < 1 or above 1 with data parallelism or without
+            ``multiprocess_metrics_dir``.
         RuntimeError: the engine core failed to start.
     """
     import uvicorn
 
-    model_config = engine_args.create_engine_config().model_config
-    tokenizer = None
-    if not model_config.skip_tokenizer_init:
-        from transformers import AutoTokenizer
+    app_options = dict(
+        served_model_names=served_model_names,
+        api_key=api_key,
+        chat_template=chat_template,
+        metrics_prefix=metrics_prefix,
+        lora_modules=lora_modules,
+    )
+    if api_server_count != 1 or data_parallel_size != 1:
+        check_api_server_count(api_server_count, data_parallel_size)
+    if api_server_count > 1:
+        from jaxpaged.entrypoints.openai.multi_api_server import run_multi_api_server
 
-        tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
+        if multiprocess_metrics_dir is None:
+            raise ValueError(
+                f"--api-server-count {api_server_count} needs a multiprocess_metrics_dir "
+                "(the PROMETHEUS_MULTIPROC_DIR of the API processes)"
+            )
+        return run_multi_api_server(
+            engine_args,
+            api_server_count=api_server_count,
+            multiprocess_metrics_dir=multiprocess_metrics_dir,
+            host=host,
+            port=port,
+            max_num_queued_requests=max_num_queued_requests,
+            uvicorn_log_level=uvicorn_log_level,
+            app_options=app_options,
+        )
+    model_config = engine_args.create_engine_config().model_config
+    tokenizer = load_tokenizer(model_config)
     spawn_args = dict(tokenizer=tokenizer, max_num_queued_requests=max_num_queued_requests)
     if data_parallel_size == 1 and dp_routing == "least_loaded":
         client = EngineCoreClient.spawn(engine_args, **spawn_args)
@@ -277,17 +331,35 @@ def run_server(
         client = DPEngineCoreClient.spawn(
             engine_args, data_parallel_size=data_parallel_size, dp_routing=dp_routing, **spawn_args
         )
-    app = build_app(
-        client,
-        model=model_config.model,
-        tokenizer=tokenizer,
-        served_model_names=served_model_names,
-        api_key=api_key,
-        chat_template=chat_template,
-        metrics_prefix=metrics_prefix,
-        lora_modules=lora_modules,
-    )
+    app = build_app(client, model=model_config.model, tokenizer=tokenizer, **app_options)
     uvicorn.run(app, host=host or "0.0.0.0", port=port, log_level=uvicorn_log_level)
+    return 0
+
+
+def check_api_server_count(api_server_count: int, data_parallel_size: int = 1) -> None:
+    """Refuse an ``--api-server-count`` below 1, or above 1 with ``--data-parallel-size`` > 1
+    (several API processes serve one engine core here).
+
+    Raises:
+        ValueError: naming the flag, the rule and the value.
+    """
+    if api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {api_server_count}")
+    if api_server_count > 1 and data_parallel_size > 1:
+        raise ValueError(
+            f"--api-server-count {api_server_count} needs --data-parallel-size 1 (several API "
+            f"processes share one engine core), got --data-parallel-size {data_parallel_size}"
+        )
+
+
+def load_tokenizer(model_config):
+    """The API process's tokenizer for ``model_config`` (``ModelConfig``); None with
+    ``skip_tokenizer_init``."""
+    if model_config.skip_tokenizer_init:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_config.tokenizer)
 
 
 if __name__ == "__main__":

@@ -241,6 +241,7 @@ class OpenAIServingChat(OpenAIServing):
         done: set[int] = set()  # choices whose finish_reason was sent (once each)
         echo = self._echo(request)
         final = None
+        head = content_chunk_head(request_id, created, model)
         try:
             for index in range(request.n):
                 yield chunk(
@@ -268,9 +269,16 @@ class OpenAIServingChat(OpenAIServing):
                     sent_tokens[index] = len(completion.token_ids)
                     if finished:
                         done.add(index)
+                    content = (echo if first else "") + delta
+                    if logprobs is None and not continuous_usage:  # the per-token common case
+                        yield content_chunk_sse(
+                            head, index, content, completion.finish_reason,
+                            completion.stop_reason,
+                        )  # fmt: skip
+                        continue
                     choice = ChatCompletionResponseStreamChoice(
                         index=index,
-                        delta=DeltaMessage(content=(echo if first else "") + delta),
+                        delta=DeltaMessage(content=content),
                         logprobs=logprobs,
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
@@ -303,3 +311,27 @@ def _message_dict(message: ChatMessageParam, position: int) -> dict:
     elif content is None:
         data["content"] = ""
     return data
+
+
+# The per-token chunk (content, no logprobs, no usage) is formatted here rather than built as
+# pydantic models, dumped to a dict, filtered and dumped again: 6.5 us against 27.7 us on the
+# (loaded) CPU machine, a chunk per streamed token. Equal byte for byte to ``_stream``'s
+# ``chunk`` (json.dumps' separators and ASCII escapes; tests/entrypoints/openai/test_serving_chat.py).
+_encode = json.JSONEncoder().encode
+
+
+def content_chunk_head(request_id: str, created: int, model: str) -> str:
+    """The start of every ``content_chunk_sse`` event of one response, up to the choice index."""
+    return (
+        f'data: {{"id": {_encode(request_id)}, "object": "chat.completion.chunk", '
+        f'"created": {created}, "model": {_encode(model)}, "choices": [{{"index": '
+    )
+
+
+def content_chunk_sse(head: str, index: int, content: str, finish_reason, stop_reason) -> str:
+    """One streamed chat chunk of one choice's content, without logprobs or usage."""
+    return (
+        f'{head}{index}, "delta": {{"content": {_encode(content)}}}, "logprobs": null, '
+        f'"finish_reason": {_encode(finish_reason)}, "stop_reason": {_encode(stop_reason)}}}]}}'
+        "\n\n"
+    )

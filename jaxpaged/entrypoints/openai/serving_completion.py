@@ -10,6 +10,7 @@ stream ends with ``data: [DONE]``.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -169,6 +170,7 @@ class OpenAIServingCompletion(OpenAIServing):
         # in later outputs, and must not be sent again.
         done: set[int] = set()
         latest: list[RequestOutput | None] = [None] * len(streams)
+        head = text_chunk_head(request_id, created, model)
         try:
             async for prompt_index, output in merge_streams(streams):
                 latest[prompt_index] = output
@@ -200,6 +202,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     sent_tokens[index] = len(completion.token_ids)
                     if finished:
                         done.add(index)
+                    if logprobs is None and not continuous_usage:  # the per-token common case
+                        yield text_chunk_sse(
+                            head, index, prefix + delta, completion.finish_reason,
+                            completion.stop_reason,
+                        )  # fmt: skip
+                        continue
                     chunk = CompletionStreamResponse(
                         id=request_id,
                         created=created,
@@ -233,3 +241,27 @@ class OpenAIServingCompletion(OpenAIServing):
             for stream in streams:
                 stream.close()
         yield SSE_DONE
+
+
+# The per-token chunk (text, no logprobs, no usage) is formatted here, not built as a pydantic
+# model and dumped: 5.6 us against 16.6 us on the (loaded) CPU machine, a chunk per streamed
+# token. Equal byte for byte to ``sse(CompletionStreamResponse(...))``
+# (tests/entrypoints/openai/test_serving_completion.py).
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def text_chunk_head(request_id: str, created: int, model: str) -> str:
+    """The start of every ``text_chunk_sse`` event of one response, up to the choice index."""
+    return (
+        f'data: {{"id":{_encode(request_id)},"object":"text_completion","created":{created},'
+        f'"model":{_encode(model)},"choices":[{{"index":'
+    )
+
+
+def text_chunk_sse(head: str, index: int, text: str, finish_reason, stop_reason) -> str:
+    """``sse(CompletionStreamResponse)`` of one choice's text, without logprobs or usage."""
+    return (
+        f'{head}{index},"text":{_encode(text)},"logprobs":null,'
+        f'"finish_reason":{_encode(finish_reason)},"stop_reason":{_encode(stop_reason)}}}],'
+        '"usage":null}\n\n'
+    )

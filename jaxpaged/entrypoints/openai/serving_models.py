@@ -8,6 +8,11 @@ model (any served name) or a LoRA adapter; ``GET /v1/models`` lists both, adapte
 (vLLM additionally requires ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; here ``--enable-lora`` is
 enough). Answers are vLLM's: plain-text success messages, 400 for an adapter loaded twice or a
 bad adapter directory, 404 for an unknown adapter or model.
+
+With ``--api-server-count`` above 1 each API process keeps its own adapter list, so runtime
+loading and unloading is refused (400 naming the flag; vLLM's ``--api-server-count`` has no
+cross-process adapter list either): adapters are served through ``--lora-modules``, which every
+API process loads at start-up (the engine core registers each adapter once).
 """
 
 from __future__ import annotations
@@ -122,12 +127,21 @@ class OpenAIServingModels:
         base_model_names: the served names of the base model; the first is adapters' parent.
         model_root: the base model's path (``root`` of its cards).
         max_model_len: shown on the cards.
+        api_server_count: API processes over the engine core (``--api-server-count``); above
+            1, runtime adapter loading and unloading is refused.
     """
 
     def __init__(
-        self, engine, base_model_names: Sequence[str], model_root: str, max_model_len: int
+        self,
+        engine,
+        base_model_names: Sequence[str],
+        model_root: str,
+        max_model_len: int,
+        *,
+        api_server_count: int = 1,
     ):
         self.engine = engine
+        self.api_server_count = api_server_count
         self.base_model_names = list(base_model_names)
         self.model_root = model_root
         self.max_model_len = max_model_len
@@ -195,8 +209,10 @@ class OpenAIServingModels:
         """Load an adapter into a running server.
 
         Raises:
-            BadRequestError: empty fields, a name already in use, or a bad adapter (400).
+            BadRequestError: empty fields, a name already in use, a bad adapter, or several
+                API processes (400).
         """
+        self._check_runtime_updates()
         name = body.lora_name
         if not name or not body.lora_path:
             raise BadRequestError("Both 'lora_name' and 'lora_path' must be provided.")
@@ -217,7 +233,9 @@ class OpenAIServingModels:
 
         Raises:
             NotFoundError: no adapter of that name (404).
+            BadRequestError: several API processes (400).
         """
+        self._check_runtime_updates()
         request = self.lora_requests.pop(body.lora_name, None)
         if request is None:
             raise NotFoundError(
@@ -225,6 +243,14 @@ class OpenAIServingModels:
             )
         await self.engine.remove_lora(request.lora_int_id)
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+
+    def _check_runtime_updates(self) -> None:
+        if self.api_server_count > 1:
+            raise BadRequestError(
+                "Loading or unloading LoRA adapters at runtime needs --api-server-count 1 "
+                f"(this server runs {self.api_server_count} API processes, each with its own "
+                "adapter list); serve adapters with --lora-modules instead."
+            )
 
     def _new_request(self, name: str, path: str, base: str | None = None) -> LoRARequest:
         if not self.lora_enabled:

@@ -123,3 +123,36 @@ def test_chat_template_flag_accepts_a_file_or_inline_jinja(tmp_path):
     assert load_chat_template("{% if x %}y{% endif %}") == "{% if x %}y{% endif %}"
     with pytest.raises(ValueError, match="file path or an inline Jinja template"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+@pytest.mark.parametrize("content", [" hello", 'a "q" \\ \n\t\x01\x7f é 😀 \u2028', ""])
+@pytest.mark.parametrize("finish_reason, stop_reason", [(None, None), ("stop", 2), ("stop", "x")])
+def test_formatted_content_chunk_equals_the_pydantic_chunk_byte_for_byte(
+    content, finish_reason, stop_reason
+):
+    """The per-token fast path against the general ``chunk`` of ``_stream``: the models
+    dumped, ``None`` dropped from the delta, no usage, ``json.dumps``."""
+    import json
+
+    from jaxpaged.entrypoints.openai.protocol import (
+        ChatCompletionResponseStreamChoice,
+        ChatCompletionStreamResponse,
+        DeltaMessage,
+    )
+    from jaxpaged.entrypoints.openai.serving_chat import content_chunk_head, content_chunk_sse
+
+    choice = ChatCompletionResponseStreamChoice(
+        index=1,
+        delta=DeltaMessage(content=content),
+        finish_reason=finish_reason,
+        stop_reason=stop_reason,
+    )
+    data = ChatCompletionStreamResponse(
+        id='c-"1"', created=7, model="m/é", choices=[choice]
+    ).model_dump()
+    data["choices"][0]["delta"] = {"content": content}
+    del data["usage"]
+    head = content_chunk_head('c-"1"', 7, "m/é")
+    assert content_chunk_sse(head, 1, content, finish_reason, stop_reason) == (
+        f"data: {json.dumps(data)}\n\n"
+    )

@@ -174,3 +174,27 @@ def test_64_concurrent_streams_get_their_own_outputs_and_free_every_block(server
     assert all(finish == "length" for _, finish in results)
     stats = server.wait_idle()  # checks the block pool's invariants
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
+
+
+TRICKY_TEXTS = [" hello", 'a "q" \\ \n\t\x01\x7f é 😀 \u2028', ""]
+ENDINGS = [(None, None), ("stop", 2), ("stop", "</s>"), ("length", None)]
+
+
+@pytest.mark.parametrize("text", TRICKY_TEXTS)
+@pytest.mark.parametrize("finish_reason, stop_reason", ENDINGS)
+def test_formatted_text_chunk_equals_the_pydantic_chunk_byte_for_byte(
+    text, finish_reason, stop_reason
+):
+    from jaxpaged.entrypoints.openai.protocol import (
+        CompletionResponseStreamChoice,
+        CompletionStreamResponse,
+    )
+    from jaxpaged.entrypoints.openai.serving_completion import text_chunk_head, text_chunk_sse
+    from jaxpaged.entrypoints.openai.serving_engine import sse
+
+    choice = CompletionResponseStreamChoice(
+        index=3, text=text, finish_reason=finish_reason, stop_reason=stop_reason
+    )
+    built = sse(CompletionStreamResponse(id='c-"1"', created=7, model="m/é", choices=[choice]))
+    head = text_chunk_head('c-"1"', 7, "m/é")
+    assert text_chunk_sse(head, 3, text, finish_reason, stop_reason) == built
