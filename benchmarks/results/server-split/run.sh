@@ -8,6 +8,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 #   bash benchmarks/results/server-split/run.sh           # H200 (about 6-8 minutes)
 #   API_SERVERS=1 bash benchmarks/results/server-split/run.sh   # the one-API-process baseline
 #   bash benchmarks/results/server-split/run.sh --smoke   # CPU, stories260k, tiny counts
+#   SATURATION_ONLY=1 ...   # only the server's warm-up and saturation runs (diagnosis); every
+#   run samples `top` once a second during saturation (which process is busy) into $OUT.
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/server-split}
@@ -32,9 +34,9 @@ fi
 CLI="python3 -m jaxpaged.entrypoints.cli"
 
 # 1. Offline: LLM.generate over the whole batch (the engine's ceiling).
-$CLI bench throughput $ENGINE --dataset-name random --input-len $IN_SAT --output-len $OUT_SAT \
+[ "${SATURATION_ONLY:-0}" = 1 ] || $CLI bench throughput $ENGINE --dataset-name random --input-len $IN_SAT --output-len $OUT_SAT \
     --num-prompts $N_SAT --output-json "$OUT/offline.json" > "$OUT/offline.log" 2>&1
-grep -E "Throughput|KV cache" "$OUT/offline.log"
+grep -E "Throughput|KV cache" "$OUT/offline.log" 2>/dev/null
 
 # 2. The server on the same engine configuration, with $API_SERVERS API processes.
 echo "api_server_count $API_SERVERS" > "$OUT/server-config.txt"
@@ -56,8 +58,14 @@ bench() {  # name, then benchmark flags
 }
 bench warmup --num-prompts 64 --random-input-len $IN_SAT --random-output-len $OUT_SAT \
     --request-rate inf
+top -b -d 1 -w 250 > "$OUT/top_saturation.txt" 2>&1 &
+TOP=$!
 bench saturation --num-prompts $N_SAT --random-input-len $IN_SAT --random-output-len $OUT_SAT \
     --request-rate inf
+kill $TOP
+if [ "${SATURATION_ONLY:-0}" = 1 ]; then
+    kill -INT $SERVER; wait $SERVER; exit 0
+fi
 bench rate20 --num-prompts $N_RATE --random-input-len $IN_RATE --random-output-len $OUT_RATE \
     --request-rate $RATE
 bench concurrent16 --num-prompts $N_CONC --random-input-len $IN_CONC \
