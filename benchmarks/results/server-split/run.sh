@@ -58,11 +58,13 @@ bench() {  # name, then benchmark flags
 }
 bench warmup --num-prompts 64 --random-input-len $IN_SAT --random-output-len $OUT_SAT \
     --request-rate inf
+ps -eo pid,cputime,etime,args --sort=-cputime | head -15 > "$OUT/ps_before_saturation.txt"
 top -b -d 1 -w 250 > "$OUT/top_saturation.txt" 2>&1 &
 TOP=$!
 bench saturation --num-prompts $N_SAT --random-input-len $IN_SAT --random-output-len $OUT_SAT \
     --request-rate inf
 kill $TOP
+ps -eo pid,cputime,etime,args --sort=-cputime | head -15 > "$OUT/ps_after_saturation.txt"
 if [ "${SATURATION_ONLY:-0}" = 1 ]; then
     kill -INT $SERVER; wait $SERVER; exit 0
 fi
