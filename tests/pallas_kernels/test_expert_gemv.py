@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.expert_gemv import ExpertGemvTiling, expert_gemv
+from tests.pallas_kernels.test_paged_attention import INTERPRET_MODES
 
-# Interpreted everywhere; compiled (Pallas Triton) where a GPU is present.
-INTERPRET = [
-    True,
-    pytest.param(
-        False,
-        marks=pytest.mark.skipif(
-            jax.default_backend() != "gpu", reason="compiled Pallas (Triton) kernels need a GPU"
-        ),
-    ),
-]
+INTERPRET = INTERPRET_MODES
 NUM_EXPERTS, K, N = 6, 80, 48  # K and N not multiples of the tiles: masked tails
 
 

@@ -7,7 +7,6 @@ logits and the output, the reference multiplying each element. Against float32 K
 the cache's rounding, bounded as in docs/quantization.md.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,7 +26,12 @@ from pallas_kernels.fp8_kv_cache import (
     quantize_kv,
 )
 from pallas_kernels.paged_attention import DecodeTiling, _paged_attention, _split_plan
-from tests.pallas_kernels.test_paged_attention import F32_TOL, assert_close, make_paged_kv
+from tests.pallas_kernels.test_paged_attention import (
+    F32_TOL,
+    INTERPRET_MODES,
+    assert_close,
+    make_paged_kv,
+)
 from tests.pallas_kernels.test_ragged_paged_attention import cu_of, mixed_batch
 
 FP8_DTYPES = [jnp.float8_e4m3fn, jnp.float8_e5m2]
@@ -68,8 +72,7 @@ def check_within_fp8_bound(out, exact, q, k, v, k_deq, v_deq, seq_of_row, lens, 
 
 
 # Interpreted everywhere; compiled (Pallas Triton) where a GPU is present.
-INTERPRET = [True, pytest.param(False, marks=pytest.mark.skipif(
-    jax.default_backend() != "gpu", reason="compiled Pallas (Triton) kernels need a GPU"))]
+INTERPRET = INTERPRET_MODES
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)

@@ -4,7 +4,6 @@ per-token reference and its dense path, on fused (qkv-like, 3 parts) slot layout
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,22 +14,14 @@ from jaxpaged.lora.peft import LoRAAdapter
 from jaxpaged.lora.slots import adapter_slot_arrays
 from models.lora import ProjectionSpec, lora_delta, lora_delta_reference
 from pallas_kernels.lora_bgmv import BGMVTiling, lora_bgmv
+from tests.pallas_kernels.test_paged_attention import INTERPRET_MODES
 
 # in 40 (not a power of two: a masked tail in the K tiles), parts 24 + 8 + 8 = 40 out
 # columns, max rank 8 over 3 parts: C = 24 (no power of two; read as a masked 32-wide tile).
 SPEC = ProjectionSpec(40, (24, 8, 8))
 MAX_RANK = 8
 RANKS = (8, 3, 5)  # one adapter per slot; slot ranks below the max leave zero columns
-# Interpreted everywhere; compiled (Pallas Triton) where a GPU is present.
-INTERPRET = [
-    True,
-    pytest.param(
-        False,
-        marks=pytest.mark.skipif(
-            jax.default_backend() != "gpu", reason="compiled Pallas (Triton) kernels need a GPU"
-        ),
-    ),
-]
+INTERPRET = INTERPRET_MODES
 
 
 def _slots(rng):

@@ -70,6 +70,19 @@ def has_gpu() -> bool:
     return any(d.platform == "gpu" for d in jax.devices())
 
 
+# ``interpret`` values for a kernel test: interpreted everywhere; compiled (Pallas Triton) where a
+# GPU is present.
+INTERPRET_MODES = [
+    True,
+    pytest.param(
+        False,
+        marks=pytest.mark.skipif(
+            jax.default_backend() != "gpu", reason="compiled Pallas (Triton) kernels need a GPU"
+        ),
+    ),
+]
+
+
 def assert_close(actual, expected, tol):
     actual = np.asarray(actual, np.float32)
     assert np.all(np.isfinite(actual)), "kernel output has NaN/inf"
