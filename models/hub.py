@@ -59,6 +59,8 @@ def resolve_model_path(
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id  # a submodule: `import huggingface_hub`
+    # alone does not load it (transformers used to, before jaxpaged imported it lazily)
 
     cache_dir = download_dir or constants.HF_HUB_CACHE
     offline = bool(constants.HF_HUB_OFFLINE)
@@ -67,7 +69,7 @@ def resolve_model_path(
         f"{'offline (HF_HUB_OFFLINE=1)' if offline else 'online'}"
     )
     try:
-        huggingface_hub.utils.validate_repo_id(model)
+        validate_repo_id(model)
     except HFValidationError as error:
         raise ValueError(
             f"model {model!r} does not exist as a local directory and is not a valid Hugging "

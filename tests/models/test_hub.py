@@ -13,6 +13,8 @@ import argparse
 import hashlib
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 from huggingface_hub import constants
@@ -101,6 +103,17 @@ def test_snapshot_without_safetensors_is_refused_unless_dummy(tmp_path, monkeypa
 def test_path_that_is_neither_directory_nor_hub_id(tmp_path):
     with pytest.raises(ValueError, match="does not exist as a local directory.*Hub id"):
         resolve_model_path(str(tmp_path / "no" / "such" / "dir"))
+
+
+def test_path_that_is_neither_directory_nor_hub_id_in_a_fresh_process(tmp_path):
+    """The same error in a fresh interpreter, where nothing else has loaded huggingface_hub's
+    submodules (this suite's other tests import transformers, which does)."""
+    code = f"from jaxpaged import LLM\nLLM({str(tmp_path / 'no' / 'such' / 'dir')!r})"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 1
+    assert "ValueError" in result.stderr and "does not exist as a local directory" in result.stderr
+    assert "AttributeError" not in result.stderr
 
 
 def test_cli_flags_revision_and_download_dir_reach_engine_args():
