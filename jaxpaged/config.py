@@ -16,7 +16,12 @@ from models.attention_backends import ATTENTION_BACKEND_CHOICES
 from models.dtypes import DTYPE_CHOICES
 from models.hub import resolve_model_path
 from models.linear_backends import LINEAR_BACKEND_CHOICES, with_linear_backend
-from models.orbax_metadata import checkpoint_quantization, is_orbax_checkpoint, read_metadata
+from models.orbax_metadata import (
+    check_shard_count,
+    checkpoint_quantization,
+    is_orbax_checkpoint,
+    read_metadata,
+)
 from models.quantization import QUANTIZATION_METHODS
 from models.quantization.config import QuantizationConfig, resolve_quantization
 from models.tp_layout import TPLayout
@@ -332,6 +337,8 @@ class EngineConfig:
                 args.quantization, hf_config_json.get("quantization_config"), args.load_format
             )
         parallel_config = _parallel_config(args, hf_config_json)
+        if args.load_format != "dummy" and is_orbax_checkpoint(model):  # before any process starts
+            check_shard_count(model, read_metadata(model), parallel_config.tensor_parallel_size)
         _check_choice("linear_backend", args.linear_backend, LINEAR_BACKEND_CHOICES)
         quant_config = with_linear_backend(
             quant_config, args.linear_backend,

@@ -37,6 +37,7 @@ from models.orbax_metadata import (  # noqa: F401  (re-exported: the format's na
     FORMAT,
     FORMAT_VERSION,
     MARKER,
+    check_shard_count,
     checkpoint_quantization,
     is_orbax_checkpoint,
     read_metadata,
@@ -192,12 +193,7 @@ def load_orbax_model(
         )
     meta = read_metadata(model_dir)
     tp = 1 if mesh is None else mesh.shape[TP_AXIS]
-    if meta["tensor_parallel_size"] != tp:
-        raise ValueError(
-            f"{model_dir} was converted for tensor_parallel_size="
-            f"{meta['tensor_parallel_size']}, got tensor_parallel_size={tp}; convert it again "
-            f"with --tensor-parallel-size {tp}"
-        )
+    check_shard_count(model_dir, meta, tp)
     hf_config = load_config(model_dir)
     with open(os.path.join(model_dir, "config.json")) as f:
         config_json = json.load(f)

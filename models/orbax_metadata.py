@@ -79,3 +79,17 @@ def checkpoint_quantization(
         return None
     load_format = meta.get("quantization_load_format") or "auto"
     return resolve_quantization(stored, hf_config_json.get("quantization_config"), load_format)
+
+
+def check_shard_count(model_dir: str, meta: Mapping[str, Any], tensor_parallel_size: int) -> None:
+    """Raise unless the converted directory was written for ``tensor_parallel_size`` devices.
+
+    Raises:
+        ValueError: the recorded ``tensor_parallel_size`` differs (both named, and what to do).
+    """
+    if meta["tensor_parallel_size"] != tensor_parallel_size:
+        raise ValueError(
+            f"{model_dir} was converted for tensor_parallel_size="
+            f"{meta['tensor_parallel_size']}, got tensor_parallel_size={tensor_parallel_size}; "
+            f"convert it again with --tensor-parallel-size {tensor_parallel_size}"
+        )

@@ -140,3 +140,17 @@ def test_a_checkpoint_that_does_not_match_the_model_names_the_parameter(stories_
         ValueError, match="load_format must be auto for the orbax checkpoint .* got .dummy."
     ):
         load_orbax_model(str(out), load_format="dummy")
+
+
+def test_a_shard_count_mismatch_is_refused_by_the_config_before_anything_loads(
+    stories_dir, tmp_path
+):
+    """``EngineArgs`` -> ``EngineConfig`` reads the MARKER, so ``jaxpaged serve`` refuses a
+    checkpoint converted for another device count before it starts the engine-core process."""
+    from jaxpaged.config import EngineArgs
+
+    out = tmp_path / "tp2"
+    meta = _marker_only_checkpoint(stories_dir, out)
+    (out / MARKER).write_text(json.dumps({**meta, "tensor_parallel_size": 2}))
+    with pytest.raises(ValueError, match="converted for tensor_parallel_size=2, got .*=1"):
+        EngineArgs(model=str(out)).create_engine_config()
