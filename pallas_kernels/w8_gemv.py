@@ -58,16 +58,17 @@ class W8GemvTiling:
         max_block_t: largest token tile (more tokens take several tiles, each reading all
             the weights again).
         block_n: output features per program.
-        block_k: input features per step (a ``block_n x block_k`` tile is 32 KiB of 8-bit
-            weights at the defaults; with ``num_stages`` = 3, about 120 KiB of shared memory
-            per program with the bfloat16 ``x`` tiles).
+        block_k: input features per step. Shared memory per program, estimated: ``num_stages``
+            x (the 8-bit weight tile, 16 KiB at the defaults, + the ``x`` tile, 8 KiB in
+            bfloat16) + the tile converted to bfloat16 (32 KiB) if Triton's layout change goes
+            through shared memory: about 104 KiB, well under the H200's 227 KiB.
         split_k: K splits (float32 partials summed by XLA); None picks the smallest power of
             two giving about ``_TARGET_PROGRAMS`` programs, at most ``in / (4 * block_k)``.
         num_warps, num_stages: Triton's warps per program and software-pipelining depth.
     """
 
     max_block_t: int = 16
-    block_n: int = 128
+    block_n: int = 64
     block_k: int = 256
     split_k: int | None = None
     num_warps: int = 4
