@@ -14,6 +14,7 @@ all, so the result is the dequantized weight's exactly (at least as accurate as 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import jax
@@ -22,6 +23,7 @@ import numpy as np
 from models.quantization.config import BitsAndBytesConfig
 from models.quantization.packing import matmul
 from models.quantization.stored import TensorSpec, check_stored_tensors
+from models.quantization.w8a8 import use_w8_gemv, weight_only_linear
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 _INV_127 = np.float32(7.874015718698502e-3)  # bitsandbytes' 1 / 127
@@ -79,6 +81,10 @@ def bitsandbytes_linear(x: jax.Array, weight: jax.Array, scb: jax.Array) -> jax.
 
     The int8 -> compute-dtype convert feeds the dot's operand and the row scale ``SCB / 127``
     is applied to the ``[..., out]`` result (one multiply per output instead of per weight).
+    A step that ``models.quantization.w8a8.use_w8_gemv`` accepts runs the weight-only Pallas
+    GEMV with the row scale ``SCB * (1 / 127)`` (the same sum; the scale rounded once more).
     """
+    if use_w8_gemv(math.prod(x.shape[:-1])):
+        return weight_only_linear(x, weight, scb.astype(jax.numpy.float32) * _INV_127)
     y = matmul(x, weight, transposed=True, out_dtype=jax.numpy.float32)
     return (y * scb.astype(jax.numpy.float32) * _INV_127).astype(x.dtype)

@@ -18,16 +18,53 @@ serves the same numbers here as there:
 
 Shapes: ``x: [..., in]`` (``T`` tokens after flattening), ``weight: [out, in]`` as stored,
 ``weight_scale: f32[out]`` (per channel) or ``f32[1]`` (per tensor).
+
+Decode policy (issue 14): a step of at most :data:`W8_GEMV_MAX_TOKENS` tokens on a platform in
+:data:`W8_GEMV_PLATFORMS` skips the activation quantization and runs the weights through the
+weight-only Pallas GEMV (``pallas_kernels.w8_gemv``, :func:`weight_only_linear`), which streams
+8-bit weights faster than XLA's GEMV fusions should. This changes the numbers (activations
+unquantized: closer to the float model than W8A8, not equal to vLLM's W8A8 kernels), so it is
+off (0) until ``benchmarks/results/quantization/microbench.py``'s ``fp8gemv`` / ``int8gemv``
+columns are measured on the H200. The kernel is written for one device: under tensor
+parallelism XLA cannot split it and would gather its operands.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.w8_gemv import w8_gemv
 
 INT8_MAX = 127.0
 FP8_E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 FP8_MIN_SCALE = 1.0 / (FP8_E4M3_MAX * 512.0)  # vLLM's floor on a dynamic FP8 scale
+
+# Steps of at most this many tokens take the weight-only GEMV (module docstring) when the
+# default backend is in ``W8_GEMV_PLATFORMS``. 0: never (the default until measured on the
+# H200). Read while tracing (T is a compiled shape), so a change affects later compilations.
+W8_GEMV_MAX_TOKENS = 0
+W8_GEMV_PLATFORMS = ("gpu",)  # off a GPU the kernel only runs interpreted (tests)
+
+
+def use_w8_gemv(num_tokens: int) -> bool:
+    """Whether a step of ``num_tokens`` tokens takes :func:`weight_only_linear`."""
+    return num_tokens <= W8_GEMV_MAX_TOKENS and jax.default_backend() in W8_GEMV_PLATFORMS
+
+
+def weight_only_linear(x: jax.Array, weight: jax.Array, weight_scale: jax.Array) -> jax.Array:
+    """``x @ (weight * weight_scale).T`` by the Pallas GEMV, ``x`` unquantized.
+
+    ``x: [..., in]`` (float32, bfloat16 or float16), ``weight: i8`` or ``f8e4m3fn[out, in]``,
+    ``weight_scale``: size 1 or ``out``. Returns ``[..., out]`` in ``x.dtype``; interpreted
+    off a GPU. Raises ``ValueError`` as ``pallas_kernels.w8_gemv.w8_gemv``.
+    """
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    scale = weight_scale.astype(jnp.float32).reshape(-1)
+    y = w8_gemv(x2, weight, scale, interpret=jax.default_backend() != "gpu")
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _amax(x: jax.Array, per_token: bool) -> jax.Array:
@@ -113,8 +150,11 @@ def w8a8_linear(
 
     ``weight: i8[out, in]`` (INT8 W8A8) or ``f8e4m3fn[out, in]`` (FP8 W8A8); ``input_scale``:
     a static per-tensor activation scale, None for dynamic scales (per token with
-    ``per_token``). Returns ``[..., out]`` in ``x.dtype``.
+    ``per_token``). Returns ``[..., out]`` in ``x.dtype``. A step that :func:`use_w8_gemv`
+    accepts runs :func:`weight_only_linear` instead (``input_scale`` unused).
     """
+    if use_w8_gemv(math.prod(x.shape[:-1])):
+        return weight_only_linear(x, weight, weight_scale)
     if weight.dtype == jnp.int8:
         x_q, x_scale = quantize_int8(x, input_scale, per_token=per_token)
     elif weight.dtype == jnp.float8_e4m3fn:

@@ -9,6 +9,9 @@ layers in one jitted chain (so weights stream from HBM, not L2), per method and 
 - ``int8``: INT8 W8A8 (``models.quantization.w8a8``);
 - ``fp8w`` / ``int8w``: the same FP8 / INT8 weights used weight-only: converted to bf16 inside
   the dot (XLA may fuse the convert into its GEMM) and scaled after, activations unquantized;
+- ``fp8gemv`` / ``int8gemv``: the same weights through the weight-only Pallas GEMV
+  (``pallas_kernels.w8_gemv``, issue 14; interpret mode on CPU), meant for small T (each token
+  tile of 16 reads the weights again); ``--w8-tiling`` sets its tiles;
 - ``awq``: AWQ GEMM 4-bit, group 128, unpacked from int32 words in the jitted step
   (``models.quantization.awq``);
 - ``int4``: the same values stored as ``jnp.int4 [in, out]`` (XLA's native s4 operand);
@@ -38,10 +41,12 @@ from models.quantization.fp8 import fp8_linear
 from models.quantization.w4a16 import repack_awq
 from models.quantization.w8a8 import FP8_E4M3_MAX, w8a8_linear
 from pallas_kernels.w4a16_matmul import w4a16_matmul
+from pallas_kernels.w8_gemv import W8GemvTiling, w8_gemv
 
 FULL = dict(hidden=4096, q=4096, kv=1024, inter=14336, layers=8)
 SMALL = dict(hidden=256, q=256, kv=64, inter=512, layers=2)
 GROUP = 128
+W8_TILING = [None]  # --w8-tiling (None: the kernel's defaults)
 
 
 def projections(s):
@@ -64,12 +69,12 @@ def make_weights(method, shapes, layers, key):
             g = k // GROUP
             if method == "bf16":
                 layer.append(jax.random.normal(k1, (k, n), jnp.bfloat16) * 0.02)
-            elif method in ("fp8", "fp8w"):
+            elif method in ("fp8", "fp8w", "fp8gemv"):
                 w = jax.random.normal(k1, (n, k), jnp.float32) * 0.02
                 scale = jnp.max(jnp.abs(w)) / FP8_E4M3_MAX
                 layer.append({"weight": (w / scale).astype(jnp.float8_e4m3fn),
                               "weight_scale": scale.reshape(1)})  # fmt: skip
-            elif method in ("int8", "int8w"):
+            elif method in ("int8", "int8w", "int8gemv"):
                 layer.append({"weight": jax.random.randint(k1, (n, k), -127, 128, jnp.int8),
                               "weight_scale": jnp.full((n,), 1e-3, jnp.float32)})  # fmt: skip
             elif method in ("awq", "pallas"):
@@ -93,6 +98,9 @@ def apply(method, x, w):
     if method in ("fp8w", "int8w"):
         y = jnp.dot(x, w["weight"].astype(x.dtype).T, preferred_element_type=jnp.float32)
         return (y * w["weight_scale"].astype(jnp.float32)).astype(x.dtype)
+    if method in ("fp8gemv", "int8gemv"):
+        return w8_gemv(x, w["weight"], w["weight_scale"], tiling=W8_TILING[0],
+                       interpret=jax.default_backend() == "cpu")  # fmt: skip
     if method == "int8":
         return w8a8_linear(x, w["weight"], w["weight_scale"])
     if method == "awq":
@@ -138,7 +146,13 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,256,1024")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--methods", default="bf16,fp8,int8,awq,int4,pallas")
+    parser.add_argument("--w8-tiling", default=None,
+                        help="fp8gemv/int8gemv tiles: block_n,block_k,split_k(0: auto),num_warps,num_stages")  # fmt: skip
     args = parser.parse_args()
+    if args.w8_tiling:
+        bn, bk, sk, nw, ns = map(int, args.w8_tiling.split(","))
+        W8_TILING[0] = W8GemvTiling(block_n=bn, block_k=bk, split_k=sk or None, num_warps=nw,
+                                    num_stages=ns)  # fmt: skip
     s = SMALL if args.small else FULL
     shapes, layers = projections(s), s["layers"]
     rng = np.random.default_rng(0)

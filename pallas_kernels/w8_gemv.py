@@ -1,0 +1,222 @@
+"""Weight-only 8-bit GEMV for decode: ``out = (x @ w.T) * scale`` with ``w`` in FP8 or INT8.
+
+Why (docs/benchmarks.md, issue 14): at batch-1 decode a linear layer only streams its weights,
+so 8-bit weights should take about half bf16's time; XLA's GEMV fusions read 8-bit weights at
+1.3-1.8 TB/s against bf16's 2.5-2.8 TB/s, leaving FP8 at 0.87x bf16 per layer.
+
+Formula: ``out[t, o] = scale[o] * sum_i x[t, i] * float(w[o, i])`` (``scale[0]`` for every
+``o`` when per tensor), the weight layout vLLM's ``Fp8LinearMethod`` and compressed-tensors'
+W8A8 store (``[out, in]``, see ``models.quantization.w8a8``). Only the weights are 8-bit: ``x``
+is used as given (weight-only, not W8A8), each weight tile is converted to ``x``'s dtype in
+registers (exact: every e4m3 value and every int8 is a bfloat16), products are summed in
+float32, and the scale multiplies the sum at the end.
+
+Design (same shape as ``pallas_kernels.expert_gemv``). One ``pallas_call``; the grid is (token
+tiles, output tiles, K splits). A program loads its token tile of ``x`` and its
+``[block_n, block_k]`` weight tile (contiguous along ``in``) per step, and adds
+``x_tile @ w_tile.T`` to a float32 accumulator; with ``split_k > 1`` it covers a
+``1 / split_k`` share of ``in`` and writes a float32 partial, which XLA sums and scales in one
+fusion (a 4096-wide output gives only 32 tiles of 128, too few programs for 132 SMs to pull
+the weights at full bandwidth). Token, K and N tails are masked (padding loads as zero, never
+stored). A second token tile reads every weight again: the kernel is for ``T`` up to
+``max_block_t`` (decode); larger steps belong to XLA's GEMM.
+
+HBM bytes: ``out * in`` weight bytes per token tile, plus ``x``, the partials and the output.
+Tiles: ``W8GemvTiling`` (unmeasured defaults; ``benchmarks/results/quantization/microbench.py``
+``--methods fp8gemv,int8gemv`` times them beside bf16).
+
+Backend: Pallas Triton on GPU (``interpret=True`` on CPU; the e4m3 -> bfloat16 convert needs
+compute capability >= 8.9). Triton's dot needs every dimension >= 16 and power-of-two tiles:
+the token tile is ``T`` rounded up to a power of two, at least 16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.online_softmax import MIN_DOT_DIM
+
+# Programs worth launching: two per SM of an H100/H200 (132 SMs); split_k=None aims for this.
+_TARGET_PROGRAMS = 264
+
+W8_DTYPES = (jnp.float8_e4m3fn, jnp.int8)
+X_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class W8GemvTiling:
+    """Static launch parameters of :func:`w8_gemv` (not yet measured on a GPU).
+
+    Attributes:
+        max_block_t: largest token tile (more tokens take several tiles, each reading all
+            the weights again).
+        block_n: output features per program.
+        block_k: input features per step. Shared memory per program, estimated: ``num_stages``
+            x (the 8-bit weight tile, 16 KiB at the defaults, + the ``x`` tile, 8 KiB in
+            bfloat16) + the tile converted to bfloat16 (32 KiB) if Triton's layout change goes
+            through shared memory: about 104 KiB, well under the H200's 227 KiB.
+        split_k: K splits (float32 partials summed by XLA); None picks the smallest power of
+            two giving about ``_TARGET_PROGRAMS`` programs, at most ``in / (4 * block_k)``.
+        num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+    """
+
+    max_block_t: int = 16
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_TILING = W8GemvTiling()
+
+
+def _w8_gemv_kernel(
+    x_ref,  # [T, K]
+    w_ref,  # [N, K], 8-bit
+    o_ref,  # f32[split_k, T, N]
+    *,
+    block_t: int,
+    block_n: int,
+    block_k: int,
+    steps_per_split: int,
+):
+    num_tokens, k_total = x_ref.shape
+    n_total = w_ref.shape[0]
+    t0 = pl.program_id(0) * block_t
+    n0 = pl.program_id(1) * block_n
+    split = pl.program_id(2)
+    toks = pl.ds(t0, block_t)
+    cols = pl.ds(n0, block_n)
+    t_ok = t0 + lax.broadcasted_iota(jnp.int32, (block_t, 1), 0) < num_tokens
+    n_ok = n0 + lax.broadcasted_iota(jnp.int32, (block_n, 1), 0) < n_total
+    k_iota = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+    first_step = split * steps_per_split
+    num_steps = jnp.minimum(steps_per_split, pl.cdiv(k_total, block_k) - first_step)
+    precision = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)  # IEEE for f32, none for bf16
+
+    def step(i, acc):
+        k0 = (first_step + i) * block_k
+        k_ok = k0 + k_iota < k_total  # [1, block_k]
+        x = pltriton.load(x_ref.at[toks, pl.ds(k0, block_k)], mask=t_ok & k_ok, other=0)
+        w = pltriton.load(w_ref.at[cols, pl.ds(k0, block_k)], mask=n_ok & k_ok, other=0)
+        w = w.astype(x.dtype)  # exact: e4m3 and int8 values are all representable
+        dims = (((1,), (1,)), ((), ()))  # x_tile @ w_tile.T
+        return acc + lax.dot_general(
+            x, w, dims, precision=precision, preferred_element_type=jnp.float32
+        )
+
+    acc = lax.fori_loop(0, num_steps, step, jnp.zeros((block_t, block_n), jnp.float32))
+    n_ok_row = n0 + lax.broadcasted_iota(jnp.int32, (1, block_n), 1) < n_total
+    pltriton.store(o_ref.at[split, toks, cols], acc, mask=t_ok & n_ok_row)
+
+
+def _split_k(tiling: W8GemvTiling, k: int, n_programs: int) -> int:
+    if tiling.split_k is not None:
+        return max(1, min(tiling.split_k, pl.cdiv(k, tiling.block_k)))
+    split, most = 1, max(1, k // (4 * tiling.block_k))
+    while split * 2 <= most and n_programs * split < _TARGET_PROGRAMS:
+        split *= 2
+    return split
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
+def _w8_gemv(x, w, scale, *, interpret, tiling):
+    """The launch; arguments already checked."""
+    (num_tokens, k), n = x.shape, w.shape[0]
+    block_t = min(max(MIN_DOT_DIM, pl.next_power_of_2(num_tokens)), tiling.max_block_t)
+    block_n = min(tiling.block_n, max(MIN_DOT_DIM, pl.next_power_of_2(n)))
+    block_k = min(tiling.block_k, max(MIN_DOT_DIM, pl.next_power_of_2(k)))
+    tiling = dataclasses.replace(tiling, block_k=block_k)
+    grid_tn = (pl.cdiv(num_tokens, block_t), pl.cdiv(n, block_n))
+    split_k = _split_k(tiling, k, grid_tn[0] * grid_tn[1])
+    kernel = functools.partial(
+        _w8_gemv_kernel,
+        block_t=block_t,
+        block_n=block_n,
+        block_k=block_k,
+        steps_per_split=pl.cdiv(pl.cdiv(k, block_k), split_k),
+    )
+
+    def whole(shape):  # every program sees the whole array and masks its own tile
+        return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+    partials = pl.pallas_call(
+        kernel,
+        grid=(*grid_tn, split_k),
+        in_specs=[whole(x.shape), whole(w.shape)],
+        out_specs=whole((split_k, num_tokens, n)),
+        out_shape=jax.ShapeDtypeStruct((split_k, num_tokens, n), jnp.float32),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages
+        ),
+        interpret=interpret,
+        name="w8_gemv",
+    )(x, w)
+    return (jnp.sum(partials, axis=0) * scale.reshape(-1)).astype(x.dtype)
+
+
+def _check(x: jax.Array, w: jax.Array, scale: jax.Array) -> None:
+    if x.ndim != 2 or x.dtype not in X_DTYPES:
+        raise ValueError(
+            f"w8_gemv: x must be [T, in] of float32, bfloat16 or float16, got "
+            f"{x.dtype}{list(x.shape)}"
+        )
+    if w.ndim != 2 or w.shape[1] != x.shape[1] or w.dtype not in W8_DTYPES:
+        raise ValueError(
+            f"w8_gemv: w must be [out, in={x.shape[1]}] of float8_e4m3fn or int8, got "
+            f"{w.dtype}{list(w.shape)}"
+        )
+    if scale.size not in (1, w.shape[0]) or scale.ndim > 2 or scale.dtype != jnp.float32:
+        raise ValueError(
+            f"w8_gemv: scale must be float32 of size 1 (per tensor) or out={w.shape[0]} (per "
+            f"channel), got {scale.dtype}{list(scale.shape)}"
+        )
+
+
+def w8_gemv(
+    x: jax.Array,
+    w: jax.Array,
+    scale: jax.Array,
+    *,
+    tiling: W8GemvTiling | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``(x @ w.T) * scale`` with 8-bit weights converted in registers, ``[T, out]``.
+
+    Args:
+        x: ``[T, in]`` activations, float32, bfloat16 or float16 (used as given: weight-only).
+        w: ``[out, in]`` weights, ``float8_e4m3fn`` or ``int8`` (vLLM's stored layout).
+        scale: ``f32`` of size 1 (per tensor: ``[1]`` or ``[]``) or ``out`` (per channel:
+            ``[out]`` or ``[out, 1]``); the weight is ``w * scale`` along ``out``.
+        tiling: launch parameters; None reads the module's ``DEFAULT_TILING`` (at trace time).
+        interpret: run the Pallas kernel in interpret mode (CPU tests).
+
+    Returns:
+        ``[T, out]`` in ``x.dtype``, accumulated in float32 (float32 inputs at full float32
+        precision, no TF32), scaled in float32, then rounded once.
+
+    Raises:
+        ValueError: ``x`` not a 2-D float array, ``w`` not ``[out, in]`` of an 8-bit dtype,
+            or ``scale`` not float32 of size 1 or ``out`` (each named with its shape and dtype).
+    """
+    _check(x, w, scale)
+    tiling = DEFAULT_TILING if tiling is None else tiling
+    return _w8_gemv(x, w, scale, interpret=bool(interpret), tiling=tiling)
+
+
+def w8_gemv_reference(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
+    """Plain-JAX :func:`w8_gemv` (same arguments and checks): the weights dequantized to
+    float32, one float32 dot at full precision, scaled, cast to ``x.dtype``."""
+    _check(x, w, scale)
+    y = jnp.dot(
+        x.astype(jnp.float32), w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST
+    )
+    return (y * scale.reshape(-1)).astype(x.dtype)
