@@ -225,16 +225,21 @@ def run_load_processes(
         process.start()
         child.close()
         workers.append((parent, process))
-    for parent, _ in workers:
-        if parent.recv() != "ready":
-            raise RuntimeError("a client process failed to start")
+    for i, (parent, _) in enumerate(workers):
+        try:
+            parent.recv()
+        except EOFError:
+            raise RuntimeError(f"client process {i} failed to start") from None
     start = time.perf_counter() + 0.05
     for parent, _ in workers:
         parent.send(start)
     results: list[RequestResult | None] = [None] * len(requests)
     end = start
     for i, (parent, process) in enumerate(workers):
-        share, share_end = parent.recv()
+        try:
+            share, share_end = parent.recv()
+        except EOFError:
+            raise RuntimeError(f"client process {i} exited without its results") from None
         results[i::num_processes] = share
         end = max(end, share_end)
         process.join()
@@ -436,6 +441,13 @@ async def benchmark(args: argparse.Namespace) -> dict:
     if unknown:
         raise ValueError(f"--percentile-metrics: unknown {sorted(unknown)}; use {list(_SECTIONS)}")
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    if args.num_client_processes < 1:
+        raise ValueError(f"--num-client-processes must be >= 1, got {args.num_client_processes}")
+    if args.max_concurrency and args.num_client_processes > args.max_concurrency:
+        raise ValueError(
+            f"--num-client-processes ({args.num_client_processes}) must be <= "
+            f"--max-concurrency ({args.max_concurrency}): each process gets a share of it"
+        )
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     chat = args.backend == "openai-chat" or args.endpoint.endswith("/chat/completions")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -580,9 +592,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.request_rate <= 0 or args.burstiness <= 0:
         print("--request-rate and --burstiness must be positive", file=sys.stderr)
-        return 2
-    if args.num_client_processes < 1:
-        print("--num-client-processes must be at least 1", file=sys.stderr)
         return 2
     _run_loop(benchmark(args))
     return 0

@@ -218,3 +218,6 @@ def test_client_processes_split_the_requests_and_merge_in_order(bench, server):
         len(itl) <= n - 1 for itl, n in zip(metrics["itls"], metrics["output_lens"], strict=True)
     )
     assert metrics["duration"] >= bench.arrival_offsets(6, 100, 1.0, 0)[-1]
+    args.max_concurrency = 1
+    with pytest.raises(ValueError, match="--num-client-processes"):
+        asyncio.run(bench.benchmark(args))
