@@ -6,12 +6,11 @@ once for ``inf``; ``--burstiness`` is the gamma shape of the gaps) with at most
 to the first streamed chunk, ITL every gap between chunks, TPOT ``(latency - TTFT) /
 (output_tokens - 1)``, E2EL the whole request; output tokens come from the server's usage.
 
-The streams are read by ``sse_client.StreamingClient``, which keeps each ``data:`` line's raw
-bytes and arrival time; the JSON is decoded after the run (``decode_result``), so the client
-spends about 20 µs of CPU per event while the load runs instead of about 120 µs through
-``httpx`` (CPU machine; issue 13 in docs/benchmarks.md). Events that arrive in one read share
-one arrival time (an ITL of 0). The event loop is uvloop's when installed.
-``--num-client-processes N`` splits the requests over N processes for loads one cannot read.
+The streams are read by ``sse_client.StreamingClient`` (httpx), which keeps each ``data:``
+line's raw bytes and the arrival time of the read that brought it; the JSON is decoded after the
+run (``decode_result``). Events that arrive in one read share one arrival time (an ITL of 0).
+The event loop is uvloop's when installed. ``--num-client-processes N`` splits the requests over
+N processes for loads one process cannot read (issue 13 in docs/benchmarks.md).
 
 Datasets: ``random`` sends token-id prompts (no tokenizer needed), lengths drawn around
 ``--random-input-len`` / ``--random-output-len`` by ``--random-range-ratio``;
@@ -297,7 +296,7 @@ async def send_request(
     raw = RawResult(request.prompt_len, time.perf_counter())
     try:
         raw.response = await client.post_stream(endpoint, body)
-    except (OSError, EOFError, ValueError, asyncio.LimitOverrunError) as error:
+    except (httpx.HTTPError, OSError, ValueError) as error:
         raw.error = f"{type(error).__name__}: {error}"
     return raw
 

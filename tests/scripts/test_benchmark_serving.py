@@ -105,7 +105,10 @@ _FRAMES = [_SSE[:40], _SSE[40:260], _SSE[260:]]
 
 
 async def _recorded_server(close_after_response: bool):
-    """A loopback HTTP/1.1 server: /ok streams _SSE chunked, /bad answers 400 with a body."""
+    """A loopback HTTP/1.1 server: /ok streams _SSE chunked, /bad answers 400 with a body;
+    ``close_after_response``: each response says ``connection: close`` and the server closes."""
+
+    close = b"connection: close\r\n" if close_after_response else b""
 
     async def handle(reader, writer):
         while True:
@@ -117,12 +120,14 @@ async def _recorded_server(close_after_response: bool):
             await reader.readexactly(length)
             if head.startswith(b"POST /bad"):
                 body = b'{"error": {"message": "max_tokens is too large"}}'
-                writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\n\r\n" % len(body))
+                writer.write(
+                    b"HTTP/1.1 400 Bad Request\r\n%scontent-length: %d\r\n\r\n" % (close, len(body))
+                )
                 writer.write(body)
             else:
                 writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                    b"transfer-encoding: chunked\r\n\r\n"
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n%s"
+                    b"transfer-encoding: chunked\r\n\r\n" % close
                 )
                 wire = b"".join(b"%x\r\n%s\r\n" % (len(f), f) for f in _FRAMES) + b"0\r\n\r\n"
                 for cut in (3, 50, 51, 140, 300, len(wire)):  # cut inside headers and lines
@@ -168,7 +173,7 @@ def _old_path(url: str, chat: bool = False) -> RequestResult:
 
 
 @pytest.mark.parametrize("close_after_response", [False, True])
-def test_lean_stream_path_matches_the_httpx_path(bench, close_after_response):
+def test_raw_stream_path_matches_the_line_by_line_path(bench, close_after_response):
     from jaxpaged.benchmarks.sse_client import StreamingClient
 
     async def run():
