@@ -6,6 +6,12 @@ once for ``inf``; ``--burstiness`` is the gamma shape of the gaps) with at most
 to the first streamed chunk, ITL every gap between chunks, TPOT ``(latency - TTFT) /
 (output_tokens - 1)``, E2EL the whole request; output tokens come from the server's usage.
 
+The streams are read by ``sse_client.StreamingClient`` (httpx), which keeps each ``data:``
+line's raw bytes and the arrival time of the read that brought it; the JSON is decoded after the
+run (``decode_result``). Events that arrive in one read share one arrival time (an ITL of 0).
+The event loop is uvloop's when installed. ``--num-client-processes N`` splits the requests over
+N processes for loads one process cannot read (issue 13 in docs/benchmarks.md).
+
 Datasets: ``random`` sends token-id prompts (no tokenizer needed), lengths drawn around
 ``--random-input-len`` / ``--random-output-len`` by ``--random-range-ratio``;
 ``sharegpt`` reads a ShareGPT-format JSON (``[{"conversations": [{"from": "human", "value":
@@ -20,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
+import multiprocessing
 import random
 import sys
 import time
@@ -30,6 +38,8 @@ from datetime import datetime
 
 import httpx
 import numpy as np
+
+from jaxpaged.benchmarks.sse_client import StreamedResponse, StreamingClient
 
 try:
     from tqdm.asyncio import tqdm
@@ -123,28 +133,149 @@ async def sample_sharegpt_requests(
 
 
 # ---------------------------------------------------------------------------------- traffic
-async def request_arrivals(
-    requests: Sequence[SampleRequest], request_rate: float, burstiness: float, seed: int
-):
-    """Yield requests at Poisson (gamma, for burstiness != 1) intervals; inf: all at once."""
+def arrival_offsets(num: int, request_rate: float, burstiness: float, seed: int) -> np.ndarray:
+    """Send times of ``num`` requests in seconds after the start, float64 ``[num]``: gaps drawn
+    from a gamma with shape k = ``burstiness`` and scale 1/(rate k), so the mean gap is 1/rate
+    (k = 1 is Poisson, k < 1 burstier; vLLM's --burstiness); rate inf: all at 0."""
+    if request_rate == float("inf"):
+        return np.zeros(num)
     rng = np.random.default_rng(seed)
-    for request in requests:
-        yield request
-        if request_rate == float("inf"):
-            continue
-        # Gamma with shape k and scale 1/(rate k) keeps the mean gap at 1/rate; k = 1 is
-        # Poisson, k < 1 burstier (vLLM's --burstiness).
-        await asyncio.sleep(rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness)))
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num)
+    return np.concatenate([[0.0], np.cumsum(gaps[:-1])]) if num else np.zeros(0)
+
+
+@dataclasses.dataclass
+class LoadSpec:
+    """What every request of a run shares (picklable, for the client processes)."""
+
+    base_url: str
+    headers: dict[str, str]
+    endpoint: str
+    chat: bool
+    model: str
+    args: argparse.Namespace
+
+
+async def run_load(
+    spec: LoadSpec,
+    requests: Sequence[SampleRequest],
+    offsets: Sequence[float],
+    max_concurrency: int | None,
+    start: float,
+    bar=None,
+) -> tuple[list[RequestResult], float]:
+    """Send ``requests[i]`` at ``perf_counter()`` time ``start + offsets[i]`` with at most
+    ``max_concurrency`` in flight; returns the decoded results (decoded once the last stream
+    ended) and the ``perf_counter()`` time the last one ended."""
+    client = StreamingClient(spec.base_url, spec.headers)
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def limited(request: SampleRequest) -> RawResult:
+        async with semaphore or contextlib.nullcontext():
+            raw = await send_request(
+                client, spec.endpoint, spec.chat, spec.model, request, spec.args
+            )
+        if bar is not None:
+            bar.update(1)
+        return raw
+
+    tasks = []
+    for request, offset in zip(requests, offsets, strict=True):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(limited(request)))
+    raws = await asyncio.gather(*tasks)
+    end = time.perf_counter()
+    await client.aclose()
+    return [decode_result(raw, spec.chat) for raw in raws], end
+
+
+def _client_process(connection, spec: LoadSpec, requests, offsets, max_concurrency) -> None:
+    """One of ``--num-client-processes``: says ready, waits for the start time, runs its share
+    and sends back ``(results, end)``."""
+    connection.send("ready")
+    start = connection.recv()
+    connection.send(_run_loop(run_load(spec, requests, offsets, max_concurrency, start)))
+    connection.close()
+
+
+def run_load_processes(
+    spec: LoadSpec,
+    requests: Sequence[SampleRequest],
+    offsets: Sequence[float],
+    max_concurrency: int | None,
+    num_processes: int,
+) -> tuple[list[RequestResult], float, float]:
+    """``run_load`` split over ``num_processes`` spawned processes: request i goes to process
+    i mod N with its own send time, so the whole schedule is the one a single process would
+    keep; ``max_concurrency`` is divided among them (the first ``max_concurrency mod N`` get
+    one more). All start at one ``perf_counter()`` time (a system-wide monotonic clock on
+    Linux) once every process is ready. Returns the results in request order, start and end."""
+    context = multiprocessing.get_context("spawn")
+    workers = []
+    for i in range(num_processes):
+        limit = None
+        if max_concurrency:
+            limit = max_concurrency // num_processes + (i < max_concurrency % num_processes)
+        parent, child = context.Pipe()
+        share = (list(requests[i::num_processes]), list(offsets[i::num_processes]), limit)
+        process = context.Process(target=_client_process, args=(child, spec, *share))
+        process.start()
+        child.close()
+        workers.append((parent, process))
+    for i, (parent, _) in enumerate(workers):
+        try:
+            parent.recv()
+        except EOFError:
+            raise RuntimeError(f"client process {i} failed to start") from None
+    start = time.perf_counter() + 0.05
+    for parent, _ in workers:
+        parent.send(start)
+    results: list[RequestResult | None] = [None] * len(requests)
+    end = start
+    for i, (parent, process) in enumerate(workers):
+        try:
+            share, share_end = parent.recv()
+        except EOFError:
+            raise RuntimeError(f"client process {i} exited without its results") from None
+        results[i::num_processes] = share
+        end = max(end, share_end)
+        process.join()
+    return results, start, end
+
+
+def _run_loop(coroutine):
+    """``uvloop.run`` when uvloop is installed (it is a dependency; fewer µs per event), else
+    ``asyncio.run``."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
+
+
+@dataclasses.dataclass
+class RawResult:
+    """A request as received, before decoding: its start (``perf_counter`` seconds) and the
+    response, or the error that stopped it."""
+
+    prompt_len: int
+    start: float
+    response: StreamedResponse | None = None
+    error: str = ""
 
 
 async def send_request(
-    http: httpx.AsyncClient,
+    client: StreamingClient,
     endpoint: str,
     chat: bool,
     model: str,
     request: SampleRequest,
     args: argparse.Namespace,
-) -> RequestResult:
+) -> RawResult:
+    """Stream one request; its events stay undecoded (``decode_result`` reads them after the
+    run, so the JSON decoding costs the client no time while the load runs)."""
     body = {
         "model": model,
         "max_tokens": request.expected_output_len,
@@ -162,45 +293,55 @@ async def send_request(
         body["max_completion_tokens"] = body.pop("max_tokens")
     else:
         body["prompt"] = request.prompt
-    result = RequestResult(prompt_len=request.prompt_len)
-    start = last = time.perf_counter()
-    num_chunks = 0
+    raw = RawResult(request.prompt_len, time.perf_counter())
     try:
-        async with http.stream("POST", endpoint, json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()}"
+        raw.response = await client.post_stream(endpoint, body)
+    except (httpx.HTTPError, OSError, ValueError) as error:
+        raw.error = f"{type(error).__name__}: {error}"
+    return raw
+
+
+def decode_result(raw: RawResult, chat: bool) -> RequestResult:
+    """vLLM's per-request measures from a streamed response: TTFT is the arrival of the first
+    event with ``choices``, ITL each later such event's gap to the one before, E2EL the time to
+    ``[DONE]``; output tokens from the final usage event (else one per event)."""
+    result = RequestResult(prompt_len=raw.prompt_len)
+    response = raw.response
+    if response is None:
+        result.error = raw.error
+        return result
+    if response.status != 200:
+        result.error = f"HTTP {response.status}: {response.body.decode(errors='replace')}"
+        return result
+    last = raw.start
+    num_chunks = 0
+    texts = []
+    try:
+        for arrival, payload in response.events:
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                result.error = chunk["error"].get("message", str(chunk["error"]))
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line.removeprefix("data: ")
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = chunk["error"].get("message", str(chunk["error"]))
-                    return result
-                now = time.perf_counter()
-                if chunk.get("choices"):
-                    choice = chunk["choices"][0]
-                    text = (
-                        (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    )
-                    if num_chunks == 0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    num_chunks += 1
-                    result.generated_text += text or ""
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-        result.latency = time.perf_counter() - start
-        if not result.output_tokens:
-            result.output_tokens = num_chunks  # no usage: about one token per chunk
-        result.success = True
-    except (httpx.HTTPError, json.JSONDecodeError) as error:
-        result.error = f"{type(error).__name__}: {error}"
+            if chunk.get("choices"):
+                choice = chunk["choices"][0]
+                text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                if num_chunks == 0:
+                    result.ttft = arrival - raw.start
+                else:
+                    result.itl.append(arrival - last)
+                last = arrival
+                num_chunks += 1
+                texts.append(text or "")
+            if chunk.get("usage"):
+                result.output_tokens = chunk["usage"]["completion_tokens"]
+    except json.JSONDecodeError as error:
+        result.error = f"JSONDecodeError: {error}"
+        return result
+    result.generated_text = "".join(texts)
+    result.latency = response.end - raw.start
+    if not result.output_tokens:
+        result.output_tokens = num_chunks  # no usage: about one token per chunk
+    result.success = True
     return result
 
 
@@ -299,13 +440,20 @@ async def benchmark(args: argparse.Namespace) -> dict:
     if unknown:
         raise ValueError(f"--percentile-metrics: unknown {sorted(unknown)}; use {list(_SECTIONS)}")
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    if args.num_client_processes < 1:
+        raise ValueError(f"--num-client-processes must be >= 1, got {args.num_client_processes}")
+    if args.max_concurrency and args.num_client_processes > args.max_concurrency:
+        raise ValueError(
+            f"--num-client-processes ({args.num_client_processes}) must be <= "
+            f"--max-concurrency ({args.max_concurrency}): each process gets a share of it"
+        )
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     chat = args.backend == "openai-chat" or args.endpoint.endswith("/chat/completions")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(
         base_url=base_url, headers=headers, timeout=httpx.Timeout(None), limits=limits
-    ) as http:
+    ) as http:  # the set-up requests; the benchmark's streams go through StreamingClient
         model = args.served_model_name or args.model
         if model is None:
             models = (await http.get("/v1/models")).raise_for_status().json()
@@ -314,37 +462,27 @@ async def benchmark(args: argparse.Namespace) -> dict:
         if chat:
             requests = [await _as_text(http, model, r) for r in requests]
 
-        print("Starting initial single prompt test run...")
-        warmup = await send_request(http, args.endpoint, chat, model, requests[0], args)
-        if not warmup.success:
-            raise RuntimeError(f"the warm-up request failed: {warmup.error}")
-        print("Initial test run completed. Starting main benchmark run...")
-        print(f"Traffic request rate: {args.request_rate}, burstiness: {args.burstiness}")
-        print(f"Maximum request concurrency: {args.max_concurrency}")
-
-        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    spec = LoadSpec(base_url, headers, args.endpoint, chat, model, args)
+    print("Starting initial single prompt test run...")
+    warmup, _ = await run_load(spec, requests[:1], [0.0], None, time.perf_counter())
+    if not warmup[0].success:
+        raise RuntimeError(f"the warm-up request failed: {warmup[0].error}")
+    print("Initial test run completed. Starting main benchmark run...")
+    print(f"Traffic request rate: {args.request_rate}, burstiness: {args.burstiness}")
+    print(f"Maximum request concurrency: {args.max_concurrency}")
+    offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, args.seed)
+    if args.num_client_processes > 1:
+        results, start, end = await asyncio.to_thread(
+            run_load_processes, spec, requests, offsets, args.max_concurrency,
+            args.num_client_processes,
+        )  # fmt: skip
+    else:
         bar = None if args.disable_tqdm or tqdm is None else tqdm(total=len(requests))
-
-        async def limited(request: SampleRequest) -> RequestResult:
-            if semaphore is None:
-                result = await send_request(http, args.endpoint, chat, model, request, args)
-            else:
-                async with semaphore:
-                    result = await send_request(http, args.endpoint, chat, model, request, args)
-            if bar is not None:
-                bar.update(1)
-            return result
-
         start = time.perf_counter()
-        tasks = []
-        async for request in request_arrivals(
-            requests, args.request_rate, args.burstiness, args.seed
-        ):
-            tasks.append(asyncio.create_task(limited(request)))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        results, end = await run_load(spec, requests, offsets, args.max_concurrency, start, bar)
         if bar is not None:
             bar.close()
+    duration = end - start
 
     metrics = calculate_metrics(results, duration, percentiles)
     print(format_result(metrics, percentile_metrics, percentiles))
@@ -441,6 +579,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--result-dir", default=None)
     parser.add_argument("--result-filename", default=None)
     parser.add_argument("--disable-tqdm", action="store_true")
+    parser.add_argument(
+        "--num-client-processes", type=int, default=1,
+        help="split the requests over N client processes (same send schedule, metrics over all "
+        "requests; --max-concurrency is divided among them); for loads one process cannot read",
+    )  # fmt: skip
     return parser
 
 
@@ -449,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.request_rate <= 0 or args.burstiness <= 0:
         print("--request-rate and --burstiness must be positive", file=sys.stderr)
         return 2
-    asyncio.run(benchmark(args))
+    _run_loop(benchmark(args))
     return 0
 
 

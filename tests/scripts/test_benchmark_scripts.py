@@ -201,8 +201,21 @@ def test_profile_step_traces_a_window_and_refuses_one_the_run_never_reaches(
     from scripts import profile_step
 
     trace_dir = tmp_path / "trace"
-    flags = ["--model", tiny_model, *ENGINE_FLAGS, "--workload", "latency", "--input-len", "8",
-             "--output-len", "6", "--latency-iters", "1", "--trace-dir", str(trace_dir)]
+    flags = [
+        "--model",
+        tiny_model,
+        *ENGINE_FLAGS,
+        "--workload",
+        "latency",
+        "--input-len",
+        "8",
+        "--output-len",
+        "6",
+        "--latency-iters",
+        "1",
+        "--trace-dir",
+        str(trace_dir),
+    ]
     out = tmp_path / "profile.json"
     assert profile_step.main([*flags, "--trace-steps", "2", "--output-json", str(out)]) == 0
     first = json.loads(out.read_text())["trace"]

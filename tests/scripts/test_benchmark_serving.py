@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import numpy as np
 import pytest
 
+from jaxpaged.benchmarks.serving import RequestResult
 from tests.live_server import API_KEY
 
 
@@ -89,3 +91,138 @@ def test_sharegpt_chat_benchmark_with_poisson_arrivals(bench, server, tmp_path):
     assert metrics["completed"] == 5
     assert metrics["total_output_tokens"] == 15
     assert min(metrics["input_lens"]) > 4  # "Hi" is filtered out (< 4 tokens)
+
+
+# A recorded completions stream (the events `jaxpaged serve` sends), written in chunked frames
+# that split an event, a frame header and a line ending across TCP writes, with pauses, and
+# two events inside one frame.
+_EVENTS = [
+    {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": t}]}
+    for t in ("Once", " upon", " a", " time", "")
+] + [{"id": "c", "object": "text_completion", "choices": [], "usage": {"completion_tokens": 5}}]
+_SSE = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in _EVENTS) + b"data: [DONE]\n\n"
+_FRAMES = [_SSE[:40], _SSE[40:260], _SSE[260:]]
+
+
+async def _recorded_server(close_after_response: bool):
+    """A loopback HTTP/1.1 server: /ok streams _SSE chunked, /bad answers 400 with a body;
+    ``close_after_response``: each response says ``connection: close`` and the server closes."""
+
+    close = b"connection: close\r\n" if close_after_response else b""
+
+    async def handle(reader, writer):
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            if head.startswith(b"POST /bad"):
+                body = b'{"error": {"message": "max_tokens is too large"}}'
+                writer.write(
+                    b"HTTP/1.1 400 Bad Request\r\n%scontent-length: %d\r\n\r\n" % (close, len(body))
+                )
+                writer.write(body)
+            else:
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n%s"
+                    b"transfer-encoding: chunked\r\n\r\n" % close
+                )
+                wire = b"".join(b"%x\r\n%s\r\n" % (len(f), f) for f in _FRAMES) + b"0\r\n\r\n"
+                for cut in (3, 50, 51, 140, 300, len(wire)):  # cut inside headers and lines
+                    writer.write(wire[:cut])
+                    wire = wire[cut:]
+                    await writer.drain()
+                    await asyncio.sleep(0.01)
+            await writer.drain()
+            if close_after_response:
+                break
+        writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def _old_path(url: str, chat: bool = False) -> RequestResult:
+    """The reference: the benchmark's former path, httpx's aiter_lines and a JSON decode per
+    event, timing each event as it is decoded."""
+    import httpx
+
+    async def run():
+        result = RequestResult()
+        start = last = time.perf_counter()
+        async with httpx.AsyncClient() as http, http.stream("POST", url, json={}) as response:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    result.generated_text += chunk["choices"][0]["text"]
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+        result.latency = time.perf_counter() - start
+        return result
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("close_after_response", [False, True])
+def test_raw_stream_path_matches_the_line_by_line_path(bench, close_after_response):
+    from jaxpaged.benchmarks.sse_client import StreamingClient
+
+    async def run():
+        server = await _recorded_server(close_after_response)
+        port = server.sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        client = StreamingClient(url, {"Authorization": "Bearer k"})
+        raws = []
+        for path in ("/ok", "/ok", "/bad", "/ok"):  # reuses (or reopens) the connection
+            raw = bench.RawResult(prompt_len=3, start=time.perf_counter())
+            raw.response = await client.post_stream(path, {"prompt": [1, 2, 3]})
+            raws.append(raw)
+        old = await asyncio.to_thread(_old_path, url + "/ok")
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+        return raws, old
+
+    raws, old = asyncio.run(run())
+    bad = bench.decode_result(raws[2], chat=False)
+    assert not bad.success and bad.error.startswith("HTTP 400: ") and "too large" in bad.error
+    for raw in raws[:2] + raws[3:]:
+        new = bench.decode_result(raw, chat=False)
+        assert new.success and new.prompt_len == 3
+        assert new.generated_text == old.generated_text == "Once upon a time"
+        assert new.output_tokens == old.output_tokens == 5
+        assert len(new.itl) == len(old.itl) == 4  # five content events, the usage one excluded
+        assert 0 < new.ttft < new.ttft + sum(new.itl) <= new.latency
+        assert sum(new.itl) >= 0.009  # a 10 ms pause between writes shows in a gap
+
+
+def test_client_processes_split_the_requests_and_merge_in_order(bench, server):
+    args = bench.build_parser().parse_args(
+        [
+            "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "6",
+            "--random-input-len", "6", "--random-output-len", "3", "--random-range-ratio", "0.5",
+            "--ignore-eos", "--request-rate", "100", "--num-client-processes", "2",
+            "--max-concurrency", "3", "--disable-tqdm",
+        ]
+    )  # fmt: skip
+    metrics = asyncio.run(bench.benchmark(args))
+    expected = bench.sample_random_requests(6, 6, 3, 0.5, 0, 500, np.random.default_rng(0))
+    assert metrics["completed"] == 6 and metrics["failed"] == 0
+    assert metrics["input_lens"] == [r.prompt_len for r in expected]  # request order kept
+    assert metrics["output_lens"] == [r.expected_output_len for r in expected]
+    assert all(
+        len(itl) <= n - 1 for itl, n in zip(metrics["itls"], metrics["output_lens"], strict=True)
+    )
+    assert metrics["duration"] >= bench.arrival_offsets(6, 100, 1.0, 0)[-1]
+    args.max_concurrency = 1
+    with pytest.raises(ValueError, match="--num-client-processes"):
+        asyncio.run(bench.benchmark(args))

@@ -16,15 +16,19 @@ def _trace() -> list[dict]:
         {"ph": "M", "pid": gpu, "name": "process_name", "args": {"name": "/device:GPU:0"}},
         {"ph": "M", "pid": host, "name": "process_name", "args": {"name": "/host:CPU"}},
         {"ph": "M", "pid": gpu, "tid": 1, "name": "thread_name", "args": {"name": "XLA Modules"}},
-        {"ph": "M", "pid": gpu, "tid": 2, "name": "thread_name",
-         "args": {"name": "Stream #14(Compute)"}},
+        {
+            "ph": "M",
+            "pid": gpu,
+            "tid": 2,
+            "name": "thread_name",
+            "args": {"name": "Stream #14(Compute)"},
+        },
         {"ph": "M", "pid": gpu, "tid": 3, "name": "thread_name", "args": {"name": "XLA Ops"}},
         {"ph": "M", "pid": host, "tid": 9, "name": "thread_name", "args": {"name": "python"}},
     ]
 
     def x(pid, tid, name, ts, dur, **args):
-        return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur,
-                "args": args}
+        return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur, "args": args}
 
     events = [
         # step 1: [100, 200); kernels overlap at 110-130 and leave gaps.
@@ -86,19 +90,42 @@ def _stream_only(kernel_names_per_step: list[list[str]], graphs: bool) -> list[d
     """
     events = [
         {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/device:GPU:0"}},
-        {"ph": "M", "pid": 3, "tid": 4, "name": "thread_name",
-         "args": {"name": "Stream #14(Compute)"}},
+        {
+            "ph": "M",
+            "pid": 3,
+            "tid": 4,
+            "name": "thread_name",
+            "args": {"name": "Stream #14(Compute)"},
+        },
     ]
     launch = iter(range(1000, 2000))
     for step, names in enumerate(kernel_names_per_step):
         graph = next(launch)
         for i, name in enumerate(names):
             args = {"correlation_id": str(graph if graphs else next(launch))}
-            events.append({"ph": "X", "pid": 3, "tid": 4, "name": name,
-                           "ts": 100 * step + 15 * i, "dur": 10, "args": args})
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": 3,
+                    "tid": 4,
+                    "name": name,
+                    "ts": 100 * step + 15 * i,
+                    "dur": 10,
+                    "args": args,
+                }
+            )
         if graphs:
-            events.append({"ph": "X", "pid": 3, "tid": 4, "name": "Memset", "ts": 100 * step + 2,
-                           "dur": 1, "args": {"correlation_id": str(next(launch))}})
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": 3,
+                    "tid": 4,
+                    "name": "Memset",
+                    "ts": 100 * step + 2,
+                    "dur": 1,
+                    "args": {"correlation_id": str(next(launch))},
+                }
+            )
     return events
 
 

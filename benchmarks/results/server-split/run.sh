@@ -10,6 +10,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 #   bash benchmarks/results/server-split/run.sh --smoke   # CPU, stories260k, tiny counts
 #   SATURATION_ONLY=1 ...   # only the server's warm-up and saturation runs (diagnosis); every
 #   run samples `top` once a second during saturation (which process is busy) into $OUT.
+# The saturation run's load comes from $CLIENTS benchmark processes (default 4;
+# --num-client-processes), so the client is not what it measures (issue 13); CLIENTS=1 for one.
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/server-split}
@@ -39,7 +41,7 @@ CLI="python3 -m jaxpaged.entrypoints.cli"
 grep -E "Throughput|KV cache" "$OUT/offline.log" 2>/dev/null
 
 # 2. The server on the same engine configuration, with $API_SERVERS API processes.
-echo "api_server_count $API_SERVERS" > "$OUT/server-config.txt"
+echo "api_server_count $API_SERVERS client_processes ${CLIENTS:-4}" > "$OUT/server-config.txt"
 python3 -m jaxpaged.entrypoints.openai.api_server --host 127.0.0.1 --port $PORT $ENGINE \
     --api-server-count $API_SERVERS --uvicorn-log-level warning > "$OUT/server.log" 2>&1 &
 SERVER=$!
@@ -62,7 +64,7 @@ ps -eo pid,cputime,etime,args --sort=-cputime | head -15 > "$OUT/ps_before_satur
 top -b -d 1 -w 250 > "$OUT/top_saturation.txt" 2>&1 &
 TOP=$!
 bench saturation --num-prompts $N_SAT --random-input-len $IN_SAT --random-output-len $OUT_SAT \
-    --request-rate inf
+    --request-rate inf --num-client-processes ${CLIENTS:-4}
 kill $TOP
 ps -eo pid,cputime,etime,args --sort=-cputime | head -15 > "$OUT/ps_after_saturation.txt"
 if [ "${SATURATION_ONLY:-0}" = 1 ]; then
