@@ -20,7 +20,6 @@ transformers.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import importlib.metadata
 import json
@@ -39,9 +38,9 @@ _DEPRECATED_ALIASES = frozenset({"torch_dtype", "use_return_dict"})
 
 
 class CachedConfig:
-    """A stored HF config: attribute reads (``getattr`` with or without default, ``vars``,
-    ``copy.deepcopy`` plus attribute writes) behave as on the ``PreTrainedConfig`` it was taken
-    from, except that the dtype is a name (``"bfloat16"``, not ``torch.bfloat16``).
+    """A stored HF config: attribute reads (``getattr`` with or without default, ``vars``),
+    attribute writes, ``copy.deepcopy`` and pickle behave as on the ``PreTrainedConfig`` it was
+    taken from, except that the dtype is a name (``"bfloat16"``, not ``torch.bfloat16``).
 
     Reads follow transformers' order: an ``attribute_map`` alias first, then the instance
     attributes, then the stored property values (a snapshot: they do not follow later writes).
@@ -70,12 +69,10 @@ class CachedConfig:
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, self._attribute_map.get(name, name), value)
 
-    def __deepcopy__(self, memo: dict) -> CachedConfig:
-        return CachedConfig(
-            self.class_name,
-            copy.deepcopy(vars(self), memo),
-            copy.deepcopy(self._properties, memo),
-            dict(self._attribute_map),
+    def __reduce__(self):  # copy.deepcopy (models.sharding.tp_model_config) and pickle
+        return (
+            CachedConfig,
+            (self.class_name, dict(vars(self)), self._properties, self._attribute_map),
         )
 
     def __repr__(self) -> str:
@@ -122,7 +119,7 @@ def read_cached_config(model_dir: str, cache_dir: str) -> CachedConfig | None:
             {name: _decode(value) for name, value in entry["properties"].items()},
             entry["attribute_map"],
         )
-    except (KeyError, TypeError, AttributeError) as error:
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         logger.warning("ignoring the malformed config cache entry %s: %s", path, error)
         return None
 

@@ -162,7 +162,12 @@ def test_model_reads_the_same_values(config_dirs, tmp_path, name):
     assert {"architectures", "hidden_size", "vocab_size"} <= checked.reads
     # Equal static structure (every config-derived module attribute).
     assert nnx.graphdef(ours) == nnx.graphdef(theirs)
-    # What the worker and the tensor-parallel loader read besides the model.
+    # What the worker, the LoRA manager and the tensor-parallel loader read besides the model.
+    model_class = get_model_class(reference)
+    if "lora_projection_specs" in vars(model_class):
+        assert model_class.lora_projection_specs(checked) == model_class.lora_projection_specs(
+            reference
+        )
     for config in (cached, reference):
         assert int(config.num_hidden_layers) and int(config.vocab_size)
     for tp in (1, 2, 4):
