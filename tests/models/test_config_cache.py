@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import json
 import os
 import shutil
@@ -201,12 +202,9 @@ def test_changed_config_misses(tmp_path):
     assert read_cached_config(str(model_dir), str(cache)).num_hidden_layers == 3
     # Another transformers release: another key.
     key = config_cache.config_cache_key(str(model_dir))
-    version = config_cache.importlib.metadata.version
-    try:
-        config_cache.importlib.metadata.version = lambda name: "0.0.0"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(importlib.metadata, "version", lambda name: "0.0.0")
         assert config_cache.config_cache_key(str(model_dir)) != key
-    finally:
-        config_cache.importlib.metadata.version = version
     # A corrupt entry is ignored (and rewritten by the next read through transformers).
     entry = cache / "hf_configs" / f"{key}.json"
     entry.write_text("{not json")
