@@ -164,6 +164,7 @@ def load_orbax_model(
     interpret: bool = False,
     seed: int = 0,
     quant_config: QuantizationConfig | None = None,
+    hf_config: Any = None,
 ) -> tuple[nnx.Module, transformers.PretrainedConfig]:
     """``models.weights.load_model`` / ``load_sharded_model`` for a converted directory.
 
@@ -174,6 +175,7 @@ def load_orbax_model(
         dtype, attention_backend, interpret, seed: as ``load_model``; a dtype other than the
             checkpoint's is cast by orbax while reading.
         load_format: "auto" (the only format of a converted directory).
+        hf_config: the directory's config when already read (``load_config``); None: read here.
         quant_config: the quantization the directory was converted with (the engine resolves it
             in ``jaxpaged.config``); None: read it from the directory
             (``models.orbax_metadata.checkpoint_quantization``). Quantized tensors restore in
@@ -194,7 +196,8 @@ def load_orbax_model(
     meta = read_metadata(model_dir)
     tp = 1 if mesh is None else mesh.shape[TP_AXIS]
     check_shard_count(model_dir, meta, tp)
-    hf_config = load_config(model_dir)
+    if hf_config is None:
+        hf_config = load_config(model_dir)
     with open(os.path.join(model_dir, "config.json")) as f:
         config_json = json.load(f)
     recorded = checkpoint_quantization(model_dir, meta, config_json)

@@ -84,6 +84,7 @@ def load_sharded_model(
     interpret: bool = False,
     seed: int = 0,
     quant_config: QuantizationConfig | None = None,
+    hf_config: Any = None,
 ) -> tuple[nnx.Module, transformers.PretrainedConfig]:
     """``models.weights.load_model`` for a ``("tp",)`` mesh: same arguments plus ``mesh``.
 
@@ -104,7 +105,8 @@ def load_sharded_model(
     """
     if load_format not in _LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(_LOAD_FORMATS)}, got {load_format!r}")
-    hf_config = load_config(model_dir)
+    if hf_config is None:
+        hf_config = load_config(model_dir)
     model_class = get_model_class(hf_config)
     resolved = resolve_dtype(dtype, hf_config)
     layout = TPLayout.from_hf_config(hf_config, mesh.shape[TP_AXIS])

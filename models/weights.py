@@ -27,6 +27,7 @@ import numpy as np
 import safetensors
 from flax import nnx
 
+from models.config_cache import read_cached_config, write_cached_config
 from models.dtypes import DTYPES as _DTYPES
 from models.merged_linear import MergedColumnParallelLinear
 from models.quantization.config import QuantizationConfig, resolve_quantization
@@ -407,8 +408,11 @@ def _dummy_state(flat_state: Any, dtype: jnp.dtype, seed: int) -> list:
     return filled
 
 
-def load_config(model_dir: str) -> transformers.PretrainedConfig:
-    """``AutoConfig`` of a local model directory (no network).
+def load_config(model_dir: str, cache_dir: str | None = None) -> Any:
+    """The HF config of a local model directory (no network): ``AutoConfig``'s, or with
+    ``cache_dir`` the one stored there by an earlier call for the same ``config.json``
+    (``models.config_cache.CachedConfig``, read without importing transformers); a config read
+    with transformers is then stored for the next start.
 
     Raises:
         ValueError: the directory or its ``config.json`` does not exist.
@@ -418,10 +422,16 @@ def load_config(model_dir: str) -> transformers.PretrainedConfig:
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"model directory {model_dir} has no config.json ({config_path})")
+    if cache_dir is not None:
+        cached = read_cached_config(model_dir, cache_dir)
+        if cached is not None:
+            return cached
     import transformers  # seconds (it imports PyTorch when installed): only when needed
 
-    return transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
-
+    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    if cache_dir is not None:
+        write_cached_config(model_dir, cache_dir, config)
+    return config
 
 
 def abstract_model(
@@ -496,6 +506,7 @@ def load_model(
     interpret: bool = False,
     seed: int = 0,
     quant_config: QuantizationConfig | None = None,
+    hf_config: Any = None,
 ) -> tuple[nnx.Module, transformers.PretrainedConfig]:
     """Builds the model for ``model_dir`` and fills its weights.
 
@@ -514,6 +525,8 @@ def load_model(
             tensors quantized on the device (``models.quantized_weights``); with
             ``load_format="dummy"`` online methods quantize random float weights and
             pre-quantized formats get random stored tensors of the checkpoint's shapes.
+        hf_config: the directory's config when the caller already read it (``load_config``,
+            possibly a ``models.config_cache.CachedConfig``); None: read here.
 
     Returns:
         ``(model, hf_config)``; the model is an ``nnx.Module`` whose parameters are jax arrays
@@ -527,7 +540,8 @@ def load_model(
     """
     if load_format not in _LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(_LOAD_FORMATS)}, got {load_format!r}")
-    hf_config = load_config(model_dir)
+    if hf_config is None:
+        hf_config = load_config(model_dir)
     model_class = get_model_class(hf_config)
     resolved = resolve_dtype(dtype, hf_config)
     quant_config = model_quantization(hf_config, quant_config, load_format)

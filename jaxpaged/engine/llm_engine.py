@@ -28,8 +28,10 @@ from jaxpaged.outputs import RequestOutput
 from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
 from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from jaxpaged.worker.compilation_cache import cache_root
 from jaxpaged.worker.model_runner import PendingStep
 from jaxpaged.worker.worker import Worker
+from models.config_cache import read_cached_config
 from models.weights import load_config
 
 logger = logging.getLogger(__name__)
@@ -50,15 +52,29 @@ class LLMEngine:
         mc, cc = config.model_config, config.cache_config
         # Seconds per start-up phase, logged as one line at the end (engine/startup.py).
         self.startup = StartupTimer()
+        # The resolved HF config of an earlier start (models.config_cache), beside the
+        # compilation cache and on with it: without a tokenizer, a hit needs no transformers.
+        config_cache_dir = (
+            cache_root(config.compilation_cache_dir) if config.enable_compilation_cache else None
+        )
+        reading = time.perf_counter()  # milliseconds: added to the config/tokenizer phase
+        hf_config = (
+            None if config_cache_dir is None else read_cached_config(mc.model, config_cache_dir)
+        )
+        reading = time.perf_counter() - reading
+        read_note = "config cached" if hf_config is not None else "config via transformers"
         # transformers (seconds: it imports PyTorch when installed) while the backend starts.
-        importing = prefetch_transformers()
+        importing = (
+            None if hf_config is not None and mc.skip_tokenizer_init else prefetch_transformers()
+        )
         # The worker owns the device: weights, memory profiling, KV cache, compiled buckets.
         with self.startup.phase("backend"):
             self.worker = Worker(config, show_progress=show_progress)
         with self.startup.phase("config/tokenizer"):
             if importing is not None:
                 importing.join()
-            load_config(mc.model)  # reports a bad directory before the weights
+            if hf_config is None:  # also reports a bad directory before the weights
+                hf_config = load_config(mc.model, cache_dir=config_cache_dir)
             # skip_tokenizer_init (vLLM's name): prompts are token ids and outputs carry empty
             # text, so a config-only directory with dummy weights is enough (benchmarks).
             self.tokenizer = None
@@ -66,8 +82,9 @@ class LLMEngine:
                 from transformers import AutoTokenizer
 
                 self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
+        self.startup.add("config/tokenizer", reading, read_note)
         with self.startup.phase("weights"):
-            self.worker.load_model()
+            self.worker.load_model(hf_config)
         with self.startup.phase("memory profiling"):
             self.num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_cache(self.num_blocks)

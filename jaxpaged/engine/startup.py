@@ -4,9 +4,9 @@
 plus the time from the process's start to the engine's construction (imports, mostly), and
 ``log`` writes them as one INFO line, e.g.::
 
-    start-up 13.2 s: process start -> engine 2.4 s | backend 0.9 s | config/tokenizer 3.1 s |
-    weights 2.6 s | memory profiling 1.8 s | executables 1.2 s (2 loaded, 0 compiled,
-    16 loading in the background) | KV allocation 0.2 s
+    start-up 13.2 s: process start -> engine 2.4 s | backend 0.9 s | config/tokenizer 3.1 s
+    (config via transformers) | weights 2.6 s | memory profiling 1.8 s | executables 1.2 s
+    (2 loaded, 0 compiled, 16 loading in the background) | KV allocation 0.2 s
 
 ``prefetch_transformers`` imports transformers on a background thread while the main thread
 starts JAX's backend: transformers imports PyTorch when it is installed, seconds that the engine

@@ -49,10 +49,17 @@ def cache_subdir(platform: str, device_kind: str, jax_version: str = jax.__versi
     return os.path.join(f"jax-{jax_version}", f"{platform}-{kind}")
 
 
+def cache_root(compilation_cache_dir: str | None) -> str:
+    """``compilation_cache_dir`` (None: ``~/.cache/jaxpaged/xla``), user-expanded: the root the
+    per-device directories (``resolve_cache_dir``) and the device-independent config cache
+    (``models.config_cache``) live under. Needs no JAX backend."""
+    return os.path.expanduser(compilation_cache_dir or DEFAULT_CACHE_ROOT)
+
+
 def resolve_cache_dir(compilation_cache_dir: str | None) -> str:
-    """The directory entries go to: ``compilation_cache_dir`` (None: ``~/.cache/jaxpaged/xla``)
-    plus ``cache_subdir`` of this process's first local device."""
-    root = os.path.expanduser(compilation_cache_dir or DEFAULT_CACHE_ROOT)
+    """The directory entries go to: ``cache_root(compilation_cache_dir)`` plus ``cache_subdir``
+    of this process's first local device."""
+    root = cache_root(compilation_cache_dir)
     device = jax.local_devices()[0]
     return os.path.join(root, cache_subdir(device.platform, device.device_kind))
 

@@ -121,8 +121,11 @@ class Worker:
         self.kv_allocation_seconds = 0.0
 
     # ----------------------------------------------------------------------------- start-up
-    def load_model(self) -> None:
+    def load_model(self, hf_config=None) -> None:
         """Load the weights (``load_format``) onto the device(s), sharded over the mesh.
+
+        ``hf_config``: the model's config when the engine already read it
+        (``models.weights.load_config``); None: the loader reads it.
 
         Raises:
             ValueError: from ``models.weights.load_model`` (missing files, unknown dtype,
@@ -136,11 +139,9 @@ class Worker:
             if self.mesh is None
             else functools.partial(load_sharded_model, mesh=self.mesh)
         )
-        load = functools.partial(load, quant_config=mc.quant_config)
         if mc.load_format != "dummy" and is_orbax_checkpoint(mc.model):  # `jaxpaged convert`
-            load = functools.partial(
-                load_orbax_model, mesh=self.mesh, quant_config=mc.quant_config
-            )
+            load = functools.partial(load_orbax_model, mesh=self.mesh)
+        load = functools.partial(load, quant_config=mc.quant_config, hf_config=hf_config)
         self._model, self.hf_config = load(
             mc.model,
             dtype=mc.dtype,

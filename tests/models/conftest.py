@@ -107,14 +107,8 @@ FAMILY_CONFIGS = {
 }
 
 
-def make_hf_checkpoint(path: str, name: str, *, dtype: str = "float32", seed: int = 0) -> str:
-    """Saves a random-weight HF model of config ``name`` (``TINY_CONFIGS`` or
-    ``FAMILY_CONFIGS``) to ``path``.
-
-    HF's init leaves biases at zero and norm weights at one; both are randomised so that a
-    forgotten bias or norm weight shows in the logits.
-    """
-    import torch
+def make_hf_config(name: str):
+    """The transformers config of ``name`` (``TINY_CONFIGS`` or ``FAMILY_CONFIGS``)."""
     import transformers
 
     spec = dict({**TINY_CONFIGS, **FAMILY_CONFIGS}[name])
@@ -128,7 +122,21 @@ def make_hf_checkpoint(path: str, name: str, *, dtype: str = "float32", seed: in
         "Phi3ForCausalLM": transformers.Phi3Config,
         "MixtralForCausalLM": transformers.MixtralConfig,
     }[arch]
-    config = config_class(**{**_TINY, **spec}, architectures=[arch])
+    return config_class(**{**_TINY, **spec}, architectures=[arch])
+
+
+def make_hf_checkpoint(path: str, name: str, *, dtype: str = "float32", seed: int = 0) -> str:
+    """Saves a random-weight HF model of config ``name`` (``TINY_CONFIGS`` or
+    ``FAMILY_CONFIGS``) to ``path``.
+
+    HF's init leaves biases at zero and norm weights at one; both are randomised so that a
+    forgotten bias or norm weight shows in the logits.
+    """
+    import torch
+    import transformers
+
+    config = make_hf_config(name)
+    arch = config.architectures[0]
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).eval()
     with torch.no_grad():
