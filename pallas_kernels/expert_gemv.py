@@ -38,9 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.online_softmax import MIN_DOT_DIM
-
-# Programs worth launching: two per SM of an H100/H200 (132 SMs); split_k=None aims for this.
-_TARGET_PROGRAMS = 264
+from pallas_kernels.split_k import split_k_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +50,8 @@ class ExpertGemvTiling:
             experts' weights again).
         block_n: output columns per program.
         block_k: K per step.
-        split_k: K splits (float32 partials summed by XLA); None picks the smallest power of
-            two giving about ``_TARGET_PROGRAMS`` programs, at most ``K / (4 * block_k)``.
+        split_k: K splits (float32 partials summed by XLA); None: ``pallas_kernels.split_k``'s
+            choice (about two programs per SM, at most ``K / (4 * block_k)``).
         num_warps, num_stages: Triton's warps per program and software-pipelining depth.
     """
 
@@ -120,15 +118,6 @@ def _expert_gemv_kernel(
     pltriton.store(o_ref.at[split, rows, cols], acc, mask=row_ok[:, None] & col_ok)
 
 
-def _split_k(tiling: ExpertGemvTiling, k: int, n_programs: int) -> int:
-    if tiling.split_k is not None:
-        return max(1, min(tiling.split_k, pl.cdiv(k, tiling.block_k)))
-    split, most = 1, max(1, k // (4 * tiling.block_k))
-    while split * 2 <= most and n_programs * split < _TARGET_PROGRAMS:
-        split *= 2
-    return split
-
-
 @functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
 def _expert_gemv(x, expert_ids, w, *, interpret, tiling):
     """The launch; arguments already checked."""
@@ -138,7 +127,7 @@ def _expert_gemv(x, expert_ids, w, *, interpret, tiling):
     block_k = min(tiling.block_k, max(MIN_DOT_DIM, pl.next_power_of_2(k)))
     tiling = dataclasses.replace(tiling, block_k=block_k)
     grid_mn = (pl.cdiv(num_rows, block_m), pl.cdiv(n, block_n))
-    split_k = _split_k(tiling, k, grid_mn[0] * grid_mn[1])
+    split_k = split_k_count(tiling.split_k, tiling.block_k, k, grid_mn[0] * grid_mn[1])
     kernel = functools.partial(
         _expert_gemv_kernel,
         num_experts=num_experts,

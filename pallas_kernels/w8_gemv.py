@@ -42,9 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.online_softmax import MIN_DOT_DIM
-
-# Programs worth launching: two per SM of an H100/H200 (132 SMs); split_k=None aims for this.
-_TARGET_PROGRAMS = 264
+from pallas_kernels.split_k import split_k_count
 
 W8_DTYPES = (jnp.float8_e4m3fn, jnp.int8)
 X_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -62,8 +60,8 @@ class W8GemvTiling:
             x (the 8-bit weight tile, 16 KiB at the defaults, + the ``x`` tile, 8 KiB in
             bfloat16) + the tile converted to bfloat16 (32 KiB) if Triton's layout change goes
             through shared memory: about 104 KiB, well under the H200's 227 KiB.
-        split_k: K splits (float32 partials summed by XLA); None picks the smallest power of
-            two giving about ``_TARGET_PROGRAMS`` programs, at most ``in / (4 * block_k)``.
+        split_k: K splits (float32 partials summed by XLA); None: ``pallas_kernels.split_k``'s
+            choice (about two programs per SM, at most ``in / (4 * block_k)``).
         num_warps, num_stages: Triton's warps per program and software-pipelining depth.
     """
 
@@ -118,15 +116,6 @@ def _w8_gemv_kernel(
     pltriton.store(o_ref.at[split, toks, cols], acc, mask=t_ok & n_ok_row)
 
 
-def _split_k(tiling: W8GemvTiling, k: int, n_programs: int) -> int:
-    if tiling.split_k is not None:
-        return max(1, min(tiling.split_k, pl.cdiv(k, tiling.block_k)))
-    split, most = 1, max(1, k // (4 * tiling.block_k))
-    while split * 2 <= most and n_programs * split < _TARGET_PROGRAMS:
-        split *= 2
-    return split
-
-
 @functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
 def _w8_gemv(x, w, scale, *, interpret, tiling):
     """The launch; arguments already checked."""
@@ -136,7 +125,7 @@ def _w8_gemv(x, w, scale, *, interpret, tiling):
     block_k = min(tiling.block_k, max(MIN_DOT_DIM, pl.next_power_of_2(k)))
     tiling = dataclasses.replace(tiling, block_k=block_k)
     grid_tn = (pl.cdiv(num_tokens, block_t), pl.cdiv(n, block_n))
-    split_k = _split_k(tiling, k, grid_tn[0] * grid_tn[1])
+    split_k = split_k_count(tiling.split_k, tiling.block_k, k, grid_tn[0] * grid_tn[1])
     kernel = functools.partial(
         _w8_gemv_kernel,
         block_t=block_t,
@@ -216,7 +205,5 @@ def w8_gemv_reference(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array
     """Plain-JAX :func:`w8_gemv` (same arguments and checks): the weights dequantized to
     float32, one float32 dot at full precision, scaled, cast to ``x.dtype``."""
     _check(x, w, scale)
-    y = jnp.dot(
-        x.astype(jnp.float32), w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST
-    )
+    y = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST)
     return (y * scale.reshape(-1)).astype(x.dtype)
