@@ -327,18 +327,21 @@ class EngineConfig:
             )
 
         # Quantization: resolved once here (auto-detection, flag/checkpoint mismatch); a
-        # `jaxpaged convert` directory records the quantization its tensors were made with.
+        # `jaxpaged convert` directory records the quantization its tensors were made with, and
+        # the device count it was sharded for (checked before any process starts).
+        orbax_meta = None
         if args.load_format != "dummy" and is_orbax_checkpoint(model):
+            orbax_meta = read_metadata(model)
             quant_config = checkpoint_quantization(
-                model, read_metadata(model), hf_config_json, args.quantization
+                model, orbax_meta, hf_config_json, args.quantization
             )
         else:
             quant_config = resolve_quantization(
                 args.quantization, hf_config_json.get("quantization_config"), args.load_format
             )
         parallel_config = _parallel_config(args, hf_config_json)
-        if args.load_format != "dummy" and is_orbax_checkpoint(model):  # before any process starts
-            check_shard_count(model, read_metadata(model), parallel_config.tensor_parallel_size)
+        if orbax_meta is not None:
+            check_shard_count(model, orbax_meta, parallel_config.tensor_parallel_size)
         _check_choice("linear_backend", args.linear_backend, LINEAR_BACKEND_CHOICES)
         quant_config = with_linear_backend(
             quant_config, args.linear_backend,
