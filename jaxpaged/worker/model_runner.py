@@ -285,11 +285,6 @@ class ModelRunner:
         loads); a step that needs one first waits for it or gets it itself."""
         self._executable_table.load_in_background(keys)
 
-    @property
-    def executables_left(self) -> int:
-        """Buckets the background thread has not got yet (0 without one)."""
-        return self._executable_table.background_left
-
     def wait_for_executables(self) -> None:
         """Return once every bucket given to ``load_in_background`` is there."""
         self._executable_table.wait()
