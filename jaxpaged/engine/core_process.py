@@ -74,15 +74,23 @@ class CoreConnection:
         if pipe is None:
             return reason
         try:
-            while pipe.poll(0):
-                kind, payload = decode(pipe.recv_bytes())
-                if kind is Kind.DEAD:
-                    reason = payload
-        except (EOFError, OSError):
-            pass
+            return death_message(pipe) or reason
         finally:
             pipe.close()
-        return reason
+
+
+def death_message(status_pipe) -> str | None:
+    """The error an exited core left on its status pipe (the last ``Kind.DEAD`` message there;
+    ``run_engine_core`` writes it before exiting), or None when it left none."""
+    message = None
+    try:
+        while status_pipe.poll(0):
+            kind, payload = decode(status_pipe.recv_bytes())
+            if kind is Kind.DEAD:
+                message = payload
+    except (EOFError, OSError, ValueError):
+        pass
+    return message
 
 
 class RemoteCoreProcess:

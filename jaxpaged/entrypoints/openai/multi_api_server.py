@@ -38,7 +38,6 @@ Failures:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -52,7 +51,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from jaxpaged.engine.core_messages import Kind, decode, encode
+from jaxpaged.engine.core_messages import Kind, encode
 
 logger = logging.getLogger(__name__)
 
@@ -209,13 +208,9 @@ def _watch(core, servers: Sequence[multiprocessing.Process]) -> int:
 
 def _core_exit_reason(core) -> str:
     """The error the core left on its status pipe, else its exit code."""
-    reason = f"exit code {core.process.exitcode}"
-    with contextlib.suppress(EOFError, OSError, ValueError):
-        while core.status_pipe.poll(0):
-            kind, payload = decode(core.status_pipe.recv_bytes())
-            if kind is Kind.DEAD:
-                reason = payload
-    return reason
+    from jaxpaged.engine.core_process import death_message  # as start_core_process: on use
+
+    return death_message(core.status_pipe) or f"exit code {core.process.exitcode}"
 
 
 def _shutdown(core, servers: Sequence[multiprocessing.Process]) -> None:
