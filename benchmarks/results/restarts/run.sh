@@ -11,7 +11,7 @@
 #   3. warm start to the first token from each checkpoint (the whole start a user sees).
 # No XLA_PYTHON_CLIENT_MEM_FRACTION: the engine sizes JAX's pool from gpu_memory_utilization.
 # Prints one table (scripts/benchmark_restarts.py report). `bash run.sh --smoke`: the same steps
-# on CPU with a tiny config (seconds).
+# on CPU with a tiny config (seconds). STARTS_ONLY=1: step 1 only.
 set -u
 export PYTHONPATH=.
 PY=${PY:-python3}
@@ -52,6 +52,9 @@ for run in cold warm; do
   echo "[start $run] rc=$? $(tail -c 300 $OUT/start_$run.log | tr '\n' ' ' | cut -c1-300)"
 done
 du -sh $WORK/cache > $OUT/cache_size.txt 2>&1
+if [ "${STARTS_ONLY:-0}" = 1 ]; then  # step 1 only (when device time is short)
+  cat $OUT/cache_size.txt; rm -rf $WORK; $B report $OUT | tee $OUT/table.txt; exit 0
+fi
 
 # 2. safetensors checkpoint, convert, load each in a fresh process.
 timeout $T $B write-checkpoint --config $CONFIG --out $WORK/st --dtype $DT > $OUT/write.log 2>&1
