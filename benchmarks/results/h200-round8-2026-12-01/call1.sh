@@ -14,8 +14,9 @@ timeout 120 python3 benchmarks/results/quantization/microbench.py --tokens 1,4,1
 echo "w8 micro rc=$? $(( $(date +%s) - $(cat $OUT/t0.txt) )) s"
 mkdir -p "$OUT/ss"
 OUT=$OUT/ss timeout 280 bash benchmarks/results/server-split/run.sh > "$OUT/ss_run.log" 2>&1
-echo "server split rc=$? $(( $(date +%s) - $(cat $OUT/t0.txt) )) s"
+rc=$?; pkill -INT -f openai.api_server; sleep 3; pkill -9 -f openai.api_server
+echo "server split rc=$rc $(( $(date +%s) - $(cat $OUT/t0.txt) )) s"
 mkdir -p "$OUT/rs"
 STARTS_ONLY=1 OUT=$OUT/rs timeout 150 bash benchmarks/results/restarts/run.sh > "$OUT/rs_run.log" 2>&1
 echo "restarts rc=$? $(( $(date +%s) - $(cat $OUT/t0.txt) )) s"
-cd "$OUT" && tar czf ../results.tgz . && mv ../results.tgz .
+tar czf /tmp/results.tgz -C "$OUT" . && mv /tmp/results.tgz "$OUT/"
