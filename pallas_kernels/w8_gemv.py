@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -78,13 +79,14 @@ DEFAULT_TILING = W8GemvTiling()
 
 def _w8_gemv_kernel(
     x_ref,  # [T, K]
-    w_ref,  # [N, K], 8-bit
+    w_ref,  # [N, K], 8-bit (FP8 as uint8 bytes)
     o_ref,  # f32[split_k, T, N]
     *,
     block_t: int,
     block_n: int,
     block_k: int,
     steps_per_split: int,
+    weight_dtype: Any,
 ):
     num_tokens, k_total = x_ref.shape
     n_total = w_ref.shape[0]
@@ -105,6 +107,8 @@ def _w8_gemv_kernel(
         k_ok = k0 + k_iota < k_total  # [1, block_k]
         x = pltriton.load(x_ref.at[toks, pl.ds(k0, block_k)], mask=t_ok & k_ok, other=0)
         w = pltriton.load(w_ref.at[cols, pl.ds(k0, block_k)], mask=n_ok & k_ok, other=0)
+        if w.dtype != weight_dtype:  # FP8 travels as its bytes (see _w8_gemv)
+            w = lax.bitcast_convert_type(w, weight_dtype)
         w = w.astype(x.dtype)  # exact: e4m3 and int8 values are all representable
         dims = (((1,), (1,)), ((), ()))  # x_tile @ w_tile.T
         return acc + lax.dot_general(
@@ -132,7 +136,12 @@ def _w8_gemv(x, w, scale, *, interpret, tiling):
         block_n=block_n,
         block_k=block_k,
         steps_per_split=pl.cdiv(pl.cdiv(k, block_k), split_k),
+        weight_dtype=w.dtype,
     )
+    # Pallas Triton pads a masked load with an integer zero it cannot cast to FP8, so FP8
+    # weights enter the kernel as their bytes (a free bitcast) and are reinterpreted after.
+    if jnp.issubdtype(w.dtype, jnp.floating):
+        w = lax.bitcast_convert_type(w, jnp.uint8)
 
     def whole(shape):  # every program sees the whole array and masks its own tile
         return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
