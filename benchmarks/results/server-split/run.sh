@@ -51,11 +51,17 @@ for _ in $(seq $WAIT); do
     kill -0 $SERVER 2>/dev/null || { echo "server exited"; tail -20 "$OUT/server.log"; exit 1; }
     sleep 1
 done
+metrics() {  # the server's Prometheus text to $OUT/$1.prom (summarize.py diffs the histograms)
+    python3 -c "import httpx; print(httpx.get('http://127.0.0.1:$PORT/metrics').text)" \
+        > "$OUT/$1.prom" 2>/dev/null
+}
 bench() {  # name, then benchmark flags
     local name=$1; shift
+    metrics "$name.before"
     $CLI bench serve --port $PORT --dataset-name random --ignore-eos --disable-tqdm \
         --save-result --result-dir "$OUT" --result-filename "$name.json" "$@" \
         > "$OUT/$name.log" 2>&1
+    metrics "$name.after"
     grep -E "Output token throughput|P99 TTFT|Mean TPOT|P99 TPOT|Failed" "$OUT/$name.log"
 }
 bench warmup --num-prompts 64 --random-input-len $IN_SAT --random-output-len $OUT_SAT \

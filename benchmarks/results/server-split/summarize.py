@@ -38,7 +38,53 @@ def main(out_dir: str) -> int:
         target_s = "" if target is None else f"{target:g}"
         ratio_s = "" if ratio is None else f"{ratio:.2f}"
         print(f"{measure:42} {value:10.2f} {target_s:>8} {ratio_s:>7}")
+    server_side = [(name, server_means(out, name)) for name in ("rate20", "concurrent16")]
+    if any(means for _, means in server_side):
+        print("\nserver-side means over each run, ms (the server's histograms, after - before)")
+        print(f"{'run':14}" + "".join(f"{label:>14}" for label in SERVER_HISTOGRAMS.values()))
+        for name, means in server_side:
+            if means:
+                print(f"{name:14}" + "".join(
+                    f"{means.get(h, float('nan')):14.2f}" for h in SERVER_HISTOGRAMS))
     return 0
+
+
+# Server histograms (jaxpaged.metrics, vLLM's names) whose means split the client's TTFT:
+# arrival at the API process -> scheduled (queue) -> first token (prefill) -> the later tokens.
+SERVER_HISTOGRAMS = {
+    "time_to_first_token_seconds": "TTFT",
+    "request_queue_time_seconds": "queue",
+    "request_prefill_time_seconds": "prefill",
+    "inter_token_latency_seconds": "ITL",
+}
+
+
+def _sums(path: pathlib.Path) -> dict[str, tuple[float, float]]:
+    """``{histogram: (sum, count)}`` over every label set, from Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(path.read_text()):
+        for sample in family.samples:
+            for histogram in SERVER_HISTOGRAMS:
+                for suffix, slot in (("_sum", 0), ("_count", 1)):
+                    if sample.name.endswith(histogram + suffix):
+                        totals.setdefault(histogram, [0.0, 0.0])[slot] += sample.value
+    return {name: (total[0], total[1]) for name, total in totals.items()}
+
+
+def server_means(out: pathlib.Path, name: str) -> dict[str, float]:
+    """Mean ms of each server histogram over one benchmark run (empty if not scraped)."""
+    before, after = out / f"{name}.before.prom", out / f"{name}.after.prom"
+    if not (before.exists() and after.exists()):
+        return {}
+    old, new = _sums(before), _sums(after)
+    means = {}
+    for histogram, (total, count) in new.items():
+        total0, count0 = old.get(histogram, (0.0, 0.0))
+        if count > count0:
+            means[histogram] = 1000 * (total - total0) / (count - count0)
+    return means
 
 
 if __name__ == "__main__":
