@@ -11,7 +11,8 @@
 #   3. warm start to the first token from each checkpoint (the whole start a user sees).
 # No XLA_PYTHON_CLIENT_MEM_FRACTION: the engine sizes JAX's pool from gpu_memory_utilization.
 # Prints one table (scripts/benchmark_restarts.py report). `bash run.sh --smoke`: the same steps
-# on CPU with a tiny config (seconds). STARTS_ONLY=1: step 1 only.
+# on CPU with a tiny config (seconds). STARTS_ONLY=1: step 1 only;
+# LOADS_ONLY=1: steps 2-3 only.
 set -u
 export PYTHONPATH=.
 PY=${PY:-python3}
@@ -45,8 +46,8 @@ rm -rf $WORK/cache $WORK/st $WORK/orbax
 now() { date +%s.%N; }
 drop_caches() { sync; (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null && echo dropped || echo kept; }
 
-# 1. cold / warm start, dummy weights, one compilation cache.
-for run in cold warm; do
+# 1. cold / warm start, dummy weights, one compilation cache (LOADS_ONLY=1 skips it).
+for run in $([ "${LOADS_ONLY:-0}" = 1 ] || echo cold warm); do
   timeout $T $B start --model $CONFIG --load-format dummy --cache $WORK/cache $ENGINE \
     --json $OUT/start_$run.json --launched-at $(now) > $OUT/start_$run.log 2>&1
   echo "[start $run] rc=$? $(tail -c 300 $OUT/start_$run.log | tr '\n' ' ' | cut -c1-300)"
@@ -70,7 +71,7 @@ for fmt in safetensors orbax; do
   dir=$WORK/st; [ $fmt = orbax ] && dir=$WORK/orbax
   state=$(drop_caches)
   echo "page cache before load_${fmt}_dropped: $state" >> $OUT/page_cache.txt
-  for cache in dropped warm; do
+  for cache in ${PAGE_CACHE:-dropped warm}; do  # PAGE_CACHE=dropped: the first only
     [ $cache = dropped ] && label=$state || label=warm
     timeout $T $B load --model $dir --dtype $DT --page-cache $label \
       --json $OUT/load_${fmt}_$cache.json --launched-at $(now) > $OUT/load_${fmt}_$cache.log 2>&1
