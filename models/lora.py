@@ -117,7 +117,8 @@ def lora_fold(*, tp_size: int, quantized: bool) -> bool:
 def lora_path(num_tokens: int, max_loras: int) -> str:
     """The path (one of :data:`LORA_PATHS`) of a step of ``num_tokens`` tokens over
     ``max_loras`` slots: ``"bgmv"`` on a GPU up to :data:`LORA_KERNEL_MAX_TOKENS` tokens, else
-    ``"gather"`` by the :data:`LORA_GATHER_MAX_TOKENS` rule, else ``"dense"``."""
+    ``"gather"`` by the :data:`LORA_GATHER_MAX_TOKENS` rule, else ``"dense"``. Slots in the
+    fold layout (:func:`lora_fold`) take none of these: every step folds."""
     if num_tokens <= LORA_KERNEL_MAX_TOKENS and jax.default_backend() == "gpu":
         return "bgmv"
     if num_tokens <= LORA_GATHER_MAX_TOKENS and num_tokens < max_loras:

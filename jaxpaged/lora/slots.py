@@ -136,15 +136,16 @@ class LoRASlots:
         def folded(kernels: dict[str, jax.Array]) -> dict[str, LoRAWeights]:
             layer = {}
             for name, spec in physical.items():
-                kernel, empty = kernels[name], zeros(name, spec)
+                kernel = kernels[name]
                 if kernel.shape != (spec.in_features, spec.out_features):
                     raise ValueError(
                         f"base_kernels: {name} kernel shape {kernel.shape} must be "
                         f"{(spec.in_features, spec.out_features)}"
                     )
-                a = fold_kernel(kernel, empty.a.shape[1])
+                cols = max_loras * slot_columns(name, max_lora_rank)
+                a = fold_kernel(kernel, cols)
                 # On a's device, committed like a, so every write sees the same argument kind.
-                b = jax.device_put(empty.b, a.sharding)
+                b = jax.device_put(jnp.zeros((cols, spec.out_features), dtype), a.sharding)
                 layer[name] = LoRAWeights(a=a, b=b, base_columns=spec.out_features)
             return layer
 
@@ -190,4 +191,5 @@ class LoRASlots:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the slot arrays (in the fold layout, the base kernels they hold included)."""
         return sum(x.nbytes for x in jax.tree.leaves(self.weights))

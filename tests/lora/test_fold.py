@@ -78,7 +78,7 @@ def test_fold_equals_reference_and_dense_through_load_and_unload():
     dense = LoRASlots(SPECS, **common)
     # The slots hold the only copy of W: the layers keep empty placeholders.
     assert all(m.kernel[...].shape == (s.in_features, 0)
-               for m, s in zip(fold_linears.values(), SPECS.values()))  # fmt: skip
+               for m, s in zip(fold_linears.values(), SPECS.values(), strict=True))  # fmt: skip
     adapters = [_adapter(rng, 2, skip="v_proj"), None, _adapter(rng, 4, skip="o_proj")]
     x = rng.normal(size=(6, 12)).astype(np.float32)
     token_slots = np.array([0, -1, 2, 0, 2, 1], np.int32)
