@@ -55,7 +55,7 @@ from models.attention import attention, kv_cache_head_dim
 from models.attention_backends import check_attention_backend
 from models.attention_metadata import AttentionMetadata
 from models.kv_scales import FP8KVScales
-from models.lora import LORA_PROJECTIONS, LoRABatch, LoRALayer, llama_projection_specs, with_lora
+from models.lora import LORA_PROJECTIONS, LoRABatch, LoRALayer, llama_projection_specs, lora_project
 from models.merged_linear import MergedColumnParallelLinear
 from models.moe import SparseMoeBlock
 from models.quantization.config import QuantizationConfig
@@ -167,10 +167,9 @@ class LlamaMLP(nnx.Module):
                                      (hidden,), **kw)
 
     def __call__(self, x: jax.Array, lora: LoRALayer | None = None) -> jax.Array:
-        delta = None if lora is None else lora.delta("gate_up_proj", x)
-        gate, up = self.gate_up_proj(x, delta)  # each [T, intermediate]
+        gate, up = lora_project(lora, "gate_up_proj", self.gate_up_proj, x)  # [T, inter] each
         h = _ACTIVATIONS[self.hidden_act](gate) * up
-        return with_lora(lora, "down_proj", h, self.down_proj(h))
+        return lora_project(lora, "down_proj", self.down_proj, h)
 
 
 def _attention_biases(config: Any) -> tuple[bool, bool]:
@@ -253,7 +252,7 @@ class LlamaAttention(FP8KVScales, nnx.Module):
         lora: LoRALayer | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x, None if lora is None else lora.delta("qkv_proj", x))
+        q, k, v = lora_project(lora, "qkv_proj", self.qkv_proj, x)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -282,7 +281,7 @@ class LlamaAttention(FP8KVScales, nnx.Module):
         )
         out = out[..., : self.head_dim].astype(x.dtype)  # drop the padding columns, if any
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
-        return with_lora(lora, "o_proj", out, self.o_proj(out)), k_cache, v_cache
+        return lora_project(lora, "o_proj", self.o_proj, out), k_cache, v_cache
 
 
 def _grouped_matmul_backend(dtype: Any, attention_backend: str, interpret: bool) -> str:
@@ -482,6 +481,18 @@ class LlamaForCausalLM(nnx.Module):
 
     # The layer projections LoRA adapters may target, by fused projection (``models.lora``).
     lora_projection_specs = staticmethod(llama_projection_specs)
+
+    def lora_linears(self) -> tuple[dict[str, nnx.Module], ...]:
+        """Per layer, the layers of the projections ``lora_projection_specs`` offers (name ->
+        ``nnx.Linear`` / ``MergedColumnParallelLinear`` or their quantized twins)."""
+        layers = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj}
+            if mlp is not None:
+                linears.update(gate_up_proj=mlp.gate_up_proj, down_proj=mlp.down_proj)
+            layers.append(linears)
+        return tuple(layers)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """``hidden [N, hidden_size] -> f32[N, vocab_size]`` (tied: ``hidden @ embed_tokens.T``;

@@ -42,6 +42,26 @@ GPU speed is unmeasured (``benchmarks/results/lora/microbench.py`` has its colum
 runs only when asked for (``path="bgmv"``), in Pallas interpret mode (tests). It is written for
 one device: under tensor parallelism XLA cannot split the kernel and would gather its operands.
 
+A fourth layout, *fold*, stores the shrink inside the base projection's GEMM: the slot
+columns of ``a`` are appended to the base kernel ``W [in, out]``, one array
+``[W | a] [in, out + S * C]`` (:attr:`LoRAWeights.base_columns` = ``out``), and a step computes
+
+    y = x @ [W | a]                [T, out + S * C]   (base output and every slot's shrink)
+    h = y[:, out:] * (slot(t) == slot(column))
+    y = y[:, :out] (+ bias) + h @ b
+
+so batch-1 decode runs two GEMMs per projection (the wide base GEMM, the expand with the base
+output added to it) and one small elementwise fusion (slice and mask) instead of the dense
+path's separate shrink. The folded kernel is the only copy of ``W``: at start-up
+(``jaxpaged.lora.manager.create_lora_manager``) the slots take the kernels over from the model
+(:func:`take_fold_kernels`), whose own kernel becomes an empty ``[in, 0]`` placeholder, and slot
+writes fill and zero the columns ``out + s*C ..`` only, never changing a shape. It is a start-up
+choice (:func:`lora_fold`), not a per-step one: on one device (``tp == 1``; a row-parallel
+``[W | a]`` would need its sum split from its columns) with every adapted projection
+unquantized (a quantized kernel cannot take float columns), when :data:`LORA_FOLD` is on; else
+the slots keep their own ``a`` and the steps take :func:`lora_path`'s choice.
+``benchmarks/results/lora/microbench.py``'s ``+fold`` column measures it against the others.
+
 Shape letters as in ``pallas_kernels``; ``S`` = ``max_loras``, ``C`` = columns per slot.
 """
 
@@ -55,6 +75,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.merged_linear import split_merged_columns
 from pallas_kernels.lora_bgmv import lora_bgmv
 
 # Fused projection -> the HF module names of its parts, in the fused kernel's part order
@@ -81,11 +102,23 @@ LORA_KERNEL_MAX_TOKENS = 0
 
 LORA_PATHS = ("dense", "gather", "bgmv")
 
+# Start-up policy (:func:`lora_fold`): fold the LoRA shrink into the base GEMMs where the layout
+# allows (one device, unquantized projections). Read when the LoRA slots are created.
+LORA_FOLD = True
+
+
+def lora_fold(*, tp_size: int, quantized: bool) -> bool:
+    """Whether the slots take the fold layout (module docstring): :data:`LORA_FOLD`, one device
+    (``tp_size == 1``) and no quantized adapted projection (``quantized`` False); otherwise the
+    slots keep a separate ``a`` and the steps take :func:`lora_path`."""
+    return LORA_FOLD and tp_size == 1 and not quantized
+
 
 def lora_path(num_tokens: int, max_loras: int) -> str:
     """The path (one of :data:`LORA_PATHS`) of a step of ``num_tokens`` tokens over
     ``max_loras`` slots: ``"bgmv"`` on a GPU up to :data:`LORA_KERNEL_MAX_TOKENS` tokens, else
-    ``"gather"`` by the :data:`LORA_GATHER_MAX_TOKENS` rule, else ``"dense"``."""
+    ``"gather"`` by the :data:`LORA_GATHER_MAX_TOKENS` rule, else ``"dense"``. Slots in the
+    fold layout (:func:`lora_fold`) take none of these: every step folds."""
     if num_tokens <= LORA_KERNEL_MAX_TOKENS and jax.default_backend() == "gpu":
         return "bgmv"
     if num_tokens <= LORA_GATHER_MAX_TOKENS and num_tokens < max_loras:
@@ -134,11 +167,14 @@ def llama_projection_specs(config: Any) -> dict[str, ProjectionSpec]:
 class LoRAWeights:
     """Every slot's adapter for one projection of one layer (module docstring layout)."""
 
-    # [in, S * C]: the A matrices, slot-major, rank-padded with zeros.
+    # [in, base_columns + S * C]: the A matrices, slot-major, rank-padded with zeros; in the
+    # fold layout (base_columns = out > 0) after the base projection's kernel W [in, out].
     a: jax.Array
     # [S * C, out]: the B matrices times their scale, block-diagonal over a fused projection's
     # parts, out columns in the fused kernel's order.
     b: jax.Array
+    # Static: columns of ``a`` before the slots: 0, or ``out`` in the fold layout.
+    base_columns: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -167,8 +203,14 @@ class LoRALayer:
     max_loras: int
 
     def delta(self, name: str, x: jax.Array) -> jax.Array:
-        """``[T, out]``: the LoRA update of projection ``name`` for input ``x [T, in]``."""
+        """``[T, out]``: the LoRA update of projection ``name`` for input ``x [T, in]``.
+
+        Raises:
+            ValueError: projection ``name`` is in the fold layout (use :func:`lora_project`).
+        """
         w = self.weights[name]
+        if w.base_columns:
+            raise ValueError(f"{name}: the fold layout has no separate LoRA delta")
         return lora_delta(x, self.token_slots, w.a, w.b, max_loras=self.max_loras)
 
 
@@ -237,8 +279,73 @@ def lora_delta_reference(
     return out
 
 
-def with_lora(lora: LoRALayer | None, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
-    """``y`` plus projection ``name``'s LoRA update of ``x`` (``y`` itself without LoRA)."""
+def fold_lora_output(
+    y: jax.Array, token_slots: jax.Array, b: jax.Array, *, max_loras: int, bias=None
+) -> jax.Array:
+    """The fold layout's projection output ``[T, out]`` from ``y = x @ [W | a]`` (module
+    docstring): ``y[:, :out] (+ bias) + (y[:, out:] * mask) @ b``, in ``y``'s dtype.
+
+    Args:
+        y: ``[T, out + S * C]``.
+        token_slots: ``i32[T]``, each in ``[-1, max_loras)``.
+        b: ``[S * C, out]`` (scale folded in).
+        max_loras: ``S``.
+        bias: ``[out]`` or None, added to the base part.
+
+    The expand's output is added last, in ``y``'s dtype, so that XLA can take the base output
+    as the GEMM's accumulator operand; float32 uses full float32 precision.
+    """
+    cols, out = b.shape
+    column_slot = np.arange(cols, dtype=np.int32) // (cols // max_loras)  # static
+    base = y[..., :out]
+    if bias is not None:
+        base = base + bias.astype(y.dtype)
+    h = jnp.where(token_slots[:, None] == column_slot[None, :], y[..., out:], 0.0).astype(y.dtype)
+    precision = jax.lax.Precision.HIGHEST if y.dtype == jnp.float32 else None
+    return base + jnp.dot(h, b.astype(y.dtype), precision=precision)
+
+
+def lora_project(lora: LoRALayer | None, name: str, linear: Any, x: jax.Array):
+    """``linear(x)`` with projection ``name``'s LoRA update: ``[T, out]``, or a fused
+    projection's parts (a ``models.merged_linear`` layer, recognised by its ``output_sizes``).
+
+    Without LoRA, ``linear(x)``; with slots in the fold layout (module docstring), one GEMM over
+    the slots' ``[W | a]`` in ``linear``'s compute dtype and precision (its own kernel is the
+    empty placeholder) plus its bias; else ``linear``'s output plus :meth:`LoRALayer.delta`
+    (added before a fused projection's split).
+    """
     if lora is None:
-        return y
-    return y + lora.delta(name, x)
+        return linear(x)
+    sizes = getattr(linear, "output_sizes", None)
+    w = lora.weights[name]
+    if not w.base_columns:
+        delta = lora.delta(name, x)
+        return linear(x) + delta if sizes is None else linear(x, delta)
+    dtype = linear.dtype or x.dtype
+    x = x.astype(dtype)
+    y = jax.lax.dot_general(
+        x, w.a.astype(dtype), (((x.ndim - 1,), (0,)), ((), ())), precision=linear.precision
+    )
+    bias = None if linear.bias is None else linear.bias[...]
+    y = fold_lora_output(y, lora.token_slots, w.b, max_loras=lora.max_loras, bias=bias)
+    return y if sizes is None else split_merged_columns(y, sizes, linear.num_shards)
+
+
+def fold_kernel(kernel: jax.Array, slot_columns: int) -> jax.Array:
+    """``[kernel | zeros]``: a base kernel ``[in, out]`` with ``slot_columns`` (``S * C``) zero
+    slot columns appended, the fold layout's ``a`` with every slot empty."""
+    return jnp.concatenate([kernel, jnp.zeros((kernel.shape[0], slot_columns), kernel.dtype)], 1)
+
+
+def take_fold_kernels(linears: dict[str, Any]) -> dict[str, jax.Array]:
+    """Take the kernels of one layer's adapted projections (name -> ``nnx.Linear`` or
+    ``MergedColumnParallelLinear``) over for the fold layout: returns name -> kernel
+    ``[in, out]`` and leaves each layer's kernel an empty ``[in, 0]`` placeholder of its dtype,
+    so that the folded copy is the only one (the layer then runs only through
+    :func:`lora_project`)."""
+    kernels = {}
+    for name, linear in linears.items():
+        kernel = linear.kernel[...]
+        kernels[name] = kernel
+        linear.kernel = type(linear.kernel)(jnp.zeros((kernel.shape[0], 0), kernel.dtype))
+    return kernels

@@ -19,11 +19,13 @@ from __future__ import annotations
 import collections
 
 import numpy as np
+from flax import nnx
 
 from jaxpaged.lora.peft import LoRAAdapter, load_peft_adapter
 from jaxpaged.lora.placement import SlotPlacement
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.lora.slots import LoRASlots
+from models.lora import lora_fold, take_fold_kernels
 from models.sharding import tp_model_config, tp_size
 from models.tp_layout import TPLayout
 
@@ -186,7 +188,10 @@ def create_lora_manager(lora_config, model, hf_config, dtype, mesh=None) -> LoRA
     """The engine's ``LoRAManager`` with zeroed slots, or None when ``lora_config`` is None
     (LoRA off). With a ``mesh`` (tensor parallelism) the slots take the sharded model's layout
     and are split over the mesh like the base layers (``jaxpaged.lora.placement``); else they
-    live on the default device.
+    live on the default device, in the fold layout when ``models.lora.lora_fold`` says so
+    (every adapted projection unquantized): the slots then take the model's kernels of those
+    projections over (``models.lora.take_fold_kernels``), and the model runs them only with
+    the slots' weights passed in (every step of an engine with LoRA does).
 
     Raises:
         ValueError: the model family has no LoRA support: its class does not itself define
@@ -200,11 +205,16 @@ def create_lora_manager(lora_config, model, hf_config, dtype, mesh=None) -> LoRA
         raise ValueError(
             f"enable_lora: the model class {model_class.__name__} does not support LoRA"
         )
-    placement = None
-    if mesh is not None and tp_size(mesh) > 1:
-        layout = TPLayout.from_hf_config(hf_config, tp_size(mesh))
+    placement = base_kernels = None
+    tp = 1 if mesh is None else tp_size(mesh)
+    if tp > 1:
+        layout = TPLayout.from_hf_config(hf_config, tp)
         physical = model_class.lora_projection_specs(tp_model_config(hf_config, layout))
         placement = SlotPlacement.for_mesh(physical, hf_config, mesh)
+    linears = model.lora_linears()
+    quantized = any(not isinstance(m, nnx.Linear) for layer in linears for m in layer.values())
+    if lora_fold(tp_size=tp, quantized=quantized):
+        base_kernels = (take_fold_kernels(layer) for layer in linears)
     slots = LoRASlots(
         model_class.lora_projection_specs(hf_config),
         num_layers=int(hf_config.num_hidden_layers),
@@ -212,5 +222,6 @@ def create_lora_manager(lora_config, model, hf_config, dtype, mesh=None) -> LoRA
         max_lora_rank=lora_config.max_lora_rank,
         dtype=dtype,
         placement=placement,
+        base_kernels=base_kernels,
     )
     return LoRAManager(slots, max_cpu_loras=lora_config.max_cpu_loras)

@@ -4,12 +4,16 @@ Every layer holds, per projection, one ``models.lora.LoRAWeights`` with all slot
 (``models.lora`` documents the layout). The arrays are allocated once at start-up at their
 final shapes; loading an adapter into slot ``s`` writes its columns/rows with one jitted
 ``dynamic_update_slice`` per array, whose slot index is a traced argument, so no slot write
-and no step ever compiles again because an adapter came or went.
+and no step ever compiles again because an adapter came or went. In the fold layout
+(``models.lora``) each ``a`` is ``[W | slots]``, built from the base kernels the slots take over
+from the model, and a write touches only the slot columns after ``W``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +21,7 @@ import numpy as np
 
 from jaxpaged.lora.peft import LoRAAdapter
 from jaxpaged.lora.placement import SlotPlacement
-from models.lora import LORA_PROJECTIONS, LoRAWeights, ProjectionSpec
+from models.lora import LORA_PROJECTIONS, LoRAWeights, ProjectionSpec, fold_kernel
 
 
 def slot_columns(spec_name: str, max_lora_rank: int) -> int:
@@ -63,10 +67,11 @@ def _write_slot(weights, slot, new):
 
     def write(w: LoRAWeights, a: jax.Array, b: jax.Array) -> LoRAWeights:
         cols = a.shape[1]
-        start = slot * cols
-        return LoRAWeights(
+        start = w.base_columns + slot * cols
+        return dataclasses.replace(
+            w,
             a=jax.lax.dynamic_update_slice(w.a, a.astype(w.a.dtype), (0, start)),
-            b=jax.lax.dynamic_update_slice(w.b, b.astype(w.b.dtype), (start, 0)),
+            b=jax.lax.dynamic_update_slice(w.b, b.astype(w.b.dtype), (slot * cols, 0)),
         )
 
     return tuple(
@@ -88,6 +93,14 @@ class LoRASlots:
         placement: tensor parallelism (``jaxpaged.lora.placement``): the arrays take the
             sharded model's layout and are split over its mesh like the base layers; None:
             the checkpoint's layout on the default device.
+        base_kernels: the fold layout (``models.lora``; one device only): per layer, each
+            projection's base kernel ``[in, out]`` (``models.lora.take_fold_kernels``), folded
+            into ``a = [W | zeros]`` one layer at a time as the iterable is consumed (so a
+            generator holds one layer's second copy at a time). None: plain slot arrays.
+
+    Raises:
+        ValueError: ``base_kernels`` with a ``placement``, or with a layer count or a
+            kernel shape other than ``num_layers`` / ``[in, out]`` of ``specs``.
     """
 
     def __init__(
@@ -99,7 +112,10 @@ class LoRASlots:
         max_lora_rank: int,
         dtype,
         placement: SlotPlacement | None = None,
+        base_kernels: Iterable[dict[str, jax.Array]] | None = None,
     ):
+        if base_kernels is not None and placement is not None:
+            raise ValueError("base_kernels: the fold layout is for one device (no placement)")
         self.specs = specs
         self.num_layers = num_layers
         self.max_loras = max_loras
@@ -117,9 +133,32 @@ class LoRASlots:
             )
             return LoRAWeights(a=a, b=b)
 
-        self.weights: tuple[dict[str, LoRAWeights], ...] = tuple(
-            {name: zeros(name, spec) for name, spec in physical.items()} for _ in range(num_layers)
-        )
+        def folded(kernels: dict[str, jax.Array]) -> dict[str, LoRAWeights]:
+            layer = {}
+            for name, spec in physical.items():
+                kernel = kernels[name]
+                if kernel.shape != (spec.in_features, spec.out_features):
+                    raise ValueError(
+                        f"base_kernels: {name} kernel shape {kernel.shape} must be "
+                        f"{(spec.in_features, spec.out_features)}"
+                    )
+                cols = max_loras * slot_columns(name, max_lora_rank)
+                a = fold_kernel(kernel, cols)
+                # On a's device, committed like a, so every write sees the same argument kind.
+                b = jax.device_put(jnp.zeros((cols, spec.out_features), dtype), a.sharding)
+                layer[name] = LoRAWeights(a=a, b=b, base_columns=spec.out_features)
+            return layer
+
+        if base_kernels is None:
+            layers = ({name: zeros(name, spec) for name, spec in physical.items()}
+                      for _ in range(num_layers))  # fmt: skip
+        else:
+            layers = (folded(kernels) for kernels in base_kernels)
+        self.weights: tuple[dict[str, LoRAWeights], ...] = tuple(layers)
+        if len(self.weights) != num_layers:
+            raise ValueError(
+                f"base_kernels: {len(self.weights)} layers, the model has {num_layers}"
+            )
         self._shardings = jax.tree.map(lambda x: x.sharding, self.weights)
         # Donated: a write updates the slot arrays in place instead of copying all slots. On a
         # mesh the output keeps the slot arrays' shardings, so the step's executables stay
@@ -152,4 +191,5 @@ class LoRASlots:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the slot arrays (in the fold layout, the base kernels they hold included)."""
         return sum(x.nbytes for x in jax.tree.leaves(self.weights))

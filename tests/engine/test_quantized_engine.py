@@ -113,3 +113,6 @@ def test_lora_applies_on_a_quantized_base(stories_dir, tmp_path):
     (with_lora,) = llm.generate([prompt], params, lora_request=request, use_tqdm=False)
     assert list(with_lora.outputs[0].token_ids) == golden[spec.name][0]
     assert golden[spec.name][0] != golden["base"][0]
+    # A quantized kernel takes no float columns: the slots keep the dense layout.
+    slot_weights = llm.llm_engine.lora_manager.slots.weights
+    assert not any(w.base_columns for layer in slot_weights for w in layer.values())

@@ -68,6 +68,8 @@ def main() -> None:
             "gate_up_proj": (P(), P(None, "tp")),
             "down_proj": (P("tp", None), P()),
         }, specs
+        # tp > 1 falls back from the fold layout (models.lora.lora_fold) to separate slots.
+        assert not any(w.base_columns for w in layer.values())
         b = layer["qkv_proj"].b
         assert b.addressable_shards[0].data.shape == (b.shape[0], b.shape[1] // 2)
         print("tp=2: slot arrays split like their base layers", flush=True)

@@ -115,6 +115,8 @@ def test_loading_swapping_unloading_adapters_never_compiles(
         assert list(out.outputs[0].token_ids) == expected[3]
     assert runner.num_compilations == compiled
     assert extra.lora_int_id not in manager.slot_ids
+    # One device, float: the fold layout (``models.lora``) served all of the above.
+    assert all(w.base_columns for layer in manager.slots.weights for w in layer.values())
 
 
 def test_lora_request_without_enable_lora_is_refused(stories_llm, lora_requests):

@@ -1,6 +1,8 @@
 """LoRA cost in one decoder layer's four projections: base vs +LoRA by each path of
 ``models.lora.lora_delta`` (dense, gather, and bgmv: the fused Pallas kernel
-``pallas_kernels.lora_bgmv``), no engine or server.
+``pallas_kernels.lora_bgmv``) and by the fold layout (``models.lora``: the shrink's columns
+appended to the base kernel, ``x @ [W | a]``, then ``models.lora.fold_lora_output``), no engine
+or server.
 
 One "layer" is Llama's projection chain without attention and norms' weights: ``x [T, hidden]
 -> qkv_proj`` (its q columns stand in for the attention output) ``-> o_proj -> gate_up_proj ->
@@ -17,6 +19,13 @@ Usage (the default shapes are Llama-3-8B's, bf16)::
 
     python benchmarks/results/lora/microbench.py            # on the GPU
     python benchmarks/results/lora/microbench.py --small    # tiny shapes, any device (a check)
+    python benchmarks/results/lora/microbench.py --kernels  # also count each variant's kernels
+
+``--kernels`` adds a second table: the top-level instructions (fusions, GEMMs / dots, custom
+calls; parameters, constants, tuples and bitcasts not counted) of one layer's compiled HLO per
+variant, i.e. the kernels a step launches per layer on that backend. On a CPU it is only a
+proxy for the GPU's count (the CPU backend converts bf16 weights to float32 in extra fusions;
+use ``--dtype float32`` there).
 
 Before timing, every path's layer output is checked against the dense path's (same sums,
 tolerance of the dtype) so a broken path cannot report a good time. Off a GPU the bgmv path runs
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import sys
 import time
 
@@ -34,11 +44,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.lora import LORA_PATHS, lora_delta
+from models.lora import LORA_PATHS, fold_lora_output, lora_delta
 
 LLAMA3_8B = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128)
 SMALL = dict(hidden=64, intermediate=160, heads=4, kv_heads=2, head_dim=16)
-VARIANTS = ("base", *LORA_PATHS)
+LORA_VARIANTS = (*LORA_PATHS, "fold")
+VARIANTS = ("base", *LORA_VARIANTS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,12 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--iters", type=int, default=100, help="layers per jitted call")
     parser.add_argument("--reps", type=int, default=10, help="timed calls (best is reported)")
+    parser.add_argument("--kernels", action="store_true", help="count kernels per layer")
     return parser
 
 
 def make_weights(shape: dict, max_loras: int, rank: int, dtype) -> dict:
     """Random base kernels ``[in, out]`` and slot arrays (``models.lora`` layout) per
-    projection: ``(w, a [in, S * P * rank], b [S * P * rank, out])``, ``P`` its parts."""
+    projection: ``(w, a [in, S * P * rank], b [S * P * rank, out], [w | a])``, ``P`` its
+    parts, the last the fold layout's kernel."""
     hidden, inter = shape["hidden"], shape["intermediate"]
     q, kv = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
     sizes = {  # projection: (in, out, parts)
@@ -72,22 +85,23 @@ def make_weights(shape: dict, max_loras: int, rank: int, dtype) -> dict:
         def normal(shape, std):
             return (jax.random.normal(next(keys), shape, jnp.float32) * std).astype(dtype)
 
-        weights[name] = (
-            normal((n_in, n_out), n_in**-0.5),
-            normal((n_in, cols), n_in**-0.5),
-            normal((cols, n_out), 0.5 * cols**-0.5),
-        )
+        w, a = normal((n_in, n_out), n_in**-0.5), normal((n_in, cols), n_in**-0.5)
+        weights[name] = (w, a, normal((cols, n_out), 0.5 * cols**-0.5), jnp.concatenate([w, a], 1))
     return weights
 
 
 def layer(x, slots, weights, *, shape: dict, max_loras: int, path: str | None):
-    """One layer's projection chain (module docstring); ``path`` None: no LoRA."""
+    """One layer's projection chain (module docstring); ``path``: one of
+    :data:`LORA_VARIANTS`, None: no LoRA."""
 
     def project(name, h):
-        w, a, b = weights[name]
-        y = jnp.dot(h, w, preferred_element_type=jnp.float32).astype(h.dtype)
+        w, a, b, folded = weights[name]
+        y = jnp.dot(h, folded if path == "fold" else w, preferred_element_type=jnp.float32)
+        y = y.astype(h.dtype)
         if path is None:
             return y
+        if path == "fold":
+            return fold_lora_output(y, slots, b, max_loras=max_loras)
         return y + lora_delta(h, slots, a, b, max_loras=max_loras, path=path)
 
     q = project("qkv_proj", x)[:, : shape["heads"] * shape["head_dim"]]
@@ -135,7 +149,7 @@ def check_paths_agree(x, slots, weights, shape, max_loras: int, dtype) -> None:
         p: np.asarray(
             layer(x, slots, weights, shape=shape, max_loras=max_loras, path=p), np.float32
         )
-        for p in LORA_PATHS
+        for p in LORA_VARIANTS
     }
     tol = 1e-4 if jnp.dtype(dtype) == jnp.float32 else 2e-2
     scale = float(np.abs(outs["dense"]).max())
@@ -145,8 +159,23 @@ def check_paths_agree(x, slots, weights, shape, max_loras: int, dtype) -> None:
             raise RuntimeError(f"dense and {path} paths differ: {err} > {tol} * {scale}")
 
 
+# Top-level HLO instructions that launch nothing.
+_NOT_KERNELS = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast"})
+
+
+def count_kernels(x, slots, weights, shape: dict, max_loras: int, path) -> int:
+    """Top-level instructions of one layer's compiled HLO entry computation, less
+    :data:`_NOT_KERNELS` (module docstring)."""
+    fn = jax.jit(functools.partial(layer, shape=shape, max_loras=max_loras, path=path))
+    text = fn.lower(x, slots, weights).compile().as_text()
+    entry = text[text.index("\nENTRY") :].split("\n}", 1)[0].splitlines()[2:]
+    ops = [re.match(r"\s*(?:ROOT )?\S+ = \S+ ([\w-]+)\(", line) for line in entry]
+    return sum(1 for op in ops if op is not None and op.group(1) not in _NOT_KERNELS)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    """Run the benchmark, print the table, return its rows (µs per layer per variant)."""
+    """Run the benchmark, print the table(s), return its rows (µs per layer per variant; with
+    ``--kernels`` also ``"<variant> kernels"``: :func:`count_kernels`)."""
     args = build_parser().parse_args(argv)
     shape = SMALL if args.small else LLAMA3_8B
     dtype = jnp.dtype(args.dtype)
@@ -165,14 +194,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for variant in VARIANTS:
             path = None if variant == "base" else variant
             row[variant] = 1e6 * time_variant(x, slots, weights, args, shape, path)
+            if args.kernels:
+                count = count_kernels(x, slots, weights, shape, args.max_loras, path)
+                row[f"{variant} kernels"] = count
         rows.append(row)
     header = f"{'T':>5} {'base us':>10} " + " ".join(
-        f"{'+' + p + ' us':>12} {p + ' x':>9}" for p in LORA_PATHS
+        f"{'+' + p + ' us':>12} {p + ' x':>9}" for p in LORA_VARIANTS
     )
     print(header)
     for row in rows:
-        cells = " ".join(f"{row[p]:>12.1f} {row[p] / row['base']:>8.3f}x" for p in LORA_PATHS)
+        cells = " ".join(f"{row[p]:>12.1f} {row[p] / row['base']:>8.3f}x" for p in LORA_VARIANTS)
         print(f"{row['tokens']:>5} {row['base']:>10.1f} {cells}")
+    if args.kernels:
+        print(f"kernels per layer ({jax.default_backend()} compiled HLO)")
+        print(f"{'T':>5} " + " ".join(f"{v:>8}" for v in VARIANTS))
+        for row in rows:
+            counts = " ".join(f"{row[v + ' kernels']:>8}" for v in VARIANTS)
+            print(f"{row['tokens']:>5} {counts}")
     return rows
 
 
