@@ -73,7 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="step as the served engine core with this many API clients (0: LLMEngine.step)",
     )
-    parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -150,7 +149,6 @@ def main(argv=None) -> None:
             max_model_len=512,
             max_num_seqs=args.num_seqs,
             seed=args.seed,
-            async_scheduling=args.async_scheduling,
         ),
         show_progress=False,
     )
@@ -206,8 +204,7 @@ def main(argv=None) -> None:
     print(
         f"{args.num_seqs} sequences decoding, prompt {args.prompt_len} tokens "
         f"({num_prefill_steps} prefill steps), {args.steps} timed steps, "
-        f"output_kind={'delta (core)' if served else args.output_kind}, {mode}, "
-        f"async_scheduling={args.async_scheduling}"
+        f"output_kind={'delta (core)' if served else args.output_kind}, {mode}"
     )
     print(f"{'phase':<14}{'us/step':>10}{'us/req-step':>13}")
     for phase in (*phases, "step (total)"):
