@@ -10,11 +10,23 @@ Builds the engine on the embedded stories260k model (token-id prompts, no tokeni
     commit     Scheduler.update_from_output
     outputs    OutputProcessor.process
 
+With ``--core-clients C`` the engine is stepped as the served engine core steps it
+(``jaxpaged.engine.core.EngineCore``, in-process, no sockets): requests are added as an API
+process adds them (``core_messages`` wire params, DELTA, spread over ``C`` clients), and each
+step is ``core.step()``, ``core.route()`` and one ``core_messages.encode`` per client message.
+Three more phases are then timed:
+
+    core step  EngineCore.step minus LLMEngine.step (stats, scheduled ids, the wire deltas)
+    route      EngineCore.route
+    encode     core_messages.encode of every client's message (msgpack)
+
 The phases are timed by wrapping those methods on the live engine, so ``step()`` itself runs
 unchanged. ``--cprofile N`` then profiles N more steps and prints the top functions. The model
-is tiny, so ``device`` is mostly dispatch; the host phases are what this script is for. Run::
+is tiny, so ``device`` is mostly dispatch; the host phases are what this script is for (also
+printed per request-step); each is the median over the timed steps. Run::
 
     PYTHONPATH=. python scripts/profile_host_step.py --num-seqs 256 --steps 30 --cprofile 10
+    PYTHONPATH=. python scripts/profile_host_step.py --num-seqs 256 --core-clients 4
 """
 
 from __future__ import annotations
@@ -32,10 +44,13 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from jaxpaged.config import EngineArgs  # noqa: E402
+from jaxpaged.engine.core import EngineCore  # noqa: E402
+from jaxpaged.engine.core_messages import Kind, encode, params_to_wire  # noqa: E402
 from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 PHASES = ("schedule", "prepare", "device", "commit", "outputs")
+CORE_PHASES = ("core step", "route", "encode")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[k.name.lower() for k in RequestOutputKind],
         default="final_only",
         help="RequestOutputKind of every request (final_only is LLM.generate's; delta a server's)",
+    )
+    parser.add_argument(
+        "--core-clients",
+        type=int,
+        default=0,
+        help="step as the served engine core with this many API clients (0: LLMEngine.step)",
     )
     parser.add_argument("--seed", type=int, default=0)
     return parser
@@ -96,6 +117,29 @@ def all_decoding(engine: LLMEngine, num_seqs: int) -> bool:
     return len(seqs) == num_seqs and not any(seq.is_prefill for seq in seqs)
 
 
+class ServedCore:
+    """``EngineCore`` stepped as ``core._loop`` steps it, its extra phases timed."""
+
+    def __init__(self, engine: LLMEngine, num_clients: int, timer: PhaseTimer | None = None):
+        self.core = EngineCore(engine, num_clients=num_clients)
+        self.timer = timer
+
+    def step(self) -> None:
+        timer = self.timer
+        start = time.perf_counter()
+        step = self.core.step()
+        routed_at = time.perf_counter()
+        routed = self.core.route(step)
+        encoded_at = time.perf_counter()
+        for _, message in routed:
+            encode(Kind.OUTPUTS, message)
+        if timer is not None:
+            end = time.perf_counter()
+            timer.seconds["core step"] += routed_at - start
+            timer.seconds["route"] += encoded_at - routed_at
+            timer.seconds["encode"] += end - encoded_at
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     engine = LLMEngine.from_engine_args(
@@ -116,40 +160,63 @@ def main(argv=None) -> None:
         ignore_eos=True,
         output_kind=RequestOutputKind[args.output_kind.upper()],
     )
+    served = ServedCore(engine, args.core_clients) if args.core_clients else None
     for i in range(args.num_seqs):
         prompt = rng.integers(3, engine.vocab_size, size=args.prompt_len).tolist()
-        engine.add_request(f"req-{i}", {"prompt_token_ids": prompt}, params)
+        if served is None:
+            engine.add_request(f"req-{i}", {"prompt_token_ids": prompt}, params)
+        else:  # as an API process adds it: wire params, its client index
+            wire = params_to_wire(params)
+            error = served.core.add_request(
+                f"req-{i}", prompt, wire, time.monotonic(), None, i % args.core_clients
+            )
+            assert error is None, error
+    step = engine.step if served is None else served.step
     num_prefill_steps = 0
     while not all_decoding(engine, args.num_seqs):
-        engine.step()
+        step()
         num_prefill_steps += 1
     for _ in range(args.warmup):
-        engine.step()
+        step()
 
     timer = instrument(engine)
-    start = time.perf_counter()
+    if served is not None:
+        served.timer = timer
+        timer.wrap(engine, "step", "engine step")
+    samples = collections.defaultdict(list)  # phase -> microseconds of each timed step
     for _ in range(args.steps):
-        engine.step()
-    total = time.perf_counter() - start
-    per_step = {phase: 1e6 * s / args.steps for phase, s in timer.seconds.items()}
-    per_step["device"] = per_step.pop("execute_model") - per_step["prepare"]
-    per_step["step (total)"] = 1e6 * total / args.steps
+        timer.reset()
+        start = time.perf_counter()
+        step()
+        samples["step (total)"].append(1e6 * (time.perf_counter() - start))
+        seconds = timer.seconds
+        seconds["device"] = seconds.pop("execute_model") - seconds["prepare"]
+        if served is not None:
+            seconds["core step"] -= seconds.pop("engine step")
+        for phase, value in seconds.items():
+            samples[phase].append(1e6 * value)
+    # Medians: a busy machine's stray slow steps do not move them.
+    per_step = {phase: float(np.median(values)) for phase, values in samples.items()}
+    phases = PHASES
+    if served is not None:
+        phases = PHASES + CORE_PHASES
+    mode = f"served core, {args.core_clients} clients" if served else "LLMEngine.step"
     print(
         f"{args.num_seqs} sequences decoding, prompt {args.prompt_len} tokens "
         f"({num_prefill_steps} prefill steps), {args.steps} timed steps, "
-        f"output_kind={args.output_kind}"
+        f"output_kind={'delta (core)' if served else args.output_kind}, {mode}"
     )
-    print(f"{'phase':<14}{'us/step':>10}")
-    for phase in (*PHASES, "step (total)"):
-        print(f"{phase:<14}{per_step[phase]:>10.0f}")
-    host = sum(per_step[p] for p in PHASES if p != "device")
-    print(f"{'host phases':<14}{host:>10.0f}")
+    print(f"{'phase':<14}{'us/step':>10}{'us/req-step':>13}")
+    for phase in (*phases, "step (total)"):
+        print(f"{phase:<14}{per_step[phase]:>10.0f}{per_step[phase] / args.num_seqs:>13.2f}")
+    host = sum(per_step[p] for p in phases if p != "device")
+    print(f"{'host phases':<14}{host:>10.0f}{host / args.num_seqs:>13.2f}")
 
     if args.cprofile:
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(args.cprofile):
-            engine.step()
+            step()
         profiler.disable()
         stats = pstats.Stats(profiler).strip_dirs()
         print(f"\ncProfile over {args.cprofile} steps, by own time:")

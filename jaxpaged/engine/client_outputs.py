@@ -82,8 +82,9 @@ class ClientRequestState:
     def update(self, delta: EngineCoreOutput) -> RequestOutput:
         """Commit one step's delta and return the request's cumulative output."""
         self.core_finished = delta.finished
-        self.num_cached_tokens = delta.num_cached_tokens
-        self.times = delta.times
+        if delta.times is not None:  # None: a short delta, nothing but a token changed
+            self.num_cached_tokens = delta.num_cached_tokens
+            self.times = delta.times
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         for new in delta.completions:

@@ -9,7 +9,9 @@ vLLM v1's ``EngineCoreProc`` (``vllm/v1/engine/core.py``) in our terms. The loop
 
 Requests arrive tokenized and outputs leave as token ids (``core_messages``): the core never
 detokenizes and never looks for stop strings, so its engine is built without a tokenizer.
-Every request runs in DELTA mode (``best_of > n`` in FINAL_ONLY: its ranking is only final).
+Every request runs in DELTA mode (``best_of > n`` in FINAL_ONLY: its ranking is only final),
+and the engine steps with ``token_deltas=True``: its outputs are the wire deltas themselves,
+built from the sequences that advanced, at about the host cost of an offline step.
 
 Clients: one core serves ``num_clients`` API processes (``--api-server-count``; vLLM's
 ``client_index``). Every client connects to the core's one input socket and binds an output
@@ -41,8 +43,8 @@ from jaxpaged.engine.core_messages import (
     HEARTBEAT_INTERVAL_S,
     Kind,
     decode,
+    delta_finished,
     encode,
-    encode_output,
     lora_from_wire,
     params_from_wire,
 )
@@ -170,22 +172,22 @@ class EngineCore:
         return self.engine.has_unfinished_requests()
 
     def step(self) -> list:
-        """One engine step: ``[encoded outputs, stats]`` (``core_messages`` ``outputs``)."""
+        """One engine step: ``[wire deltas, stats]`` (``core_messages`` ``outputs``)."""
         step_start = time.monotonic()
-        outputs = self.engine.step()
+        outputs = self.engine.step(token_deltas=True)
         self.num_steps += 1
         scheduled = []
         for group in self.engine.scheduler.running:
             if group.request_id not in self._seen_running:
                 self._seen_running.add(group.request_id)
                 scheduled.append(group.request_id)
-        for output in outputs:
-            if output.finished:
-                self._seen_running.discard(output.request_id)
+        for wire in outputs:  # core_messages: delta_to_wire or token_to_wire
+            if delta_finished(wire):
+                self._seen_running.discard(wire[0])
         stats = self.get_stats()
         stats["scheduled"] = scheduled
         stats["step_start"] = step_start
-        return [[encode_output(o) for o in outputs], stats]
+        return [outputs, stats]
 
     def route(self, step: list) -> list[tuple[int, list]]:
         """Split ``step()``'s ``[outputs, stats]`` by owning client: ``(client_index,
@@ -198,10 +200,10 @@ class EngineCore:
             return [(0, step)]
         client_of = self._client_of
         per_client: dict[int, tuple[list, list]] = {0: ([], [])}
-        for wire in outputs:  # wire: core_messages.encode_output
+        for wire in outputs:  # core_messages: delta_to_wire or token_to_wire
             request_id = wire[0]
             client = client_of.get(request_id, 0)
-            if wire[1]:  # finished
+            if delta_finished(wire):
                 client_of.pop(request_id, None)
             per_client.setdefault(client, ([], []))[0].append(wire)
         for request_id in stats["scheduled"]:

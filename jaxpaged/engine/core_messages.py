@@ -23,11 +23,22 @@ Core -> API process (``OUTPUT_*`` kinds), on the client's own output socket:
 - ``acks``: ``[[request_id, None | [error class name, message, parameter]], ...]`` for every
   ``add`` of this client applied before a step; an error means the request never entered the
   engine.
-- ``outputs``: ``[[EngineCoreOutput, ...], stats dict]`` after each step (client 0: every step;
-  another client: steps with news for it): per request of this client only what is new
-  (DELTA), see ``encode_output``; ``stats`` is ``LLMEngine.get_stats()`` as a dict plus
-  ``num_steps`` and ``scheduled`` (this client's ids that entered the running batch this
-  step), and with LoRA ``max_loras``, ``running_lora_adapters`` and ``waiting_lora_adapters``
+- ``outputs``: ``[[delta, ...], stats dict]`` after each step (client 0: every step; another
+  client: steps with news for it), one delta per request of this client that advanced or
+  finished, carrying only what is new (DELTA; FINAL_ONLY for ``best_of > n`` and beam search:
+  the ranked completions, once). A delta is full, ``[request_id, finished, num_cached_tokens,
+  [arrival_time, first_token_time, finished_time], completions, prompt_logprobs]``
+  (``delta_to_wire``; a completion is ``[index, new token ids, cumulative_logprob, new
+  logprobs, finish_reason, stop_reason]``, ``completion_to_wire``; logprobs positions are
+  ``[[token_id, logprob, rank], ...]`` or None, ``logprobs_to_wire``), or short,
+  ``[request_id, token_id]`` (``token_to_wire``): the common decode step, one new token for
+  the only completion of a running request without logprobs, everything else as before.
+  ``OutputProcessor.process(token_deltas=True)`` builds them straight from the sequences (no
+  ``RequestOutput``, no text); ``decode_output`` reads both forms. ``stats`` is
+  ``LLMEngine.get_stats()`` as a dict plus ``num_steps``, ``num_unfinished_requests``,
+  ``num_free_blocks``, ``step_start`` (``time.monotonic()`` when the step began) and
+  ``scheduled`` (this client's ids that entered the running batch this step), and with LoRA
+  ``max_loras``, ``running_lora_adapters`` and ``waiting_lora_adapters``
   (``jaxpaged.lora.metrics.lora_stats``).
 - ``utility``: ``[call_id, result, error message or None]``.
 - ``heartbeat``: ``None``, every ``HEARTBEAT_INTERVAL_S`` from a thread of the core process.
@@ -157,7 +168,9 @@ def lora_from_wire(wire: list | None) -> LoRARequest | None:
 
 
 # --------------------------------------------------------------------------------- outputs
-def _logprobs_to_wire(steps):
+def logprobs_to_wire(steps: list | None) -> list | None:
+    """Logprobs positions (``{token_id: Logprob}`` or None each) as ``[[token_id, logprob,
+    rank], ...]`` or None each (the decoded text stays behind); None stays None."""
     if steps is None:
         return None
     return [
@@ -175,32 +188,71 @@ def _logprobs_from_wire(steps):
     ]
 
 
-def encode_output(output: RequestOutput) -> list:
+def completion_to_wire(
+    index: int,
+    token_ids: list[int],
+    cumulative_logprob: float | None,
+    logprobs: list | None,
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+) -> list:
+    """One completion's delta: ``[index, new token ids (list of int), cumulative_logprob,
+    new logprobs (logprobs_to_wire), finish_reason, stop_reason]``. The token ids are a list:
+    one or two per step pack faster than an array."""
+    return [index, token_ids, cumulative_logprob, logprobs, finish_reason, stop_reason]
+
+
+def delta_to_wire(
+    request_id: str,
+    finished: bool,
+    num_cached_tokens: int,
+    times: list,
+    completions: list,
+    prompt_logprobs: list | None,
+) -> list:
     """One request's delta: ``[request_id, finished, num_cached_tokens, [arrival,
-    first_token, finished] times, completions, prompt_logprobs]``; each completion is
-    ``[index, new token ids (list of int), cumulative_logprob, new logprobs, finish_reason,
-    stop_reason]``; a logprobs position is ``[[token_id, logprob, rank], ...]`` or None.
-    Text and the prompt stay behind: the API process has them."""
+    first_token, finished] times, completions (completion_to_wire), prompt_logprobs
+    (logprobs_to_wire)]``. Built straight from the engine's sequences by
+    ``OutputProcessor.process(token_deltas=True)``, the core's path."""
+    return [request_id, finished, num_cached_tokens, times, completions, prompt_logprobs]
+
+
+def token_to_wire(request_id: str, token_id: int) -> list:
+    """The short delta of the common decode step, ``[request_id, token_id]``: one new token
+    for the request's only completion (index 0), which is unfinished and has no logprobs;
+    nothing else changed (``num_cached_tokens`` and the times went with an earlier full
+    delta, prompt logprobs too). About a quarter of a full delta's msgpack cost."""
+    return [request_id, token_id]
+
+
+def delta_finished(wire: list) -> bool:
+    """Whether a wire delta (full or short) ends its request."""
+    return len(wire) > 2 and wire[1]
+
+
+def encode_output(output: RequestOutput) -> list:
+    """The wire delta (``delta_to_wire``) of a ``RequestOutput`` whose completions hold only
+    what is new (DELTA). Text and the prompt stay behind: the API process has them."""
     metrics = output.metrics or {}
     completions = [
-        [
+        completion_to_wire(
             c.index,
-            list(c.token_ids),  # one or two ids per step: a list packs faster than an array
+            list(c.token_ids),
             c.cumulative_logprob,
-            _logprobs_to_wire(c.logprobs),
+            logprobs_to_wire(c.logprobs),
             c.finish_reason,
             c.stop_reason,
-        ]
+        )
         for c in output.outputs
     ]
-    return [
+    return delta_to_wire(
         output.request_id,
         output.finished,
         output.num_cached_tokens,
         [metrics.get(k) for k in ("arrival_time", "first_token_time", "finished_time")],
         completions,
-        _logprobs_to_wire(output.prompt_logprobs),
-    ]
+        logprobs_to_wire(output.prompt_logprobs),
+    )
 
 
 @dataclasses.dataclass
@@ -209,13 +261,27 @@ class EngineCoreOutput:
 
     request_id: str
     finished: bool
-    num_cached_tokens: int
-    times: list  # [arrival_time, first_token_time, finished_time], time.monotonic() or None
+    num_cached_tokens: int | None  # None: unchanged since the request's previous delta
+    # [arrival_time, first_token_time, finished_time], time.monotonic() or None each; the
+    # whole list is None when unchanged since the previous delta (a short delta).
+    times: list | None
     completions: list[CompletionOutput]  # text "", token_ids and logprobs are the new ones
     prompt_logprobs: list | None
 
 
 def decode_output(wire: list) -> EngineCoreOutput:
+    """The ``EngineCoreOutput`` of a full (``delta_to_wire``) or short (``token_to_wire``)
+    delta."""
+    if len(wire) == 2:
+        request_id, token_id = wire
+        return EngineCoreOutput(
+            request_id=request_id,
+            finished=False,
+            num_cached_tokens=None,
+            times=None,
+            completions=[CompletionOutput(index=0, text="", token_ids=[token_id])],
+            prompt_logprobs=None,
+        )
     request_id, finished, num_cached, times, completions, prompt_logprobs = wire
     return EngineCoreOutput(
         request_id=request_id,

@@ -351,38 +351,46 @@ class LLMEngine:
         return len(self.output_processor.requests)
 
     # ---------------------------------------------------------------------------------- step
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, token_deltas: bool = False) -> list[RequestOutput] | list[list]:
         """Run one engine step and return the outputs of requests that advanced or finished.
 
         With ``async_scheduling`` the outputs are those of the previous step, read back while
         this step runs on the device (``engine/async_scheduling.py``).
+
+        Args:
+            token_deltas: the engine core's form: each output is its text-free wire delta
+                (``core_messages.delta_to_wire``) and nothing is detokenized
+                (``OutputProcessor.process``).
         """
         if self.async_scheduling or self._in_flight is not None:
-            return self._step_async()
-        return self._step_sync()
+            return self._step_async(token_deltas)
+        return self._step_sync(token_deltas)
 
-    def _step_async(self) -> list[RequestOutput]:
+    def _step_async(self, token_deltas: bool) -> list:
         scheduler_output = self.scheduler.schedule()
         self.step_history.record(scheduler_output, self.kv_cache_manager.usage)
         in_flight, self._in_flight = self._in_flight, None
         if scheduler_output.num_beam_candidates:
             # Beam steps need the previous tokens on the host: finish the pipeline first.
-            outputs = [] if in_flight is None else self._resolve(in_flight)
-            return outputs + self._commit(scheduler_output, self._run_sync(scheduler_output))
+            outputs = [] if in_flight is None else self._resolve(in_flight, token_deltas)
+            runner_output = self._run_sync(scheduler_output)
+            return outputs + self._commit(scheduler_output, runner_output, token_deltas)
         pending = PendingStep([], None)
         if not scheduler_output.is_empty:
             self.worker.execute_block_ops(scheduler_output)
             pending = self.worker.dispatch(scheduler_output)
-        outputs = [] if in_flight is None else self._resolve(in_flight)
+        outputs = [] if in_flight is None else self._resolve(in_flight, token_deltas)
         self._in_flight = commit_with_placeholders(self.scheduler, scheduler_output, pending)
         if not pending.scheduled and not self._in_flight.updated:
             self._in_flight = None
         return outputs
 
-    def _resolve(self, in_flight: InFlightStep) -> list[RequestOutput]:
+    def _resolve(self, in_flight: InFlightStep, token_deltas: bool) -> list:
         runner_output = self.worker.collect(in_flight.pending)
         updated = resolve(self.scheduler, in_flight, runner_output)
-        return self.output_processor.process(runner_output, updated, time.monotonic())
+        return self.output_processor.process(
+            runner_output, updated, time.monotonic(), token_deltas=token_deltas
+        )
 
     def _run_sync(self, scheduler_output) -> ModelRunnerOutput:
         if scheduler_output.is_empty:
@@ -390,7 +398,9 @@ class LLMEngine:
         self.worker.execute_block_ops(scheduler_output)
         return self.worker.execute_model(scheduler_output)
 
-    def _commit(self, scheduler_output, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+    def _commit(
+        self, scheduler_output, runner_output: ModelRunnerOutput, token_deltas: bool
+    ) -> list:
         # Also commits what finished while scheduling (ignored groups) when nothing ran.
         updated = self.scheduler.update_from_output(
             scheduler_output,
@@ -398,12 +408,15 @@ class LLMEngine:
             runner_output.sampled_logprobs,
             beam_candidates=self.worker.beam_candidates,
         )
-        return self.output_processor.process(runner_output, updated, time.monotonic())
+        return self.output_processor.process(
+            runner_output, updated, time.monotonic(), token_deltas=token_deltas
+        )
 
-    def _step_sync(self) -> list[RequestOutput]:
+    def _step_sync(self, token_deltas: bool) -> list:
         scheduler_output = self.scheduler.schedule()
         self.step_history.record(scheduler_output, self.kv_cache_manager.usage)
-        return self._commit(scheduler_output, self._run_sync(scheduler_output))
+        runner_output = self._run_sync(scheduler_output)
+        return self._commit(scheduler_output, runner_output, token_deltas)
 
 
 def lora_cache_keys(lora_request: LoRARequest | None) -> tuple:

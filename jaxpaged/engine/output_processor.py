@@ -8,6 +8,11 @@ freed at once; the request ends with its last sequence) and, as in vLLM v1, over
 ``RequestOutputKind`` decides whether an output carries everything so far (CUMULATIVE), only
 what is new (DELTA) or comes only at the end (FINAL_ONLY).
 
+The engine core's path (``process(token_deltas=True)``) skips the text: each due output is its
+wire delta (``core_messages.delta_to_wire``), built straight from the sequences, without
+``RequestOutput`` objects, a prompt copy or a detokenizer call; the API process, which has the
+text, detokenizes and looks for stop strings (``client_outputs``).
+
 A request is a ``SequenceGroup``: one sequence, the ``best_of`` samples of parallel sampling or
 the beams of a beam search. Each sequence keeps its own detokenizer and logprobs; which of them
 are reported, and in what order, is ``group_outputs.ranked_completions``.
@@ -18,6 +23,12 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.engine.core_messages import (
+    completion_to_wire,
+    delta_to_wire,
+    logprobs_to_wire,
+    token_to_wire,
+)
 from jaxpaged.engine.group_outputs import ranked_completions
 from jaxpaged.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from jaxpaged.sample.logprobs import LogprobsBuilder, ModelRunnerOutput
@@ -31,7 +42,7 @@ class SequenceState:
 
     detokenizer: IncrementalDetokenizer
     logprobs: SampleLogprobs | None
-    num_fed_tokens: int = 0  # output tokens given to the detokenizer (and logprobs) so far
+    num_fed_tokens: int = 0  # output tokens committed (given to the detokenizer) so far
     num_sent_tokens: int = 0  # output tokens already reported (DELTA mode)
 
 
@@ -86,8 +97,13 @@ class OutputProcessor:
         return self._make_output(state, finished=True)
 
     def process(
-        self, runner_output: ModelRunnerOutput, updated: list[Sequence], now: float
-    ) -> list[RequestOutput]:
+        self,
+        runner_output: ModelRunnerOutput,
+        updated: list[Sequence],
+        now: float,
+        *,
+        token_deltas: bool = False,
+    ) -> list[RequestOutput] | list[list]:
         """Commit one step's text and logprobs; return the outputs due this step, one per
         request that advanced or finished.
 
@@ -96,6 +112,9 @@ class OutputProcessor:
             updated: sequences that got a token this step (``Scheduler.update_from_output``),
                 or finished while it was scheduled.
             now: ``time.monotonic()`` of the step's end.
+            token_deltas: return wire deltas (``core_messages.delta_to_wire``) instead of
+                ``RequestOutput``s, and run no detokenizer (no text, no stop strings: the
+                engine core's requests have none; the API process looks for them).
         """
         builder = self.logprobs_builder
         for seq_id, entries in runner_output.prompt_logprobs.items():
@@ -114,8 +133,9 @@ class OutputProcessor:
             advanced[seq.group.request_id] = state
             if state.first_token_time is None and seq.output_token_ids:
                 state.first_token_time = now
-            self._commit_tokens(state, seq, runner_output)
+            self._commit_tokens(state, seq, runner_output, detokenize=not token_deltas)
 
+        make_output = self._make_delta if token_deltas else self._make_output
         outputs = []
         for request_id, state in advanced.items():
             finished = state.group.is_finished
@@ -123,11 +143,16 @@ class OutputProcessor:
                 state.finished_time = now
                 del self.requests[request_id]
             if finished or state.output_kind is not RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._make_output(state, finished=finished))
+                outputs.append(make_output(state, finished=finished))
         return outputs
 
     def _commit_tokens(
-        self, state: RequestState, seq: Sequence, runner_output: ModelRunnerOutput
+        self,
+        state: RequestState,
+        seq: Sequence,
+        runner_output: ModelRunnerOutput,
+        *,
+        detokenize: bool,
     ) -> None:
         seq_state = self._seq_state(state, seq)
         new_ids = seq.output_token_ids[seq_state.num_fed_tokens :]
@@ -138,6 +163,8 @@ class OutputProcessor:
         entry = runner_output.logprobs.get(seq.seq_id)
         if seq_state.logprobs is not None and entry is not None:
             seq_state.logprobs.append(self.logprobs_builder.build(entry, params.logprobs))
+        if not detokenize:
+            return
         stop = seq_state.detokenizer.update(
             new_ids,
             stop_terminated=seq.status is SequenceStatus.FINISHED_STOPPED,
@@ -193,17 +220,7 @@ class OutputProcessor:
                 seq_state.num_fed_tokens = seq.num_output_tokens
             seq_finished = finished or seq.is_finished
             text = seq_state.detokenizer.get_next_output_text(finished=seq_finished, delta=delta)
-            start = seq_state.num_sent_tokens if delta else 0
-            seq_state.num_sent_tokens = seq.num_output_tokens
-            if group.is_beam_search:
-                # Beams report their candidates' logprobs and score whatever was asked.
-                logprobs = list(seq.beam_logprobs)
-                cumulative_logprob = seq.cumulative_logprob
-            elif seq_state.logprobs is not None:
-                logprobs = seq_state.logprobs[start:]
-                cumulative_logprob = seq.cumulative_logprob
-            else:
-                logprobs = cumulative_logprob = None  # vLLM v1: only with logprobs
+            start, logprobs, cumulative_logprob = _take_new(group, seq_state, seq, delta)
             completions.append(
                 CompletionOutput(
                     index=index,
@@ -215,10 +232,7 @@ class OutputProcessor:
                     stop_reason=seq.stop_reason,
                 )
             )
-        prompt_logprobs = state.prompt_logprobs
-        if delta and state.prompt_logprobs_sent:
-            prompt_logprobs = None
-        state.prompt_logprobs_sent = True
+        prompt_logprobs = _take_prompt_logprobs(state, delta)
         parent = group.seqs[0]
         return RequestOutput(
             request_id=group.request_id,
@@ -235,3 +249,68 @@ class OutputProcessor:
                 "finished_time": state.finished_time,
             },
         )
+
+    def _make_delta(self, state: RequestState, *, finished: bool) -> list:
+        """``_make_output``'s content as a wire delta, without text: the same completions,
+        token ids, logprobs and reasons (``core_messages.delta_to_wire``), or just the new
+        token (``core_messages.token_to_wire``) when nothing else changed."""
+        group = state.group
+        delta = state.output_kind is RequestOutputKind.DELTA
+        if delta and not finished and len(group.seqs) == 1:
+            seq = group.seqs[0]
+            seq_state = self._seq_state(state, seq)
+            sent = seq_state.num_sent_tokens
+            # After the first output (which carried the times, cached count and prompt
+            # logprobs), one new token of a running sequence without logprobs.
+            if sent and seq.num_output_tokens == sent + 1 and seq_state.logprobs is None:
+                seq_state.num_sent_tokens = sent + 1
+                return token_to_wire(group.request_id, seq.output_token_ids[-1])
+        completions = []
+        for index, seq in enumerate(ranked_completions(group)):
+            start, logprobs, cumulative_logprob = _take_new(
+                group, self._seq_state(state, seq), seq, delta
+            )
+            completions.append(
+                completion_to_wire(
+                    index,
+                    seq.output_token_ids[start:],
+                    cumulative_logprob,
+                    logprobs_to_wire(logprobs),
+                    seq.finish_reason,
+                    seq.stop_reason,
+                )
+            )
+        prompt_logprobs = _take_prompt_logprobs(state, delta)
+        return delta_to_wire(
+            group.request_id,
+            finished,
+            group.num_cached_tokens or 0,
+            [group.arrival_time, state.first_token_time, state.finished_time],
+            completions,
+            logprobs_to_wire(prompt_logprobs),
+        )
+
+
+def _take_new(
+    group: SequenceGroup, seq_state: SequenceState, seq: Sequence, delta: bool
+) -> tuple[int, SampleLogprobs | None, float | None]:
+    """What an output reports of ``seq``: ``(start, logprobs, cumulative_logprob)``, its
+    output tokens from ``start`` on (all, or in DELTA mode those not reported before), and
+    marks them reported."""
+    start = seq_state.num_sent_tokens if delta else 0
+    seq_state.num_sent_tokens = seq.num_output_tokens
+    if group.is_beam_search:
+        # Beams report their candidates' logprobs and score whatever was asked.
+        return start, list(seq.beam_logprobs), seq.cumulative_logprob
+    if seq_state.logprobs is not None:
+        return start, seq_state.logprobs[start:], seq.cumulative_logprob
+    return start, None, None  # vLLM v1: a cumulative logprob only with logprobs
+
+
+def _take_prompt_logprobs(state: RequestState, delta: bool) -> PromptLogprobs | None:
+    """The prompt logprobs an output reports (in DELTA mode only the first output has them)."""
+    prompt_logprobs = state.prompt_logprobs
+    if delta and state.prompt_logprobs_sent:
+        prompt_logprobs = None
+    state.prompt_logprobs_sent = True
+    return prompt_logprobs

@@ -9,7 +9,14 @@ import pytest
 from jaxpaged import SamplingParams
 from jaxpaged.engine.client_outputs import ClientRequestState
 from jaxpaged.engine.core import EngineCore
-from jaxpaged.engine.core_messages import Kind, decode, decode_output, encode, params_to_wire
+from jaxpaged.engine.core_messages import (
+    Kind,
+    decode,
+    decode_output,
+    encode,
+    encode_output,
+    params_to_wire,
+)
 
 PROMPTS = ["Once upon a time", "The dog ran", "Tom had a red ball"]
 
@@ -83,3 +90,57 @@ def test_core_refuses_with_the_error_the_api_process_maps_to_a_status(stories_ll
     with pytest.raises(ValueError, match="not a utility"):
         core.call_utility("step", [])
     assert not core.has_work()
+
+
+def test_core_wire_deltas_equal_the_request_output_path_for_a_mixed_batch(stories_llm):
+    """``engine.step(token_deltas=True)`` (the core's path: deltas built from the sequences,
+    short ones for plain decode steps) against the old path, ``encode_output`` of each
+    DELTA ``RequestOutput``: step by step, the same deltas once decoded, short ones read as
+    "times and cached count unchanged". Step times differ between the runs: only which of
+    them are set is compared."""
+    engine = stories_llm.llm_engine
+    tokenizer = stories_llm.get_tokenizer()
+    requests = {
+        "plain": SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+        "n2": SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=6, ignore_eos=True),
+        "logprobs": SamplingParams(temperature=0, max_tokens=5, logprobs=2, prompt_logprobs=1),
+        "short": SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+        "best_of": SamplingParams(n=1, best_of=3, temperature=1.0, seed=5, max_tokens=4),
+        "aborted": SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    }
+
+    def run(step) -> tuple[list[list], list[bool]]:
+        core = EngineCore(engine)
+        core.reset_prefix_cache()  # both runs schedule (and cache) the same
+        for i, (request_id, params) in enumerate(requests.items()):
+            ids = tokenizer.encode(PROMPTS[i % len(PROMPTS)])
+            assert core.add_request(request_id, ids, params_to_wire(params), 1.5) is None
+        steps, short, last = [], [], {}
+        while core.has_work():
+            if len(steps) == 3:
+                core.abort_requests(["aborted"])
+            outputs = decode(encode(Kind.OUTPUTS, [step(core), {}]))[1][0]
+            steps.append([_normalized(wire, last) for wire in outputs])
+            short += [len(wire) == 2 for wire in outputs]
+        return steps, short
+
+    new, short = run(lambda core: core.step()[0])
+    old, _ = run(lambda core: [encode_output(output) for output in core.engine.step()])
+    assert any(short) and not all(short)  # both forms were sent
+    assert new == old
+    finished = [d.request_id for step in new for d in step if d.finished]
+    assert sorted(finished) == sorted(set(requests) - {"aborted"})
+    (final_best_of,) = [d for step in new for d in step if d.request_id == "best_of"]
+    assert final_best_of.finished and len(final_best_of.completions[0].token_ids) == 4
+    assert any(d.prompt_logprobs for step in new for d in step if d.request_id == "logprobs")
+
+
+def _normalized(wire: list, last: dict):
+    """A decoded delta, a short one completed with its request's last times and cached count;
+    times reduced to which of them are set."""
+    delta = decode_output(wire)
+    if delta.times is None:
+        delta.num_cached_tokens, delta.times = last[delta.request_id]
+    last[delta.request_id] = (delta.num_cached_tokens, delta.times)
+    delta.times = [t is not None for t in delta.times]
+    return delta

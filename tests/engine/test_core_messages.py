@@ -13,10 +13,12 @@ from jaxpaged.engine.core_messages import (
     Kind,
     decode,
     decode_output,
+    delta_finished,
     encode,
     encode_output,
     params_from_wire,
     params_to_wire,
+    token_to_wire,
 )
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -94,3 +96,13 @@ def test_request_output_delta_round_trips_without_text():
     assert completion.logprobs == output.outputs[0].logprobs
     assert (completion.cumulative_logprob, completion.finish_reason) == (-1.25, "length")
     assert delta.prompt_logprobs == output.prompt_logprobs
+
+
+def test_short_delta_is_one_token_for_completion_zero_and_never_finishes():
+    (wire,) = decode(encode(Kind.OUTPUTS, [token_to_wire("cmpl-2-0", 17)]))[1]
+    delta = decode_output(wire)
+    assert not delta_finished(wire) and not delta.finished
+    assert (delta.request_id, delta.times, delta.num_cached_tokens) == ("cmpl-2-0", None, None)
+    (completion,) = delta.completions
+    assert (completion.index, completion.token_ids, completion.finish_reason) == (0, [17], None)
+    assert completion.logprobs is None and completion.cumulative_logprob is None
