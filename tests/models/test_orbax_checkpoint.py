@@ -24,6 +24,7 @@ def test_round_trips_at_tp_1_and_2_on_cpu_devices():
         "tp=1: restored as bfloat16 equals loading the safetensors as bfloat16",
         "tp=2: greedy tokens equal",
         "tp=2 checkpoint at tp=1: refused by name",
+        "tp=2: chunked shards of split and replicated arrays restored bit for bit",
         "ALL OK",
     ):
         assert line in report, report
@@ -154,3 +155,47 @@ def test_a_shard_count_mismatch_is_refused_by_the_config_before_anything_loads(
     (out / MARKER).write_text(json.dumps({**meta, "tensor_parallel_size": 2}))
     with pytest.raises(ValueError, match="converted for tensor_parallel_size=2, got .*=1"):
         EngineArgs(model=str(out)).create_engine_config()
+
+
+@pytest.mark.parametrize("layout", ["chunked", "compressed", "zarr3"])
+def test_restore_arrays_reads_every_orbax_ocdbt_layout_bit_for_bit(tmp_path, layout):
+    """``restore_arrays`` reads what orbax wrote: ``write_arrays``'s chunks (256 bytes here, so
+    every array has several), zstd and one chunk (earlier converts) and zarr3; a dtype other
+    than the stored one is cast while reading."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from models.orbax_checkpoint import restore_arrays, write_arrays
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "a.kernel": jnp.asarray(rng.normal(size=(37, 70)), jnp.bfloat16),
+        "b.scale": jnp.asarray(rng.normal(size=(5,)), jnp.float32),
+        "c.q": jnp.asarray(rng.integers(-128, 128, size=(3, 4, 9)), jnp.int8),
+    }
+    path = str(tmp_path / "params")
+    if layout == "chunked":
+        write_arrays(path, arrays, chunk_bytes=256)
+    else:
+        handler = ocp.PyTreeCheckpointHandler(use_zarr3=layout == "zarr3")
+        with ocp.Checkpointer(handler) as checkpointer:
+            checkpointer.save(path, arrays)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    targets = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device)
+               for k, a in arrays.items()}
+    targets["b.scale"] = jax.ShapeDtypeStruct((5,), jnp.bfloat16, sharding=device)
+    restored = restore_arrays(path, targets, workers=2)
+    for key, array in arrays.items():
+        want = np.asarray(array.astype(targets[key].dtype))
+        got = restored[key]
+        assert got.dtype == targets[key].dtype and got.sharding == device, key
+        assert np.array_equal(np.asarray(got), want), key
+    with pytest.raises(ValueError, match=r"parameter a.kernel is stored with shape \(37, 70\)"):
+        wrong = jax.ShapeDtypeStruct((37, 71), jnp.bfloat16, sharding=device)
+        restore_arrays(path, {"a.kernel": wrong})
+    with pytest.raises(ValueError, match="parameter d.x has no array"):
+        restore_arrays(path, {"d.x": jax.ShapeDtypeStruct((1,), jnp.float32, sharding=device)})
+    with pytest.raises(ValueError, match="not an OCDBT orbax checkpoint"):
+        restore_arrays(str(tmp_path), targets)
