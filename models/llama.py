@@ -56,7 +56,6 @@ from models.attention_backends import check_attention_backend
 from models.attention_metadata import AttentionMetadata
 from models.kv_scales import FP8KVScales
 from models.lora import LORA_PROJECTIONS, LoRABatch, LoRALayer, llama_projection_specs, lora_project
-from models.merged_linear import MergedColumnParallelLinear
 from models.moe import SparseMoeBlock
 from models.quantization.config import QuantizationConfig
 from models.quantized_linear import make_linear

@@ -107,9 +107,9 @@ def test_mixed_adapters_match_hf_peft(tmp_path, stories_dir, name):
         )
         got = [list(o.outputs[0].token_ids) for o in outputs]
         assert got == [expected[k][i] for i, k in enumerate(picks)], (name, shift)
-    # One device, float: served in the fold layout (``models.lora``), every projection.
+    # The default layout (``models.lora.LORA_FOLD`` off): separate slot ``a``, no folded kernel.
     slot_weights = llm.llm_engine.lora_manager.slots.weights
-    assert all(w.base_columns for layer in slot_weights for w in layer.values())
+    assert not any(w.base_columns for layer in slot_weights for w in layer.values())
 
 
 def test_mixtral_refuses_an_adapter_on_its_experts(tmp_path, stories_dir):

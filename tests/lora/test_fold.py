@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import models.lora
 from jaxpaged.lora.peft import LoRAAdapter
 from jaxpaged.lora.slots import LoRASlots
 from models.lora import (
@@ -110,7 +111,9 @@ def test_fold_equals_reference_and_dense_through_load_and_unload():
     check([None, _adapter(rng, 3, skip="q_proj"), adapters[2]])
 
 
-def test_fold_policy_is_one_device_and_unquantized_only():
+def test_fold_policy_is_one_device_and_unquantized_only(monkeypatch):
+    assert not lora_fold(tp_size=1, quantized=False)  # off by default (models.lora.LORA_FOLD)
+    monkeypatch.setattr(models.lora, "LORA_FOLD", True)
     assert lora_fold(tp_size=1, quantized=False)
     assert not lora_fold(tp_size=2, quantized=False)
     assert not lora_fold(tp_size=1, quantized=True)

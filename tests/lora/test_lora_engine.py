@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import pytest
 
+import models.lora
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.lora.request import LoRARequest
 from tests.conftest import SMALL_ENGINE
@@ -18,7 +19,14 @@ def lora_llm():
     # max_loras=2 slots for 3 adapters + base in flight; max_cpu_loras=2 makes the host LRU
     # evict and re-read; 12 KV blocks for 12 requests of ~2 blocks force preemption; async
     # scheduling (slots are written while the previous step may still run). The server test's
-    # engine schedules synchronously.
+    # engine schedules synchronously. The fold layout (off by default, models.lora.LORA_FOLD)
+    # is forced on, so these checks against peft run it; test_families_lora runs the default.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(models.lora, "LORA_FOLD", True)
+        return _build_lora_llm()
+
+
+def _build_lora_llm():
     return LLM(
         dtype="float32",
         async_scheduling=True,
