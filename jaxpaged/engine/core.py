@@ -377,6 +377,8 @@ def _loop(core: EngineCore, inputs, outputs: list) -> None:
                     return
         for client, request_ids in aborts:
             core.abort_requests(request_ids, client)
+        if aborts and not core.has_work():  # no step follows: client 0's gauges need the news
+            outputs[0].send(encode(Kind.STATS, core.get_stats()))
         if acks:
             if several:
                 by_client: dict[int, list] = {}

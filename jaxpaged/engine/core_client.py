@@ -463,6 +463,9 @@ class EngineCoreClient:
             kind, payload = decode(frame.buffer)
             if kind is Kind.OUTPUTS:
                 self._on_outputs(*payload)
+            elif kind is Kind.STATS:
+                self.last_stats = payload
+                self._observe_engine(payload)
             elif kind is Kind.ACKS:
                 for request_id, error in payload:
                     future = self._acks.pop(request_id, None)
@@ -505,10 +508,19 @@ class EngineCoreClient:
             self.metrics.observe_step(
                 scheduler_stats(stats), delivered, stats["step_start"], now, stats["scheduled"]
             )
-            if "running_lora_adapters" in stats:  # jaxpaged.lora.metrics.lora_stats
-                self.metrics.observe_lora_adapters(
-                    stats["running_lora_adapters"], stats["waiting_lora_adapters"]
-                )
+            self._observe_lora(stats)
+
+    def _observe_engine(self, stats: dict) -> None:
+        """The engine's gauges and counters from a ``stats`` message (no step: no tokens)."""
+        if self.metrics is not None and self.metrics.observes_engine:
+            self.metrics.observe_engine_state(scheduler_stats(stats))
+            self._observe_lora(stats)
+
+    def _observe_lora(self, stats: dict) -> None:
+        if "running_lora_adapters" in stats:  # jaxpaged.lora.metrics.lora_stats
+            self.metrics.observe_lora_adapters(
+                stats["running_lora_adapters"], stats["waiting_lora_adapters"]
+            )
 
     async def _watch(self) -> None:
         process = self.core.process

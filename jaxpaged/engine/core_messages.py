@@ -40,6 +40,9 @@ Core -> API process (``OUTPUT_*`` kinds), on the client's own output socket:
   ``scheduled`` (this client's ids that entered the running batch this step), and with LoRA
   ``max_loras``, ``running_lora_adapters`` and ``waiting_lora_adapters``
   (``jaxpaged.lora.metrics.lora_stats``).
+- ``stats``: the ``stats`` dict of ``outputs`` without ``step_start`` and ``scheduled``, to
+  client 0 only, when aborts leave the core with nothing to step (no step follows to carry
+  the engine's state, so the API process's gauges would keep the last step's values).
 - ``utility``: ``[call_id, result, error message or None]``.
 - ``heartbeat``: ``None``, every ``HEARTBEAT_INTERVAL_S`` from a thread of the core process.
 - ``dead``: ``error message``: the loop died on an exception; the process exits after it.
@@ -71,6 +74,7 @@ class Kind(enum.StrEnum):
     SHUTDOWN = "shutdown"
     ACKS = "acks"
     OUTPUTS = "outputs"
+    STATS = "stats"
     HEARTBEAT = "heartbeat"
     DEAD = "dead"
 
