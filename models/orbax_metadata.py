@@ -35,13 +35,18 @@ def read_metadata(model_dir: str) -> dict:
     """The ``MARKER`` file of a converted directory.
 
     Raises:
-        ValueError: the file is missing, or of another format or version.
+        ValueError: the file is missing, not JSON, or of another format or version.
     """
     path = os.path.join(model_dir, MARKER)
     if not os.path.isfile(path):
         raise ValueError(f"{model_dir} is not a jaxpaged orbax checkpoint (no {MARKER})")
     with open(path) as f:
-        meta = json.load(f)
+        try:
+            meta = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not JSON ({error}); convert the model again") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} holds no JSON object; convert the model again")
     if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
         raise ValueError(
             f"{path}: format {meta.get('format')!r} version {meta.get('version')!r} is not "

@@ -39,6 +39,13 @@ logger = logging.getLogger(__name__)
 PromptType = str | Mapping
 
 
+class PromptError(ValueError):
+    """A prompt the engine cannot take (empty, ids outside the vocabulary, too long for
+    ``max_model_len`` or the KV cache); ``parameter`` names the request field (HTTP 400)."""
+
+    parameter = "prompt"
+
+
 class LLMEngine:
     """The offline engine: a scheduler, a KV cache and a model runner on one device, or on a
     ``("tp",)`` mesh of ``tensor_parallel_size`` devices (``models.sharding``), possibly spanning
@@ -254,20 +261,20 @@ class LLMEngine:
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         max_model_len = self.config.scheduler_config.max_model_len
         if not prompt_ids:
-            raise ValueError("the prompt is empty: it must have at least one token")
+            raise PromptError("the prompt is empty: it must have at least one token")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(
+            raise PromptError(
                 f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
         if len(prompt_ids) >= max_model_len:
-            raise ValueError(
+            raise PromptError(
                 f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len}, "
                 "which must leave room for at least one generated token"
             )
         capacity = self.num_blocks * self.config.cache_config.block_size
         if len(prompt_ids) + 1 > capacity:
-            raise ValueError(
+            raise PromptError(
                 f"prompt has {len(prompt_ids)} tokens but the KV cache holds only {capacity} "
                 f"tokens ({self.num_blocks} blocks)"
             )

@@ -84,7 +84,7 @@ def test_core_refuses_with_the_error_the_api_process_maps_to_a_status(stories_ll
     assert core.add_request("full", [1, 2], params, 0.0)[0] == "QueueFullError"
     core.max_num_queued_requests = None
     name, message, parameter = core.add_request("bad", [1, 10**6], params, 0.0)
-    assert name == "ValueError" and "outside the vocabulary" in message and parameter is None
+    assert name == "PromptError" and "outside the vocabulary" in message and parameter == "prompt"
     name, message, parameter = core.add_request("lp", [1, 2], {"logprobs": 10**4}, 0.0)
     assert name == "SamplingParamsError" and parameter == "logprobs"
     with pytest.raises(ValueError, match="not a utility"):

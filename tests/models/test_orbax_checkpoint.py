@@ -92,6 +92,12 @@ def test_a_converted_directory_is_recognised_and_its_version_checked(tmp_path):
     assert is_orbax_checkpoint(str(tmp_path))
     with pytest.raises(ValueError, match="version 99.*convert the model again"):
         read_metadata(str(tmp_path))
+    (tmp_path / MARKER).write_text('{"format": "jaxpaged-orbax", ')  # cut short
+    with pytest.raises(ValueError, match=f"{MARKER} is not JSON"):
+        read_metadata(str(tmp_path))
+    (tmp_path / MARKER).write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds no JSON object"):
+        read_metadata(str(tmp_path))
 
 
 def _marker_only_checkpoint(stories_dir, out: pathlib.Path) -> dict:

@@ -86,7 +86,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(http, serve
     _error(_complete(http, temperature=-0.5), 400, "temperature", "non-negative")
     _error(_complete(http, prompt=["text", [1, 2]]), 400, "prompt", "list of token ids")
     _error(_complete(http, prompt=[]), 400, "prompt", "must not be empty")
-    _error(_complete(http, prompt=[1, 99999]), 400, None, "outside the vocabulary")
+    _error(_complete(http, prompt=[1, 99999]), 400, "prompt", "outside the vocabulary")
     _error(_complete(http, stream_options={"include_usage": True}), 400, None, "stream is true")
     _error(_complete(http, suffix="!"), 400, "suffix", "not supported")
     long_prompt = list(range(3, 3 + 120))
