@@ -58,7 +58,7 @@ import numpy as np
 
 from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.lora.request import LoRARequest
-from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxpaged.outputs import CompletionOutput, Logprob
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 NDARRAY_EXT = 1
@@ -232,31 +232,6 @@ def token_to_wire(request_id: str, token_id: int) -> list:
 def delta_finished(wire: list) -> bool:
     """Whether a wire delta (full or short) ends its request."""
     return len(wire) > 2 and wire[1]
-
-
-def encode_output(output: RequestOutput) -> list:
-    """The wire delta (``delta_to_wire``) of a ``RequestOutput`` whose completions hold only
-    what is new (DELTA). Text and the prompt stay behind: the API process has them."""
-    metrics = output.metrics or {}
-    completions = [
-        completion_to_wire(
-            c.index,
-            list(c.token_ids),
-            c.cumulative_logprob,
-            logprobs_to_wire(c.logprobs),
-            c.finish_reason,
-            c.stop_reason,
-        )
-        for c in output.outputs
-    ]
-    return delta_to_wire(
-        output.request_id,
-        output.finished,
-        output.num_cached_tokens,
-        [metrics.get(k) for k in ("arrival_time", "first_token_time", "finished_time")],
-        completions,
-        logprobs_to_wire(output.prompt_logprobs),
-    )
 
 
 @dataclasses.dataclass

@@ -14,9 +14,9 @@ from jaxpaged.engine.core_messages import (
     decode,
     decode_output,
     encode,
-    encode_output,
     params_to_wire,
 )
+from tests.engine.wire_reference import encode_output
 
 PROMPTS = ["Once upon a time", "The dog ran", "Tom had a red ball"]
 

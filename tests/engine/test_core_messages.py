@@ -15,13 +15,13 @@ from jaxpaged.engine.core_messages import (
     decode_output,
     delta_finished,
     encode,
-    encode_output,
     params_from_wire,
     params_to_wire,
     token_to_wire,
 )
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from tests.engine.wire_reference import encode_output
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.float32, np.uint8, np.float64])
