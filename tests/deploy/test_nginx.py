@@ -123,14 +123,24 @@ def _served(url: str) -> float:
     raise AssertionError("vllm:request_success is missing from /metrics")
 
 
-def _upstreams(access_log: str) -> dict[str, list[str]]:
-    """X-Request-Id -> the upstream addresses Nginx tried, in order."""
-    tried = {}
-    for line in access_log.splitlines():
-        match = re.search(r"rid=(\S+) upstream=(.+?) upstream_status=", line)
-        if match:
-            tried[match.group(1)] = [a.strip() for a in match.group(2).split(",")]
-    return tried
+def _upstreams(access_log, request_ids, timeout: float = 10.0) -> dict[str, list[str]]:
+    """X-Request-Id -> the upstream addresses Nginx tried, in order, for every id in
+    ``request_ids``. Nginx writes a request's line in its log phase, which can come after the
+    client has read the last byte, so the log is read again until every id is there (or
+    ``timeout`` seconds pass; the missing ids are then named)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        tried = {}
+        for line in access_log.read_text().splitlines():
+            match = re.search(r"rid=(\S+) upstream=(.+?) upstream_status=", line)
+            if match:
+                tried[match.group(1)] = [a.strip() for a in match.group(2).split(",")]
+        missing = sorted(set(request_ids) - set(tried))
+        if not missing:
+            return tried
+        if time.monotonic() > deadline:
+            raise AssertionError(f"Nginx's access log has no line for {missing[:5]}")
+        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -215,7 +225,7 @@ def test_nginx_spreads_streams_over_replicas_and_routes_around_a_dead_one(cluste
         replicas.start(1)
 
     results = asyncio.run(_burst(url, "kill", 150, concurrency=30, during=kill_midway))
-    tried = _upstreams(access_log.read_text())
+    tried = _upstreams(access_log, results)
     failed = sorted(rid for rid, ok in results.items() if not ok)
     # A request fails only if Nginx had handed it to the killed replica before it died ...
     assert set(failed) <= set(sent_before_kill), failed
