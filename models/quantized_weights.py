@@ -27,18 +27,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from models.dummy_init import DUMMY_STD, dummy_normal
 from models.lora import LORA_PROJECTIONS
 from models.quantization.merge import merge_column_parts
 from models.quantization.stored import TensorSpec
 from models.quantized_linear import QuantizedLinear, QuantizedMergedColumnParallelLinear
 from models.sharding import parallel_style
 
-# Scale of the dummy float weights quantized at load (as models.weights' _DUMMY_STD).
-_DUMMY_STD = 0.02
 
 LayerPath = tuple[str, ...]
 HostLayers = dict[LayerPath, dict[str, np.ndarray]]
@@ -121,11 +121,14 @@ def read_quantized_layers(
 def dummy_quantized_layers(
     layers: list[tuple[LayerPath, QuantizedLinear]], seed: int, num_shards: int
 ) -> HostLayers:
-    """``load_format="dummy"``: every layer's tensors drawn on the host from ``(seed, layer,
-    part)`` (the same for every ``num_shards``), then checked, fused and sorted as a checkpoint's.
+    """``load_format="dummy"``: every layer's tensors drawn from ``(seed, layer, part)`` (the
+    same for every ``num_shards``), then checked, fused and sorted as a checkpoint's, and held on
+    the host.
 
     - Methods that quantize at load (online ``fp8``, ``bitsandbytes``): each part's float weight
-      ``[out, in]`` drawn as ``normal * 0.02`` and quantized at once (one float layer at a time).
+      ``[out, in]`` drawn on the default device in the layer's compute dtype
+      (``models.dummy_init.dummy_normal``, key ``fold_in(key(seed), layer)``, index ``part``) and
+      quantized there (one float weight at a time); only the quantized tensors reach the host.
     - Pre-quantized methods (``awq``, ``gptq``, ``compressed-tensors``, serialized ``fp8``,
       pre-quantized ``bitsandbytes``): the stored tensors of ``method.tensor_specs``, of exactly
       the checkpoint's shapes and dtypes, drawn directly (:func:`dummy_stored_tensors`): random packed
@@ -144,10 +147,12 @@ def _dummy_weights(module: QuantizedLinear, seed: int, index: int):
 
     def tensors_of(prefix: str, suffixes: list[str], size: int) -> dict[str, np.ndarray]:
         del prefix, suffixes
-        rng = np.random.default_rng((seed, index, next(part_index)))
-        if module.method.quantizes_at_load:
-            weight = rng.standard_normal((size, module.in_features), dtype=np.float32)
-            return {"weight": weight * np.float32(_DUMMY_STD)}
+        part = next(part_index)
+        if module.method.quantizes_at_load:  # drawn and quantized on the device
+            key = jax.random.fold_in(jax.random.key(seed), index)
+            shape = (size, module.in_features)
+            return {"weight": dummy_normal(key, part, shape=shape, dtype=jnp.dtype(module.dtype))}
+        rng = np.random.default_rng((seed, index, part))
         specs = module.method.tensor_specs(module.in_features, size)
         # llm-compressor saves scales in the model's dtype; AutoAWQ / GPTQ tools in float16.
         scale_dtype = module.dtype if module.method.method == "compressed-tensors" else None
@@ -158,7 +163,7 @@ def _dummy_weights(module: QuantizedLinear, seed: int, index: int):
 
 # Std of the stored values' contribution to a dequantized weight: 4-bit offsets ``q - z`` with
 # random zeros (about 6.5), int8 values (about 74), the FP8 values drawn below (about 0.6). The
-# dummy scales are ``_DUMMY_STD`` over it, so every format dequantizes to weights of about 0.02.
+# dummy scales are ``DUMMY_STD`` over it, so every format dequantizes to weights of about 0.02.
 _VALUE_STD = {"int32": 6.5, "int8": 74.0, "float8_e4m3fn": 0.6}
 _STATIC_INPUT_SCALE = 0.01  # a static activation scale (W8A8 input_scale)
 _ML_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
@@ -203,7 +208,7 @@ def dummy_stored_tensors(
         elif name == "input_scale":
             out[name] = np.full(spec.shape, _STATIC_INPUT_SCALE, dtype=dtype)
         else:
-            scale = _DUMMY_STD / _VALUE_STD[value_dtype] * (127.0 if name == "SCB" else 1.0)
+            scale = DUMMY_STD / _VALUE_STD[value_dtype] * (127.0 if name == "SCB" else 1.0)
             out[name] = (scale * rng.uniform(0.5, 1.5, spec.shape)).astype(dtype)
     return out
 

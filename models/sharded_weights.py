@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from models.dummy_init import dummy_normal
 from models.merged_linear import merged_column_order
 from models.quantization.config import QuantizationConfig
 from models.quantized_weights import (
@@ -50,7 +51,6 @@ from models.sharding import (
 )
 from models.tp_layout import TPLayout
 from models.weights import (
-    _DUMMY_STD,
     _LOAD_FORMATS,
     EXPERT_PARAMS,
     FUSED_MODULES,
@@ -425,11 +425,8 @@ def _make_initializer(
             value = jnp.ones(checkpoint_shape, dtype)
         elif kind == "zeros":
             value = jnp.zeros(checkpoint_shape, dtype)
-        else:  # the same expression as models.weights, so the values are bit-identical
-            noise = jax.random.normal(
-                jax.random.fold_in(key, index), checkpoint_shape, dtype=jnp.float32
-            )
-            value = (_DUMMY_STD * noise).astype(dtype)
+        else:  # the draw of models.weights, so the values are bit-identical
+            value = dummy_normal(key, index, shape=checkpoint_shape, dtype=jnp.dtype(dtype))
         for axis, axis_map in enumerate(maps):
             if axis_map is None:
                 continue

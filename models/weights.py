@@ -13,7 +13,6 @@ filled from one checkpoint tensor (or fused pair) per expert (:func:`expert_hf_n
 
 from __future__ import annotations
 
-import functools
 import inspect
 import itertools
 import json
@@ -37,6 +36,7 @@ from models.quantized_weights import (
     quantized_layers,
     read_quantized_layers,
 )
+from models.dummy_init import dummy_normal
 from models.registry import checkpoint_view, get_model_class
 
 if TYPE_CHECKING:  # transformers imports PyTorch when installed: only when a config is read
@@ -46,8 +46,6 @@ if TYPE_CHECKING:  # transformers imports PyTorch when installed: only when a co
 _LOAD_FORMATS = ("auto", "safetensors", "dummy", "bitsandbytes")
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
-# Scale of the dummy weights: the usual ``initializer_range`` of HF configs.
-_DUMMY_STD = 0.02
 
 
 def resolve_dtype(dtype: str | Any, hf_config: Any) -> jnp.dtype:
@@ -381,13 +379,6 @@ def _load_state(
     return filled
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _dummy_normal(key: jax.Array, index: int, *, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    # One fused compile per (shape, dtype): a model has only a handful of distinct shapes.
-    noise = jax.random.normal(jax.random.fold_in(key, index), shape, dtype=jnp.float32)
-    return (_DUMMY_STD * noise).astype(dtype)
-
-
 def _dummy_state(flat_state: Any, dtype: jnp.dtype, seed: int) -> list:
     """Deterministic random parameters: ``normal * 0.02``; norm weights are ones, biases zeros.
 
@@ -403,7 +394,7 @@ def _dummy_state(flat_state: Any, dtype: jnp.dtype, seed: int) -> list:
         elif leaf == "bias":
             value = jnp.zeros(shape, dtype=dtype)
         else:
-            value = _dummy_normal(key, i, shape=shape, dtype=jnp.dtype(dtype))
+            value = dummy_normal(key, i, shape=shape, dtype=jnp.dtype(dtype))
         filled.append((path, variable.replace(value)))
     return filled
 

@@ -18,6 +18,7 @@ import math
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from models.quantization.config import BitsAndBytesConfig
@@ -29,17 +30,26 @@ _FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 _INV_127 = np.float32(7.874015718698502e-3)  # bitsandbytes' 1 / 127
 
 
-def quantize_weight_int8_rowwise(weight: np.ndarray) -> dict[str, np.ndarray]:
-    """``{"weight": i8[out, in], "SCB": f32[out]}`` from ``weight: [out, in]`` (any float).
+@jax.jit
+def _quantize_int8_rowwise(weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+    w = weight.astype(jnp.float32)
+    scb = jnp.max(jnp.abs(w), axis=1)
+    factor = jnp.float32(127.0) / jnp.where(scb > 0, scb, jnp.float32(1.0))
+    q = jnp.clip(jnp.round(w * factor[:, None]), -127, 127).astype(jnp.int8)
+    return q, scb
+
+
+def quantize_weight_int8_rowwise(weight: np.ndarray | jax.Array) -> dict[str, np.ndarray]:
+    """``{"weight": i8[out, in], "SCB": f32[out]}`` from ``weight: [out, in]`` (any float,
+    numpy or a jax array), computed on the default device in one jitted pass and returned to
+    the host.
 
     ``SCB`` is each row's absmax; an all-zero row gets ``SCB = 0`` and zero weights. Each
-    element's error is at most ``SCB[o] / 254`` (half a step of ``SCB / 127``).
+    element is ``round(W * (127 / SCB))`` (half to even) in float32, so its error is at most
+    ``SCB[o] / 254`` (half a step of ``SCB / 127``).
     """
-    w32 = np.asarray(weight, dtype=np.float32)
-    scb = np.max(np.abs(w32), axis=1).astype(np.float32)
-    safe = np.where(scb > 0, scb, 1.0).astype(np.float32)
-    q = np.clip(np.round(w32 * (np.float32(127.0) / safe[:, None])), -127, 127)
-    return {"weight": q.astype(np.int8), "SCB": scb}
+    q, scb = _quantize_int8_rowwise(weight)
+    return {"weight": np.asarray(q), "SCB": np.asarray(scb)}
 
 
 def load_bitsandbytes_layer(
