@@ -22,6 +22,22 @@ from __future__ import annotations
 import copy
 import enum
 import time
+from collections.abc import Sequence as SequenceABC
+
+
+def is_token_id_list(ids) -> bool:
+    """True when ``ids`` is a sequence of Python ints (bools are not token ids).
+
+    The usual list of exact ints is recognised in one C-level pass over the element types
+    (a request's admission cost: the served core adds thousands a second); int subclasses
+    other than bool take the element-by-element path.
+    """
+    if not isinstance(ids, SequenceABC):
+        return False
+    types = set(map(type, ids))
+    if types <= {int}:
+        return True
+    return bool not in types and all(isinstance(t, int) for t in ids)
 
 
 class SequenceStatus(enum.Enum):

@@ -20,6 +20,21 @@ Three more phases are then timed:
     route      EngineCore.route
     encode     core_messages.encode of every client's message (msgpack)
 
+With ``--add-only N`` nothing is stepped: the script times ``EngineCore.add_request`` (the
+served core's admission, during which it does not step) for N requests of ``--prompt-len``
+token ids with the wire params a completions request of ``benchmark_serving`` sends
+(``params_to_wire`` of temperature 0, ``max_tokens``, ``ignore_eos``), as the core receives
+them (after msgpack). It prints the median microseconds per add over ``--repeats`` rounds
+(every round aborts its requests, untimed, so each starts from an empty queue);
+``--cprofile 1`` then profiles one more round and prints the top functions by cumulative
+time. Issue 13 (stories260k, a busy 2-core CPU machine, 1000 adds of 128 tokens, 11
+rounds, six paired runs): 82-125 us/add before the admission path was trimmed, 42-69 after
+(about half in every pair). The trim: one ``SamplingParams`` built instead of two
+(``dataclasses.replace`` validated again), no ``int()`` copy of ids that are ints, and the
+id-type check in one C-level pass; what is left is about 6 us of ``params_from_wire``,
+13 us of prompt-id checks and 25 us of ``LLMEngine.add_request`` proper (sequence, group,
+scheduler and output-processor entries). Rounds with a garbage collection run 2-4x slower.
+
 The phases are timed by wrapping those methods on the live engine, so ``step()`` itself runs
 unchanged. ``--cprofile N`` then profiles N more steps and prints the top functions. The model
 is tiny, so ``device`` is mostly dispatch; the host phases are what this script is for (also
@@ -27,6 +42,7 @@ printed per request-step); each is the median over the timed steps. Run::
 
     PYTHONPATH=. python scripts/profile_host_step.py --num-seqs 256 --steps 30 --cprofile 10
     PYTHONPATH=. python scripts/profile_host_step.py --num-seqs 256 --core-clients 4
+    PYTHONPATH=. python scripts/profile_host_step.py --add-only 1000 --prompt-len 128
 """
 
 from __future__ import annotations
@@ -45,7 +61,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from jaxpaged.config import EngineArgs  # noqa: E402
 from jaxpaged.engine.core import EngineCore  # noqa: E402
-from jaxpaged.engine.core_messages import Kind, encode, params_to_wire  # noqa: E402
+from jaxpaged.engine.core_messages import Kind, decode, encode, params_to_wire  # noqa: E402
 from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
@@ -73,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="step as the served engine core with this many API clients (0: LLMEngine.step)",
     )
+    parser.add_argument(
+        "--add-only",
+        type=int,
+        default=0,
+        metavar="N",
+        help="time EngineCore.add_request of N requests instead of stepping",
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="--add-only rounds (median)")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -140,6 +164,48 @@ class ServedCore:
             timer.seconds["encode"] += end - encoded_at
 
 
+def time_adds(engine: LLMEngine, args) -> None:
+    """``--add-only``: microseconds per ``EngineCore.add_request``, then the optional cProfile."""
+    core = EngineCore(engine)
+    rng = np.random.default_rng(args.seed)
+    wire = params_to_wire(SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True))
+    # msgpack round trip: the core sees what decode() gives it (lists of ints, a plain dict).
+    payloads = []
+    for _ in range(args.add_only):
+        ids = rng.integers(3, engine.vocab_size, size=args.prompt_len).tolist()
+        payloads.append(decode(encode(Kind.ADD, [ids, wire]))[1])
+
+    def add_round(tag: str) -> float:
+        ids = [f"{tag}-{i}" for i in range(args.add_only)]
+        start = time.perf_counter()
+        for request_id, (prompt, params) in zip(ids, payloads, strict=True):
+            error = core.add_request(request_id, prompt, params, time.monotonic())
+            assert error is None, error
+        seconds = time.perf_counter() - start
+        core.abort_requests(ids)
+        return seconds
+
+    add_round("warmup")
+    rounds = [add_round(f"r{r}") for r in range(args.repeats)]
+    per_add = [1e6 * s / args.add_only for s in rounds]
+    print(
+        f"EngineCore.add_request: {args.add_only} requests of {args.prompt_len} tokens, "
+        f"wire params {wire}"
+    )
+    print(
+        f"us/add median {np.median(per_add):.1f} over {args.repeats} rounds "
+        f"(min {min(per_add):.1f}, max {max(per_add):.1f})"
+    )
+    if args.cprofile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        add_round("profiled")
+        profiler.disable()
+        stats = pstats.Stats(profiler).strip_dirs()
+        print(f"\ncProfile over one round of {args.add_only} adds (and their aborts), cumulative:")
+        stats.sort_stats("cumulative").print_stats(args.top)
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     engine = LLMEngine.from_engine_args(
@@ -152,6 +218,9 @@ def main(argv=None) -> None:
         ),
         show_progress=False,
     )
+    if args.add_only:
+        time_adds(engine, args)
+        return
     engine.wait_for_executables()  # a warm start loads buckets in the background
     rng = np.random.default_rng(args.seed)
     params = SamplingParams(

@@ -1,10 +1,12 @@
 """Sequence: token bookkeeping, prefill/decode classification and finish reasons."""
 
+import enum
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
-from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.sequence import Sequence, SequenceStatus, is_token_id_list
 
 
 def _params(**kwargs):
@@ -88,3 +90,28 @@ def test_finish_reason_follows_status(status, reason):
     assert seq.finish_reason == reason
     assert seq.is_finished == (reason is not None)
     assert status.is_finished == (reason is not None)
+
+
+class _TokenId(enum.IntEnum):
+    FIVE = 5
+
+
+@pytest.mark.parametrize(
+    "ids, expected",
+    [
+        ([1, 2, 3], True),
+        ((1, 2, 3), True),
+        ([], True),
+        ([1, _TokenId.FIVE], True),  # an int subclass other than bool is an int
+        ([1, True], False),
+        ([1, 2.0], False),
+        ([1, "2"], False),
+        ([[1, 2]], False),
+        ("12", False),
+        (np.array([1, 2]), False),  # not a Sequence (and its items are numpy ints)
+        ([np.int64(1)], False),
+        (None, False),
+    ],
+)
+def test_is_token_id_list_accepts_python_ints_only(ids, expected):
+    assert is_token_id_list(ids) is expected

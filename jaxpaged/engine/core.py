@@ -50,6 +50,7 @@ from jaxpaged.engine.core_messages import (
 )
 from jaxpaged.lora.metrics import lora_stats
 from jaxpaged.sampling_params import RequestOutputKind
+from jaxpaged.sequence import is_token_id_list
 
 logger = logging.getLogger(__name__)
 
@@ -131,18 +132,18 @@ class EngineCore:
                     f"the waiting queue is full: {waiting} requests wait and "
                     f"max_num_queued_requests is {limit}; retry later"
                 )
-            sampling = params_from_wire(params)
-            kind = RequestOutputKind.DELTA
+            sampling = params_from_wire(params)  # built (and validated) once
+            # Stop strings are the API process's (it has the text): checked, then dropped.
+            sampling.stop = []
+            sampling.output_kind = RequestOutputKind.DELTA
             if (sampling.best_of or sampling.n) > sampling.n:
-                kind = RequestOutputKind.FINAL_ONLY  # best-of ranking is only final
-            # Stop strings are the API process's (it has the text). replace() resets the
-            # init=False bad_words_token_ids, which the API process resolved: keep them.
-            banned = sampling.bad_words_token_ids
-            sampling = dataclasses.replace(sampling, stop=[], output_kind=kind)
-            sampling.bad_words_token_ids = banned
+                sampling.output_kind = RequestOutputKind.FINAL_ONLY  # best-of ranks at the end
+            ids = prompt_token_ids
+            if not is_token_id_list(ids):  # msgpack gives ints: coerce anything else, as before
+                ids = [int(t) for t in ids]
             self.engine.add_request(
                 request_id,
-                {"prompt_token_ids": [int(t) for t in prompt_token_ids]},
+                {"prompt_token_ids": ids},
                 sampling,
                 arrival_time=arrival_time,
                 lora_request=lora_from_wire(lora),

@@ -11,7 +11,6 @@ import itertools
 import logging
 import time
 from collections.abc import Mapping
-from collections.abc import Sequence as SequenceABC
 
 from jaxpaged.beam_search import BeamSearchParams
 from jaxpaged.config import EngineArgs, EngineConfig
@@ -27,7 +26,7 @@ from jaxpaged.lora.request import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
-from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus, is_token_id_list
 from jaxpaged.worker.compilation_cache import cache_root
 from jaxpaged.worker.model_runner import PendingStep
 from jaxpaged.worker.worker import Worker
@@ -246,9 +245,7 @@ class LLMEngine:
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, SequenceABC) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids
-                ):
+                if not is_token_id_list(ids):
                     raise ValueError("prompt_token_ids must be a list of ints")
                 return prompt.get("prompt"), list(ids)
             if "prompt" in prompt and isinstance(prompt["prompt"], str):

@@ -4,6 +4,9 @@ format into ``ClientRequestState`` (what the API process does): final outputs eq
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 from jaxpaged import SamplingParams
@@ -16,6 +19,7 @@ from jaxpaged.engine.core_messages import (
     encode,
     params_to_wire,
 )
+from jaxpaged.sampling_params import RequestOutputKind
 from tests.engine.wire_reference import encode_output
 
 PROMPTS = ["Once upon a time", "The dog ran", "Tom had a red ball"]
@@ -89,6 +93,71 @@ def test_core_refuses_with_the_error_the_api_process_maps_to_a_status(stories_ll
     assert name == "SamplingParamsError" and parameter == "logprobs"
     with pytest.raises(ValueError, match="not a utility"):
         core.call_utility("step", [])
+    assert not core.has_work()
+
+
+def test_core_holds_the_api_process_params_without_stop_strings_in_delta_mode(stories_llm):
+    """What the engine holds after ``EngineCore.add_request``: the API process's
+    ``SamplingParams`` through the wire, stop strings dropped (the API process applies them),
+    DELTA output (FINAL_ONLY when best_of > n), the resolved bad-word ids kept; prompt ids as
+    ints whether they came as a list or as an array."""
+    engine = stories_llm.llm_engine
+    tokenizer = stories_llm.get_tokenizer()
+    banned = SamplingParams(
+        logit_bias={"3": 150, 4: -2.5},
+        allowed_token_ids=[3, 4, 5, 265],
+        min_tokens=2,
+        max_tokens=5,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        bad_words=["the"],
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+    banned.update_from_tokenizer(tokenizer)  # as serving_engine.sampling_params does
+    assert banned.bad_words_token_ids  # the case tests that they survive
+    cases = {
+        "plain": SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        "stops": SamplingParams(
+            temperature=0.7,
+            top_p=0.9,
+            top_k=-1,
+            seed=-1,
+            stop=["a", " the"],
+            stop_token_ids=[5, 5, 7],
+            include_stop_str_in_output=True,
+            output_kind=RequestOutputKind.DELTA,
+        ),
+        "best_of": SamplingParams(
+            n=2,
+            best_of=3,
+            temperature=1.0,
+            seed=4,
+            logprobs=2,
+            prompt_logprobs=1,
+            logprobs_mode="processed",
+        ),
+        "banned": banned,
+    }
+    core = EngineCore(engine)
+    ids = tokenizer.encode("Once upon a time")
+    for i, (request_id, params) in enumerate(cases.items()):
+        prompt = ids if i % 2 else np.asarray(ids, dtype=np.int32)
+        wire = decode(encode(Kind.ADD, [request_id, prompt, params_to_wire(params), 0.0]))[1]
+        assert core.add_request(*wire) is None
+    held = {group.request_id: group for group in engine.scheduler.waiting}
+    for request_id, params in cases.items():
+        kind = RequestOutputKind.DELTA
+        if request_id == "best_of":
+            kind = RequestOutputKind.FINAL_ONLY
+        expected = dataclasses.replace(params, stop=[], output_kind=kind)
+        got = held[request_id].sampling_params
+        assert got == expected, request_id
+        assert got.bad_words_token_ids == params.bad_words_token_ids
+        assert engine.output_processor.requests[request_id].output_kind is kind
+        prompt_ids = held[request_id].seqs[0].prompt_token_ids
+        assert prompt_ids == ids and all(type(t) is int for t in prompt_ids)
+    core.abort_requests(list(cases))
     assert not core.has_work()
 
 
