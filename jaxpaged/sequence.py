@@ -25,6 +25,14 @@ import time
 from collections.abc import Sequence as SequenceABC
 
 
+class PromptError(ValueError):
+    """A prompt the engine cannot take (empty, ids that are not integers or lie outside the
+    vocabulary, too long for ``max_model_len`` or the KV cache); ``parameter`` names the request
+    field (HTTP 400)."""
+
+    parameter = "prompt"
+
+
 def is_token_id_list(ids) -> bool:
     """True when ``ids`` is a sequence of Python ints (bools are not token ids).
 

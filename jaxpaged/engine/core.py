@@ -50,7 +50,7 @@ from jaxpaged.engine.core_messages import (
 )
 from jaxpaged.lora.metrics import lora_stats
 from jaxpaged.sampling_params import RequestOutputKind
-from jaxpaged.sequence import is_token_id_list
+from jaxpaged.sequence import PromptError, is_token_id_list
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,10 @@ class EngineCore:
                 sampling.output_kind = RequestOutputKind.FINAL_ONLY  # best-of ranks at the end
             ids = prompt_token_ids
             if not is_token_id_list(ids):  # msgpack gives ints: coerce anything else, as before
-                ids = [int(t) for t in ids]
+                try:
+                    ids = [int(t) for t in ids]
+                except (TypeError, ValueError) as error:  # refused; the core lives on
+                    raise PromptError(f"prompt token ids must be integers: {error}") from None
             self.engine.add_request(
                 request_id,
                 {"prompt_token_ids": ids},

@@ -26,7 +26,13 @@ from jaxpaged.lora.request import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
-from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus, is_token_id_list
+from jaxpaged.sequence import (
+    PromptError,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+    is_token_id_list,
+)
 from jaxpaged.worker.compilation_cache import cache_root
 from jaxpaged.worker.model_runner import PendingStep
 from jaxpaged.worker.worker import Worker
@@ -36,13 +42,6 @@ from models.weights import load_config
 logger = logging.getLogger(__name__)
 
 PromptType = str | Mapping
-
-
-class PromptError(ValueError):
-    """A prompt the engine cannot take (empty, ids outside the vocabulary, too long for
-    ``max_model_len`` or the KV cache); ``parameter`` names the request field (HTTP 400)."""
-
-    parameter = "prompt"
 
 
 class LLMEngine:
