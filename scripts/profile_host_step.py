@@ -60,7 +60,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from jaxpaged.config import EngineArgs  # noqa: E402
-from jaxpaged.engine.core import EngineCore  # noqa: E402
+from jaxpaged.engine.core import EngineCore, freeze_gc_heap  # noqa: E402
 from jaxpaged.engine.core_messages import Kind, decode, encode, params_to_wire  # noqa: E402
 from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="time EngineCore.add_request of N requests instead of stepping",
     )
     parser.add_argument("--repeats", type=int, default=5, help="--add-only rounds (median)")
+    parser.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="skip the served core's gc.freeze after start-up (core.freeze_gc_heap)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -218,6 +223,8 @@ def main(argv=None) -> None:
         ),
         show_progress=False,
     )
+    if not args.no_gc_freeze:
+        freeze_gc_heap()  # as the served core does once it is ready
     if args.add_only:
         time_adds(engine, args)
         return

@@ -10,6 +10,7 @@ its own engine, in its own process, so nothing is shared between the two paths. 
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 
@@ -36,6 +37,7 @@ class HookedEngineCore(EngineCore):
         "die_when_unfinished",
         "pause_steps",
         "num_compilations",
+        "gc_freeze_count",
     )
 
     def __init__(self, engine, **kwargs):
@@ -58,6 +60,10 @@ class HookedEngineCore(EngineCore):
     def num_compilations(self) -> int:
         """Step executables the core's model runner has compiled so far."""
         return self.engine.worker.model_runner.num_compilations
+
+    def gc_freeze_count(self) -> int:
+        """Objects in the core process's permanent GC generation (``core.freeze_gc_heap``)."""
+        return gc.get_freeze_count()
 
     def pause_steps(self) -> None:
         """From now on steps run no model: requests stay unfinished (and nothing compiles)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib
 import logging
 import os
@@ -260,6 +261,16 @@ class EngineCore:
         return getattr(self, name)(*args)
 
 
+def freeze_gc_heap() -> None:
+    """Collect once, then move every object alive now into CPython's permanent generation
+    (``gc.freeze``): what a process builds at start-up (the engine, its scheduler, the
+    tokenizer, the app) lives as long as the process, and a full collection then walks only
+    what the serving loop allocated since. The served core and the API processes call it once
+    they are ready, as vLLM's do."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_engine_core(
     engine_args,
     input_address: str,
@@ -325,6 +336,7 @@ def run_engine_core(
     # The heartbeat has a context of its own, so that ours can be terminated (which flushes
     # what we sent) while the heartbeat thread still holds its sockets.
     threading.Thread(target=_heartbeat, args=(output_addresses, parent), daemon=True).start()
+    freeze_gc_heap()
     ready_pipe.send_bytes(encode(Kind.ACKS, core.info()))
     try:
         _loop(core, inputs, outputs)

@@ -236,3 +236,10 @@ def test_a_lagging_consumer_gets_the_newest_cumulative_output_then_the_error():
     assert first.outputs[0].token_ids == [0, 1, 2]
     assert second.outputs[0].token_ids == [0, 1, 2, 3]
     assert last.finished and late.finished
+
+
+def test_the_core_process_freezes_its_start_up_heap(server):
+    """The engine the core built is in CPython's permanent generation (``freeze_gc_heap``), so
+    a full collection in the serving loop does not walk it: a tiny engine is thousands of
+    objects."""
+    assert server.call("gc_freeze_count") > 10_000

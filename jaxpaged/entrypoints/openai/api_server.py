@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 
 import jaxpaged
+from jaxpaged.engine.core import freeze_gc_heap
 from jaxpaged.engine.core_client import EngineCoreClient
 from jaxpaged.engine.dp_client import DPEngineCoreClient
 from jaxpaged.entrypoints.openai.errors import error_response, install_error_handlers
@@ -332,6 +333,7 @@ def run_server(
             engine_args, data_parallel_size=data_parallel_size, dp_routing=dp_routing, **spawn_args
         )
     app = build_app(client, model=model_config.model, tokenizer=tokenizer, **app_options)
+    freeze_gc_heap()  # the tokenizer and the app live as long as this process
     uvicorn.run(app, host=host or "0.0.0.0", port=port, log_level=uvicorn_log_level)
     return 0
 

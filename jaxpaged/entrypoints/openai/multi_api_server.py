@@ -51,6 +51,7 @@ from collections.abc import Sequence
 
 import zmq
 
+from jaxpaged.engine.core import freeze_gc_heap
 from jaxpaged.engine.core_messages import Kind, encode
 
 logger = logging.getLogger(__name__)
@@ -284,6 +285,7 @@ def _run_api_server(
         **app_options,
     )
     config = uvicorn.Config(app, log_level=uvicorn_log_level, timeout_graceful_shutdown=5)
+    freeze_gc_heap()  # the tokenizer and the app live as long as this process
     uvicorn.Server(config).run(sockets=[sock])
 
 
