@@ -270,7 +270,7 @@ class ModelRunner:
             concurrent.futures.ThreadPoolExecutor(num_threads) as pool,
             tqdm(total=len(keys), desc="Compiling step buckets", disable=not show_progress) as bar,
         ):
-            futures = [pool.submit(self._compile, key) for key in keys]
+            futures = [pool.submit(self.executable, key) for key in keys]
             for future in concurrent.futures.as_completed(futures):
                 future.result()
                 bar.update()
@@ -289,8 +289,10 @@ class ModelRunner:
         """Return once every bucket given to ``load_in_background`` is there."""
         self._executable_table.wait()
 
-    def _compile(self, key: BucketKey) -> jax.stages.Compiled:
-        """The executable of ``key``: got (compiled or loaded) once, on this or another thread."""
+    def executable(self, key: BucketKey) -> jax.stages.Compiled:
+        """The executable of ``key`` (any key, also one outside ``all_bucket_keys``, e.g.
+        ``profile_key``): got (compiled or loaded) once, on this or another thread; its
+        ``memory_analysis()`` gives XLA's temporary, argument and output bytes."""
         return self._executable_table.get(key)
 
     def _lower_and_compile(self, key: BucketKey) -> jax.stages.Compiled:
@@ -310,17 +312,20 @@ class ModelRunner:
             variant=key.variant,
         ).compile()
 
+    def profile_key(self) -> BucketKey:
+        """The bucket ``profile_run`` runs: the largest mixed bucket with every sampler stage
+        on (every token asks for prompt logprobs), so that the largest variant's buffers and
+        the logits chunks count in the peak."""
+        key = self.bucket_for(self.token_buckets[-1], 1, False)
+        return dataclasses.replace(key, variant=SamplerVariant(True, True, True, True))
+
     def profile_run(self) -> None:
         """Run the largest mixed bucket once on padding so the device's peak memory includes the
         step's activations (memory sizing reads it next)."""
-        key = self.bucket_for(self.token_buckets[-1], 1, False)
-        # Every sampler stage, and every token asks for prompt logprobs, so that the largest
-        # variant's buffers and the logits chunks count in the peak.
-        everything = SamplerVariant(True, True, True, True)
-        key = dataclasses.replace(key, variant=everything)
+        key = self.profile_key()
         layout = PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
         packed = self._prepare_inputs([], layout, [], profile=True)
-        out, self.kv_caches, self.logits_state = self._compile(key)(
+        out, self.kv_caches, self.logits_state = self.executable(key)(
             self._weights,
             self.kv_caches,
             self.logits_state,
@@ -424,7 +429,7 @@ class ModelRunner:
         packed = self._prepare_inputs(scheduled, layout, slots)
         self.num_scheduled_tokens += scheduler_output.num_batched_tokens
         self.num_bucket_tokens += key.num_tokens
-        executable = self._compile(key)
+        executable = self.executable(key)
         out, self.kv_caches, self.logits_state = executable(
             self._weights,
             self.kv_caches,

@@ -84,7 +84,7 @@ def main() -> None:
         # collective as its base output [T, hidden] (XLA combines the two all-reduces).
         runner = engine.worker.model_runner
         key = runner.bucket_for(1, 1, True)
-        hlo = runner._executables.get(key) or runner._compile(key)
+        hlo = runner._executables.get(key) or runner.executable(key)
         reduces = [line for line in hlo.as_text().splitlines() if " all-reduce(" in line]
         config = engine.worker.hf_config
         shrink = f"f32[1,{ENGINE['max_loras'] * ENGINE['max_lora_rank']}]"

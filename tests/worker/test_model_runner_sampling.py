@@ -266,7 +266,7 @@ def test_step_never_copies_the_logits_state(stories_llm, num_seqs, decode_only):
     """The donated LogitsState is updated in place: a copy would cost [S, vocab] per step."""
     runner = stories_llm.llm_engine.worker.model_runner
     key = runner.bucket_for(num_seqs, num_seqs, decode_only)
-    executable = runner._executables.get(key) or runner._compile(key)
+    executable = runner._executables.get(key) or runner.executable(key)
     rows = "{},{}".format(*runner.logits_state.output_counts.shape)
     copies = [
         line

@@ -23,7 +23,7 @@ def test_step_never_copies_the_kv_cache(runner, num_seqs, decode_only):
     """A copy of a cache-sized buffer per step would cost a full cache write each step
     (XLA turns a one-row scatter into a dynamic-update-slice it duplicates)."""
     key = runner.bucket_for(num_seqs, num_seqs, decode_only)
-    hlo = runner._compile(key).as_text()
+    hlo = runner.executable(key).as_text()
     k_cache = runner.kv_caches[0][0]
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     cache_dims = "|".join(

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import ast
+import gc
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxpaged.worker.worker as worker_module
 import pallas_kernels
 from jaxpaged.config import EngineArgs
+from jaxpaged.worker.kv_cache import MemoryBudget
 from jaxpaged.worker.worker import Worker
 from tests.conftest import SMALL_ENGINE
 
@@ -81,3 +85,25 @@ def test_nothing_outside_the_worker_writes_runner_fields():
     ]
     writes = [w for p in paths for w in _runner_field_writes(p)]
     assert not writes, writes
+
+
+def test_profiling_frees_the_probe_runner_before_the_cache_is_sized(monkeypatch, tmp_path):
+    # Fake memory statistics so that determine_num_blocks profiles (CPU reports none). The
+    # probe runner's caches and LogitsState must be gone when it returns, even while Python's
+    # cyclic collector does not run on its own: the budget gave their memory to the KV cache.
+    config = EngineArgs(
+        dtype="float32", compilation_cache_dir=str(tmp_path), **SMALL_ENGINE
+    ).create_engine_config()
+    worker = Worker(config, show_progress=False)
+    worker.load_model()
+    budget = MemoryBudget(total=2**30, pool=2**30, requested=2**30, weights=0, peak=0, headroom=0)
+    monkeypatch.setattr(worker_module, "bytes_in_use", lambda device: 0)
+    monkeypatch.setattr(worker_module, "measure_kv_budget", lambda *args, **kwargs: budget)
+    before = sum(x.nbytes for x in jax.live_arrays())
+    gc.disable()
+    try:
+        assert worker.determine_num_blocks() > 0
+        after = sum(x.nbytes for x in jax.live_arrays())
+    finally:
+        gc.enable()
+    assert after == before
