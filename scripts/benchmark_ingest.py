@@ -13,22 +13,37 @@ or ``--text`` prompts of about as many tokens with the tokenizer loaded).
 The load comes from ``--client-processes`` processes of raw asyncio sockets (one connection
 per request, opened at send time as httpx does for a burst; the request bytes are built before
 the start), each reading only the response headers, so the client costs little next to the
-server. The clock starts when the clients are released; the core records when each request
-is added (``CLOCK_MONOTONIC`` is shared by the processes). Printed: the time until the core
-holds all N requests, the admission rate, the requests each API process admitted and the CPU
-time it spent per request (``/proc``; on a machine with fewer cores than processes the wall
-time includes waiting for a CPU, the CPU time does not). Then every connection is closed: the
-API processes abort the requests, and the script checks that the core is idle again (no
-unfinished request, block pool invariants) and that ``/metrics`` counts N aborts.
+server; ``--client httpx`` sends instead as ``jaxpaged bench serve`` does (an
+``httpx.AsyncClient`` streaming POST with ``json=body`` per request). The clock starts when the
+clients are released; the core records when each request is added (``CLOCK_MONOTONIC`` is
+shared by the processes). Printed per round (``--rounds``): the time until the core holds all
+N requests, the admission rate, when the first add and the response headers came, the requests
+each API process admitted and the CPU time it spent per request (``/proc``; on a machine with
+fewer cores than busy processes the wall time includes waiting for a CPU, the CPU time does
+not). Then every connection is closed: the API processes abort the requests, and the script
+checks that the core is idle again (no unfinished request, block pool invariants) and that
+``/metrics`` counts N aborts (it raises otherwise).
 
 ``--profile 1`` runs each API process's burst under cProfile (enabled by SIGUSR1 just before the
 clients start, dumped on SIGUSR2 once the core holds all N) and prints the top functions.
 
-    python -m scripts.benchmark_ingest --num-prompts 1000 --api-server-count 1
-    python -m scripts.benchmark_ingest --num-prompts 1000 --api-server-count 2 --text
-    python -m scripts.benchmark_ingest --num-prompts 1000 --profile 1
+    python -m scripts.benchmark_ingest --num-prompts 1000 --rounds 5
+    python -m scripts.benchmark_ingest --num-prompts 1000 --api-server-count 2 --client-processes 2
+    python -m scripts.benchmark_ingest --num-prompts 1000 --text
+    python -m scripts.benchmark_ingest --num-prompts 250 --client httpx
+    python -m scripts.benchmark_ingest --num-prompts 1000 --profile 1 --rounds 1
 
-Issue 13, the 2-core CPU machine (numbers in the report; see the commit log for before/after).
+Issue 13, the 2-core CPU machine (client, API processes and core share the 2 cores), 128-id
+prompts, raw client, medians of 3-5 rounds: one API process admitted 1000 requests in 1.35 s
+(740 req/s, ~1000 CPU us/request) before the admission path was trimmed (one-pass token-id
+checks, the prompt union's order, ``check_supported`` over the fields set) and in 0.92 s
+(1090 req/s, ~600 CPU us/request) after; 250 in 0.30 s; text prompts of ~125 tokens 1.13 s
+(660-940 CPU us/request, tokenization included); two API processes 0.79 s (~500-700 CPU
+us/request each, the 2 cores saturated). With ``--client httpx`` the first request reaches the
+core only after 0.5-0.6 s for 250 requests from one client process (2-3 s for 1000): the
+client's own ramp-up, not the server's. During a 1000-request burst (0.6-0.8 CPU s), the API
+process's garbage collections took 0.2-0.35 s (``gc.callbacks``, CPython's 700 threshold;
+a 50000 threshold was not a clear win in paired runs on this noisy machine).
 """
 
 from __future__ import annotations
@@ -103,11 +118,16 @@ def _request_bytes(port: int, body: dict) -> bytes:
     return head.encode() + payload
 
 
-def _client_process(port: int, requests: list[bytes], start, release, results) -> None:
-    """Send ``requests`` at once when ``start`` is set; hold the connections until ``release``;
-    put ``(statuses, header arrival times)`` on ``results``."""
+def _client_process(port: int, bodies: list[dict], use_httpx: bool, start, release, results):
+    """Send ``bodies`` at once when ``start`` is set; hold the connections until ``release``;
+    put ``(status, header arrival time)`` per request on ``results``. Raw sockets (the request
+    bytes built before the start), or ``use_httpx``: one ``httpx.AsyncClient`` streaming POST
+    with ``json=body`` per request, as ``jaxpaged bench serve``'s ``StreamingClient`` sends."""
+    import httpx
 
-    async def one(request: bytes, released: asyncio.Event):
+    requests = [_request_bytes(port, body) for body in bodies]
+
+    async def raw(request: bytes, released: asyncio.Event):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(request)
         head = await reader.readuntil(b"\r\n\r\n")
@@ -116,12 +136,25 @@ def _client_process(port: int, requests: list[bytes], start, release, results) -
         writer.close()
         return int(head.split(b" ", 2)[1]), arrival
 
+    async def with_httpx(http, body: dict, released: asyncio.Event):
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            arrival = time.monotonic()
+            await released.wait()  # leaving unread closes the connection
+        return response.status_code, arrival
+
     async def main():
         released = asyncio.Event()
-        tasks = [asyncio.create_task(one(r, released)) for r in requests]
-        await asyncio.get_running_loop().run_in_executor(None, release.wait)
-        released.set()
-        return await asyncio.gather(*tasks, return_exceptions=True)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", timeout=httpx.Timeout(None), limits=limits
+        ) as http:
+            if use_httpx:
+                tasks = [asyncio.create_task(with_httpx(http, b, released)) for b in bodies]
+            else:
+                tasks = [asyncio.create_task(raw(r, released)) for r in requests]
+            await asyncio.get_running_loop().run_in_executor(None, release.wait)
+            released.set()
+            return await asyncio.gather(*tasks, return_exceptions=True)
 
     start.wait()
     outcomes = asyncio.run(main())
@@ -143,15 +176,15 @@ def _bodies(args, rng: np.random.Generator, tokenizer) -> list[dict]:
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
-    bodies = []
-    for _ in range(args.num_prompts):
-        ids = rng.integers(0, args.vocab_size, size=args.prompt_len).tolist()
-        if args.text:  # ordinary words of about prompt_len tokens
-            words = tokenizer.decode(ids, skip_special_tokens=True)
-            bodies.append(common | {"prompt": words})
-        else:
-            bodies.append(common | {"prompt": ids})
-    return bodies
+    if args.text:  # a story's words, cut to about prompt_len tokens, numbered
+        story = "Once upon a time, there was a little girl named Lily. She liked to play. " * 40
+        ids = tokenizer.encode(story, add_special_tokens=False)[: args.prompt_len - 8]
+        text = tokenizer.decode(ids)
+        return [common | {"prompt": f"{i}. {text}"} for i in range(args.num_prompts)]
+    return [
+        common | {"prompt": rng.integers(0, args.vocab_size, size=args.prompt_len).tolist()}
+        for _ in range(args.num_prompts)
+    ]
 
 
 async def _poll(client, count: int, timeout: float) -> list[tuple[float, int]]:
@@ -160,7 +193,9 @@ async def _poll(client, count: int, timeout: float) -> list[tuple[float, int]]:
     deadline = time.monotonic() + timeout
     while len(added) < count:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the core admitted {len(added)} of {count} requests")
+            raise TimeoutError(
+                f"the core admitted {len(added)} of {count} requests (refused with a 4xx?)"
+            )
         await asyncio.sleep(0.01)
         added += await client.call_utility("add_times")
     return added
@@ -199,18 +234,23 @@ async def _run(args, core, sock, processes, metrics_dir) -> None:
         from jaxpaged.config import default_model_path
 
         tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    requests = [_request_bytes(port, b) for b in _bodies(args, np.random.default_rng(0), tokenizer)]
+    requests = _bodies(args, np.random.default_rng(0), tokenizer)
     n = args.num_prompts
-    print(f"{n} requests, {count} API process(es), {args.client_processes} client process(es), "
-          f"{'text' if args.text else 'token-id'} prompts of ~{args.prompt_len} tokens")
+    print(
+        f"{n} requests, {count} API process(es), {args.client_processes} {args.client} client "
+        "process(es), "
+        f"{'text' if args.text else 'token-id'} prompts of ~{args.prompt_len} tokens"
+    )
     walls = []
     for round_index in range(args.rounds):
         walls.append(
             await _burst(args, client, port, requests, processes, args.profile and not round_index)
         )
     walls.sort()
-    print(f"median of {args.rounds} rounds: all {n} admitted in {walls[len(walls) // 2]:.3f} s, "
-          f"{n / walls[len(walls) // 2]:.0f} requests/s")
+    print(
+        f"median of {args.rounds} rounds: all {n} admitted in {walls[len(walls) // 2]:.3f} s, "
+        f"{n / walls[len(walls) // 2]:.0f} requests/s"
+    )
     client.core.send(Kind.SHUTDOWN, None)
     await client.shutdown()
 
@@ -223,7 +263,15 @@ async def _burst(args, client, port, requests, processes, profile: bool) -> floa
     clients = [
         spawn.Process(
             target=_client_process,
-            args=(port, requests[i :: args.client_processes], start, release, results),
+            args=(
+                port,
+                requests[i :: args.client_processes],
+                args.client == "httpx",
+                start,
+                release,
+                results,
+            ),  # fmt: skip
+            daemon=True,  # gone with the script, also when it fails
         )
         for i in range(args.client_processes)
     ]
@@ -236,7 +284,7 @@ async def _burst(args, client, port, requests, processes, profile: bool) -> floa
     cpu_before = [_cpu_seconds(p.pid) for p in processes]
     t0 = time.monotonic()
     start.set()
-    added = await _poll(client, len(requests), timeout=300)
+    added = await _poll(client, len(requests), timeout=60)
     cpu = [_cpu_seconds(p.pid) - c for p, c in zip(processes, cpu_before, strict=True)]
     if profile:
         for process in processes:
@@ -254,11 +302,13 @@ async def _burst(args, client, port, requests, processes, profile: bool) -> floa
     for index, seconds in enumerate(cpu):
         admitted = sum(1 for _, i in added if i == index)
         per_process.append(f"{admitted} req {seconds / max(admitted, 1) * 1e6:.0f} CPU us/req")
-    print(f"  all in {times[-1]:.3f} s = {n / times[-1]:.0f} req/s (first add "
-          f"{times[0] * 1e3:.0f} ms, half {times[n // 2] * 1e3:.0f} ms; "
-          f"{n / (times[-1] - times[0]):.0f}/s from the first); headers median "
-          f"{headers[len(headers) // 2] * 1e3:.0f} ms, last {headers[-1] * 1e3:.0f} ms; "
-          f"API processes: {', '.join(per_process)}; statuses {statuses}, refused {refused}")
+    print(
+        f"  all in {times[-1]:.3f} s = {n / times[-1]:.0f} req/s (first add "
+        f"{times[0] * 1e3:.0f} ms, half {times[n // 2] * 1e3:.0f} ms; "
+        f"{n / (times[-1] - times[0]):.0f}/s from the first); headers median "
+        f"{headers[len(headers) // 2] * 1e3:.0f} ms, last {headers[-1] * 1e3:.0f} ms; "
+        f"API processes: {', '.join(per_process)}; statuses {statuses}, refused {refused}"
+    )
     # Every connection is closed: the API processes abort, the core ends idle.
     deadline = time.monotonic() + 60
     while (await client.get_stats())["num_unfinished_requests"]:
@@ -270,8 +320,10 @@ async def _burst(args, client, port, requests, processes, profile: bool) -> floa
     aborts = _aborts(port) - aborted_before
     if aborts != n:
         raise RuntimeError(f"the API processes counted {aborts:.0f} aborts of {n} requests")
-    print(f"    after disconnect: core idle ({stats['num_free_blocks']} free blocks), "
-          f"{aborts:.0f} aborts counted by the API processes")
+    print(
+        f"    after disconnect: core idle ({stats['num_free_blocks']} free blocks), "
+        f"{aborts:.0f} aborts counted by the API processes"
+    )
     return times[-1]
 
 
@@ -283,6 +335,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--vocab-size", type=int, default=500)
+    parser.add_argument(
+        "--client", choices=["raw", "httpx"], default="raw",
+        help="raw asyncio sockets, or httpx as jaxpaged bench serve sends",
+    )  # fmt: skip
     parser.add_argument("--text", action="store_true", help="text prompts (tokenizer loaded)")
     parser.add_argument("--profile", type=int, default=0, help="1: cProfile the API processes")
     parser.add_argument("--rounds", type=int, default=3, help="bursts, one after the other")
