@@ -142,7 +142,7 @@ def run_multi_api_server(
         tokenizer_path = None if model_config.skip_tokenizer_init else model_config.tokenizer
         for index in range(api_server_count):
             process = spawn.Process(
-                target=_run_api_server,
+                target=run_api_server,
                 args=(index, api_server_count, sock),
                 kwargs=dict(
                     model=model_config.model,
@@ -238,7 +238,7 @@ def _shutdown(core, servers: Sequence[multiprocessing.Process]) -> None:
         core.status_pipe.close()
 
 
-def _run_api_server(
+def run_api_server(
     index: int,
     count: int,
     sock: socket.socket,

@@ -201,8 +201,11 @@ class OpenAIServing:
         Raises:
             BadRequestError: naming the field and the value.
         """
+        # Only fields the body set: every unset one holds its declared default, which is
+        # neutral (tests/entrypoints/openai/test_serving_engine.py checks that).
+        given = request.model_fields_set & type(request).model_fields.keys()  # no extras
         for name, neutral in UNSUPPORTED_FIELDS.items():
-            if name not in type(request).model_fields:
+            if name not in given:
                 continue
             value = getattr(request, name)
             if any(value == n and type(value) is type(n) for n in neutral) or value is None:

@@ -11,9 +11,11 @@ import math
 
 import pytest
 
-from jaxpaged.entrypoints.openai.protocol import CompletionRequest
+from jaxpaged.entrypoints.openai.errors import BadRequestError
+from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jaxpaged.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxpaged.entrypoints.openai.serving_engine import (
+    UNSUPPORTED_FIELDS,
     OpenAIServing,
     merge_streams,
     stable_text,
@@ -39,6 +41,27 @@ class _Tokenizer:
 
 def _serving(cls=OpenAIServing, engine=None):
     return cls(engine, _Tokenizer(), ["m"], 64)
+
+
+@pytest.mark.parametrize("request_class", [CompletionRequest, ChatCompletionRequest])
+def test_unsupported_fields_default_to_a_neutral_value(request_class):
+    """``check_supported`` reads only the fields a body set: an unset one must be neutral."""
+    fields = request_class.model_fields
+    declared = [name for name in UNSUPPORTED_FIELDS if name in fields]
+    assert len(declared) >= 10
+    for name in declared:
+        default = fields[name].get_default(call_default_factory=True)
+        assert default is None or default in UNSUPPORTED_FIELDS[name], name
+
+
+def test_unsupported_fields_are_refused_only_when_set_to_a_non_neutral_value():
+    serving = _serving()
+    body = {"model": "m", "prompt": [1, 2], "priority": 0, "suffix": None}
+    serving.check_supported(CompletionRequest(**body))
+    with pytest.raises(BadRequestError, match="priority"):
+        serving.check_supported(CompletionRequest(**body | {"priority": 3}))
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], suffix="s")
+    serving.check_supported(chat)  # not a chat field: an ignored extra, as before
 
 
 def test_completion_logprobs_follow_openai_shape():
