@@ -99,6 +99,7 @@ def test_profiling_frees_the_probe_runner_before_the_cache_is_sized(monkeypatch,
     budget = MemoryBudget(total=2**30, pool=2**30, requested=2**30, weights=0, peak=0, headroom=0)
     monkeypatch.setattr(worker_module, "bytes_in_use", lambda device: 0)
     monkeypatch.setattr(worker_module, "measure_kv_budget", lambda *args, **kwargs: budget)
+    gc.collect()  # earlier tests' cyclic garbage must not count in either sum
     before = sum(x.nbytes for x in jax.live_arrays())
     gc.disable()
     try:
