@@ -129,7 +129,8 @@ def test_ids_beyond_64_bits_are_a_400_naming_the_field_and_leave_nothing_behind(
     _error(_complete(http, prompt=[[1], [2, -huge]]), 400, "prompt", "outside the vocabulary")
     _error(_complete(http, stop_token_ids=[huge]), 400, "stop_token_ids", "vocabulary size")
     _error(_complete(http, logit_bias={str(huge): 1}), 400, "logit_bias", "vocabulary size")
-    _error(_complete(http, logprobs=huge), 400, "logprobs", "max_logprobs")
+    _error(_complete(http, logprobs=huge), 400, "logprobs", "below 2**63")
+    _error(_complete(http, prompt_logprobs=2**40), 400, "prompt_logprobs", "max_logprobs")
     assert server.engine.core.num_outstanding == before
     assert _complete(http, prompt=[1, 2], max_tokens=2).status_code == 200
 
