@@ -63,14 +63,15 @@ def _check_unicode(value, path: str) -> None:
                     "which is not valid Unicode"
                 ) from None
         elif isinstance(value, dict):
-            children = []
-            for key, item in value.items():
-                children.append((key, path or "the request body"))
-                children.append((item, f"{path}.{key}" if path else str(key)))
-            stack.extend(reversed(children))  # popped in the body's order: the first is named
+            # Pushed last first, so popped in the body's order: the first one is named.
+            for key, item in reversed(value.items()):
+                if type(item) not in _SCALARS:
+                    stack.append((item, f"{path}.{key}" if path else str(key)))
+                stack.append((key, path or "the request body"))
         elif isinstance(value, list) and not set(map(type, value)) <= _SCALARS:
             # (a list of scalars, e.g. token ids, is skipped in one C-level pass)
-            stack.extend(reversed([(item, f"{path}[{i}]") for i, item in enumerate(value)]))
+            for i in range(len(value) - 1, -1, -1):
+                stack.append((value[i], f"{path}[{i}]"))
 
 
 # Element types of a list that hold no string: lists of them are skipped in one pass.
