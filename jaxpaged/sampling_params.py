@@ -300,6 +300,8 @@ def _check_int(name: str, value, *, minimum: int, rule: str | None = None) -> No
         raise SamplingParamsError(name, value, "must be an integer")
     if value < minimum:
         raise SamplingParamsError(name, value, rule or f"must be at least {minimum}")
+    if value >= 2**63:  # JSON allows any integer; engine-core messages carry 64 bits
+        raise SamplingParamsError(name, value, "must be below 2**63")
 
 
 def _check_token_ids(name: str, ids: list) -> None:

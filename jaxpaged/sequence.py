@@ -48,6 +48,23 @@ def is_token_id_list(ids) -> bool:
     return bool not in types and all(isinstance(t, int) for t in ids)
 
 
+def check_prompt_vocab(ids: list[int], vocab_size: int) -> None:
+    """Refuse prompt token ids outside ``[0, vocab_size)``.
+
+    Args:
+        ids: the prompt's token ids (Python ints, any size: a JSON body may hold ``2**70``).
+        vocab_size: the model's vocabulary size.
+
+    Raises:
+        PromptError: naming the first id outside the vocabulary.
+    """
+    if ids and 0 <= min(ids) and max(ids) < vocab_size:  # two C-level passes, the usual case
+        return
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
 class SequenceStatus(enum.Enum):
     """Lifecycle of a sequence; the three FINISHED_* states are terminal (vLLM's names)."""
 

@@ -78,6 +78,8 @@ def test_normalisations():
         (dict(max_tokens=0), "max_tokens must be at least 1, got 0"),
         (dict(min_tokens=5, max_tokens=4), r"min_tokens must be at most max_tokens \(4\), got 5"),
         (dict(seed=2**64), "seed must be in"),
+        (dict(n=2**70, temperature=1.0), r"n must be below 2\*\*63, got 1180591620717411303424"),
+        (dict(top_k=2**63), r"top_k must be below 2\*\*63"),
         (dict(logprobs=-2), "logprobs must be non-negative or None, got -2"),
         (dict(prompt_logprobs=-1), "prompt_logprobs must be non-negative"),
         (dict(stop=["ok", ""]), "stop cannot contain an empty string"),

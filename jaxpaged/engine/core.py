@@ -143,7 +143,7 @@ class EngineCore:
             if not is_token_id_list(ids):  # msgpack gives ints: coerce anything else, as before
                 try:
                     ids = [int(t) for t in ids]
-                except (TypeError, ValueError) as error:  # refused; the core lives on
+                except (TypeError, ValueError, OverflowError) as error:  # int(inf) overflows
                     raise PromptError(f"prompt token ids must be integers: {error}") from None
             self.engine.add_request(
                 request_id,

@@ -60,7 +60,8 @@ from jaxpaged.engine.core_process import (
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.metrics import ServerMetrics
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, verify_for_model
+from jaxpaged.sequence import check_prompt_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -352,6 +353,12 @@ class EngineCoreClient:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = list(prompt["prompt_token_ids"])
+        # The core checks these too; checking them here also keeps an id that no message can
+        # carry (JSON allows any integer: 2**70 fails msgpack's encode) from becoming a 500.
+        check_prompt_vocab(ids, self.info["vocab_size"])
+        verify_for_model(
+            params, vocab_size=self.info["vocab_size"], max_logprobs=self.info["max_logprobs"]
+        )
         state = ClientRequestState(request_id, prompt.get("prompt"), ids, params, self.tokenizer)
         stream = RequestStream(request_id, self)
         accepted = asyncio.get_running_loop().create_future()
@@ -371,8 +378,8 @@ class EngineCoreClient:
         # before this coroutine resumes, and those outputs must count.
         if self.metrics is not None:
             self.metrics.observe_added(request_id, arrival_time)
-        self.core.send(Kind.ADD, wire)
         try:
+            self.core.send(Kind.ADD, wire)
             await accepted
         except asyncio.CancelledError:
             if self.metrics is not None:

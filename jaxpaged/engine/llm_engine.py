@@ -31,6 +31,7 @@ from jaxpaged.sequence import (
     Sequence,
     SequenceGroup,
     SequenceStatus,
+    check_prompt_vocab,
     is_token_id_list,
 )
 from jaxpaged.worker.compilation_cache import cache_root
@@ -258,11 +259,7 @@ class LLMEngine:
         max_model_len = self.config.scheduler_config.max_model_len
         if not prompt_ids:
             raise PromptError("the prompt is empty: it must have at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise PromptError(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
+        check_prompt_vocab(prompt_ids, self.vocab_size)
         if len(prompt_ids) >= max_model_len:
             raise PromptError(
                 f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len}, "

@@ -37,6 +37,7 @@ _CONSTANT_FIELDS = (
 )
 _MIN_TOKENS, _NUM_LOGPROBS, _PROCESSED, _PROMPT_LOGPROBS = 9, 10, 11, 12
 _NUM_CONSTANTS = 13
+_INT32_MAX = 2**31 - 1
 
 
 class _SeqEntry:
@@ -71,10 +72,13 @@ def _sampling_constants(params, seed: int, out: np.ndarray) -> None:
         np.float32,
     ).view(np.int32)
     seeds = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32).view(np.int32)
-    out[0], out[1], out[2], out[3] = floats[0], params.top_k, floats[1], floats[2]
+    # A top_k at or above the vocabulary keeps every token, and no sequence reaches 2**31
+    # tokens: clamping both to int32 keeps their meaning (a larger one would raise here).
+    top_k, min_tokens = min(params.top_k, _INT32_MAX), min(params.min_tokens, _INT32_MAX)
+    out[0], out[1], out[2], out[3] = floats[0], top_k, floats[1], floats[2]
     out[4], out[5] = seeds
     out[6:9] = floats[3:6]
-    out[_MIN_TOKENS] = params.min_tokens
+    out[_MIN_TOKENS] = min_tokens
     wants = params.logprobs is not None
     out[_NUM_LOGPROBS] = params.logprobs if wants else -1
     out[_PROCESSED] = wants and params.logprobs_mode == "processed_logprobs"

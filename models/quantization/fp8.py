@@ -29,10 +29,14 @@ _FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 
 
 @jax.jit
-def _quantize_fp8(weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _quantize_fp8(weight: jax.Array, fp8_max: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # fp8_max is an argument, not a constant: XLA rewrites a division by a constant into a
+    # multiplication by its rounded reciprocal, one ulp off amax / 448 for about half the
+    # weights. initial=0: an empty weight gets the smallest scale (max has no identity).
     w = weight.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(w)) / FP8_E4M3_MAX, jnp.finfo(jnp.float32).tiny)
-    q = jnp.clip(w / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
+    amax = jnp.max(jnp.abs(w), initial=0.0)
+    scale = jnp.maximum(amax / fp8_max, jnp.finfo(jnp.float32).tiny)
+    q = jnp.clip(w / scale, -fp8_max, fp8_max).astype(jnp.float8_e4m3fn)
     return q, scale.reshape(1)
 
 
@@ -45,11 +49,12 @@ def quantize_weight_fp8(weight: np.ndarray | jax.Array) -> dict[str, np.ndarray]
 
     Returns:
         ``{"weight": f8e4m3fn[out, in], "weight_scale": f32[1]}`` with ``weight * weight_scale
-        ~= W``, ``scale = amax(|W|) / 448`` in float32 (vLLM's ``scaled_fp8_quant``); every
+        ~= W``, ``scale = amax(|W|) / 448`` correctly rounded in float32 (vLLM's
+        ``scaled_fp8_quant``; at least float32's smallest normal, also for an empty weight); every
         element's relative error is at most ``2 ** -4`` (e4m3's half ulp) above e4m3's
         smallest normal ``2 ** -6 * scale``, absolute at most ``2 ** -10 * scale`` below.
     """
-    q, scale = _quantize_fp8(weight)
+    q, scale = _quantize_fp8(weight, np.float32(FP8_E4M3_MAX))
     return {"weight": np.asarray(q), "weight_scale": np.asarray(scale)}
 
 

@@ -89,8 +89,9 @@ def test_core_refuses_with_the_error_the_api_process_maps_to_a_status(stories_ll
     core.max_num_queued_requests = None
     name, message, parameter = core.add_request("bad", [1, 10**6], params, 0.0)
     assert name == "PromptError" and "outside the vocabulary" in message and parameter == "prompt"
-    name, message, parameter = core.add_request("none", [1, None], params, 0.0)
-    assert name == "PromptError" and "must be integers" in message and parameter == "prompt"
+    for i, ids in enumerate(([1, None], [1, float("inf")], [float("nan")])):
+        name, message, parameter = core.add_request(f"bad-{i}", ids, params, 0.0)
+        assert name == "PromptError" and "must be integers" in message and parameter == "prompt"
     assert not stories_llm.llm_engine.has_unfinished_requests()  # nothing held, the core lives
     name, message, parameter = core.add_request("lp", [1, 2], {"logprobs": 10**4}, 0.0)
     assert name == "SamplingParamsError" and parameter == "logprobs"

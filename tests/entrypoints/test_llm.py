@@ -63,6 +63,20 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(stories_llm):
     assert run(7) != run(8)
 
 
+def test_top_k_and_min_tokens_beyond_int32_keep_their_meaning(stories_llm):
+    """A top_k above the vocabulary is no filter and a min_tokens above any length bans EOS to
+    the end; both once overflowed the step's int32 buffer (the served core died)."""
+
+    def run(**kwargs):
+        params = SamplingParams(**{"temperature": 1.0, "max_tokens": 40, "seed": 3} | kwargs)
+        return stories_llm.generate(["Once"], params, use_tqdm=False)[0].outputs[0]
+
+    assert run(top_k=2**40).token_ids == run(top_k=0).token_ids
+    huge = run(min_tokens=2**40, max_tokens=2**40)  # ends at max_model_len, never by EOS
+    assert huge.finish_reason == "length"
+    assert huge.token_ids[:40] == run(min_tokens=40).token_ids
+
+
 @pytest.mark.parametrize(
     "prompt, message",
     [

@@ -44,26 +44,34 @@ class OpenAIRequest(OpenAIBaseModel):
 
 
 def _check_unicode(value, path: str) -> None:
-    """Raise ValueError naming the first string under ``value`` holding a lone surrogate."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as error:
-            code = ord(value[error.start])
-            where = path or "the request body"
-            raise ValueError(
-                f"{where} holds a lone surrogate U+{code:04X} at character {error.start}, "
-                "which is not valid Unicode"
-            ) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_unicode(key, path or "the request body")
-            _check_unicode(item, f"{path}.{key}" if path else str(key))
-    elif isinstance(value, list):
-        if set(map(type, value)) <= _SCALARS:
-            return  # a token-id prompt: one C-level pass instead of a call per id
-        for i, item in enumerate(value):
-            _check_unicode(item, f"{path}[{i}]")
+    """Raise ValueError naming the first string under ``value`` holding a lone surrogate.
+
+    Walks an explicit stack, not the call stack: a body nested a thousand levels deep is
+    valid JSON, and recursion here raised RecursionError (a 500) before validation refused it.
+    """
+    stack = [(value, path)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as error:
+                code = ord(value[error.start])
+                where = path or "the request body"
+                raise ValueError(
+                    f"{where} holds a lone surrogate U+{code:04X} at character {error.start}, "
+                    "which is not valid Unicode"
+                ) from None
+        elif isinstance(value, dict):
+            # Pushed last first, so popped in the body's order: the first one is named.
+            for key, item in reversed(value.items()):
+                if type(item) not in _SCALARS:
+                    stack.append((item, f"{path}.{key}" if path else str(key)))
+                stack.append((key, path or "the request body"))
+        elif isinstance(value, list) and not set(map(type, value)) <= _SCALARS:
+            # (a list of scalars, e.g. token ids, is skipped in one C-level pass)
+            for i in range(len(value) - 1, -1, -1):
+                stack.append((value[i], f"{path}[{i}]"))
 
 
 # Element types of a list that hold no string: lists of them are skipped in one pass.

@@ -120,6 +120,21 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(http, serve
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
 
 
+def test_ids_beyond_64_bits_are_a_400_naming_the_field_and_leave_nothing_behind(http, server):
+    """JSON allows any integer, and no engine-core message can carry 2**70 (msgpack): such
+    ids were a 500 that left the request counted as outstanding in the client."""
+    huge = 2**70
+    before = server.engine.core.num_outstanding
+    _error(_complete(http, prompt=[1, huge]), 400, "prompt", f"token id {huge} is outside")
+    _error(_complete(http, prompt=[[1], [2, -huge]]), 400, "prompt", "outside the vocabulary")
+    _error(_complete(http, stop_token_ids=[huge]), 400, "stop_token_ids", "vocabulary size")
+    _error(_complete(http, logit_bias={str(huge): 1}), 400, "logit_bias", "vocabulary size")
+    _error(_complete(http, logprobs=huge), 400, "logprobs", "below 2**63")
+    _error(_complete(http, prompt_logprobs=2**40), 400, "prompt_logprobs", "max_logprobs")
+    assert server.engine.core.num_outstanding == before
+    assert _complete(http, prompt=[1, 2], max_tokens=2).status_code == 200
+
+
 def test_unsupported_sampling_field_is_a_400_naming_it_unless_neutral(server):
     from jaxpaged.entrypoints.openai.errors import BadRequestError
     from jaxpaged.entrypoints.openai.serving_engine import OpenAIServing

@@ -193,6 +193,20 @@ def test_a_lone_surrogate_in_the_body_is_a_400_and_the_server_keeps_serving(http
     assert http.post("/v1/completions", json=body).status_code == 200
 
 
+def test_a_body_nested_a_thousand_deep_is_a_400_and_surrogates_are_found_in_order(http):
+    """The Unicode check walked the body recursively: 990 levels of valid JSON raised
+    RecursionError (a 500). The first lone surrogate in the body's order is the one named."""
+    deep = "[" * 990 + "1" + "]" * 990
+    raw = '{"model": "%s", "prompt": %s, "max_tokens": 2}' % (MODEL_NAME, deep)
+    response = http.post(
+        "/v1/completions", content=raw, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    nested = {"model": "m", "prompt": ["ok", [["\ud800"]]], "stop": ["\udc00"]}
+    with pytest.raises(ValueError, match=r"prompt\[1\]\[0\]\[0\] holds a lone surrogate U\+D800"):
+        CompletionRequest.model_validate(nested)
+
+
 def _sse_events(response) -> list[dict]:
     return [
         json.loads(line[len("data: ") :])

@@ -142,6 +142,18 @@ def test_online_fp8_weights_error_bound_and_linear():
     np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
 
 
+def test_online_fp8_scale_is_amax_over_448_correctly_rounded():
+    """vLLM's scale (a float32 division), not amax times a rounded 1/448 (XLA's rewrite of a
+    division by a constant, one ulp off for about half of these weights)."""
+    rng = np.random.default_rng(5)
+    for _ in range(16):
+        weight = rng.standard_normal((8, 16)).astype(np.float32) * rng.uniform(1e-3, 10)
+        expected = np.abs(weight).max() / np.float32(FP8_E4M3_MAX)
+        assert quantize_weight_fp8(weight)["weight_scale"].tobytes() == expected.tobytes()
+    empty = quantize_weight_fp8(np.zeros((0, IN), np.float32))
+    assert empty["weight"].shape == (0, IN) and empty["weight_scale"] == np.finfo(np.float32).tiny
+
+
 def test_serialized_fp8_checkpoint_loads_and_names_missing_scales():
     weight = quantize_weight_fp8(np.ones((OUT, IN), np.float32))
     config = Fp8Config(True, "static")
