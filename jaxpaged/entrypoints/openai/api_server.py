@@ -37,7 +37,11 @@ import jaxpaged
 from jaxpaged.engine.core import freeze_gc_heap
 from jaxpaged.engine.core_client import EngineCoreClient
 from jaxpaged.engine.dp_client import DPEngineCoreClient
-from jaxpaged.entrypoints.openai.errors import error_response, install_error_handlers
+from jaxpaged.entrypoints.openai.errors import (
+    BadRequestError,
+    error_response,
+    install_error_handlers,
+)
 from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -203,7 +207,10 @@ def build_app(
         completion.require_tokenizer("/detokenize")
         bad = [t for t in request.tokens if not 0 <= t < len(tokenizer)]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {len(tokenizer)})")
+            raise BadRequestError(
+                f"token id {bad[0]} is outside the vocabulary [0, {len(tokenizer)})",
+                param="tokens",
+            )
         return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
 
     @app.get("/metrics")

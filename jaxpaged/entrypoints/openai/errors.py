@@ -94,7 +94,9 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     if "input" in first and first.get("type") != "missing":
         got = repr(first["input"])
         message = f"{message} (got {got[:100]}{'...' if len(got) > 100 else ''})"
-    return (f"{param}: {message}" if param else message), param
+    if param is None:  # a body-level validator names its field on its error (FieldValueError)
+        return message, getattr((first.get("ctx") or {}).get("error"), "parameter", None)
+    return f"{param}: {message}", param
 
 
 def install_error_handlers(app: FastAPI) -> None:

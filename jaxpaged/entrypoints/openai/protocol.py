@@ -43,8 +43,18 @@ class OpenAIRequest(OpenAIBaseModel):
         return data
 
 
+class FieldValueError(ValueError):
+    """A body-level validator's refusal of one field; ``parameter`` is its dotted path
+    (``messages[0].content``), which the 400's ``param`` names (``errors._validation_message``):
+    pydantic locates a model validator's errors at the body, not the field."""
+
+    def __init__(self, message: str, *, parameter: str | None = None):
+        super().__init__(message)
+        self.parameter = parameter
+
+
 def _check_unicode(value, path: str) -> None:
-    """Raise ValueError naming the first string under ``value`` holding a lone surrogate.
+    """Raise FieldValueError naming the first string under ``value`` holding a lone surrogate.
 
     Walks an explicit stack, not the call stack: a body nested a thousand levels deep is
     valid JSON, and recursion here raised RecursionError (a 500) before validation refused it.
@@ -58,9 +68,10 @@ def _check_unicode(value, path: str) -> None:
             except UnicodeEncodeError as error:
                 code = ord(value[error.start])
                 where = path or "the request body"
-                raise ValueError(
+                raise FieldValueError(
                     f"{where} holds a lone surrogate U+{code:04X} at character {error.start}, "
-                    "which is not valid Unicode"
+                    "which is not valid Unicode",
+                    parameter=path or None,
                 ) from None
         elif isinstance(value, dict):
             # Pushed last first, so popped in the body's order: the first one is named.

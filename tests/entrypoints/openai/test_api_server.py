@@ -58,6 +58,8 @@ def test_models_version_health_tokenize_detokenize(http, server, stories_llm):
     assert chat["token_strs"] == tokenizer.convert_ids_to_tokens(chat["tokens"])
     detokenized = http.post("/detokenize", json={"tokens": ids}).json()
     assert detokenized == {"prompt": tokenizer.decode(ids)}
+    outside = http.post("/detokenize", json={"tokens": [1, len(tokenizer)]})
+    _error(outside, 400, param="tokens", match="outside the vocabulary")
     # The alias is served too.
     assert _complete(http, model="alias", max_tokens=2).status_code == 200
 

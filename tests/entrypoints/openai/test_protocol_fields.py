@@ -188,7 +188,8 @@ def test_a_lone_surrogate_in_the_body_is_a_400_and_the_server_keeps_serving(http
     path = "/tokenize" if route == "tokenize" else f"/v1/{route}"
     response = http.post(path, content=raw, headers={"Content-Type": "application/json"})
     assert response.status_code == 400, response.text
-    assert "U+D800" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert "U+D800" in error["message"] and error["param"] == "prompt"
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1}
     assert http.post("/v1/completions", json=body).status_code == 200
 
