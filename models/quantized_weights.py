@@ -39,7 +39,6 @@ from models.quantization.stored import TensorSpec
 from models.quantized_linear import QuantizedLinear, QuantizedMergedColumnParallelLinear
 from models.sharding import parallel_style
 
-
 LayerPath = tuple[str, ...]
 HostLayers = dict[LayerPath, dict[str, np.ndarray]]
 

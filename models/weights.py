@@ -28,6 +28,7 @@ from flax import nnx
 
 from models.config_cache import read_cached_config, write_cached_config
 from models.dtypes import DTYPES as _DTYPES
+from models.dummy_init import dummy_normal
 from models.merged_linear import MergedColumnParallelLinear
 from models.quantization.config import QuantizationConfig, resolve_quantization
 from models.quantized_weights import (
@@ -36,7 +37,6 @@ from models.quantized_weights import (
     quantized_layers,
     read_quantized_layers,
 )
-from models.dummy_init import dummy_normal
 from models.registry import checkpoint_view, get_model_class
 
 if TYPE_CHECKING:  # transformers imports PyTorch when installed: only when a config is read
