@@ -7,6 +7,7 @@ knob; see ``../shared/reference/vllm_surface.md``.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 from importlib import resources
@@ -31,6 +32,8 @@ DEFAULT_MODEL_NAME = "stories260k"
 _LOAD_FORMATS = ("auto", "safetensors", "dummy", "bitsandbytes")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
+# vLLM's --logprobs-mode choices (ModelConfig.logprobs_mode), default raw_logprobs.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
@@ -188,6 +191,23 @@ class EngineArgs:
         None, "LoRA adapters kept in host memory (LRU), >= max_loras; None means max_loras."
     )
 
+    enable_sleep_mode: bool = _arg(
+        False,
+        "Allow sleep()/wake_up() (server: /sleep, /wake_up with --enable-dev-endpoints): level 1 "
+        "frees the KV cache, level 2 also the weights.",
+    )
+    logprobs_mode: str = _arg(
+        "raw_logprobs",
+        f"What logprobs report for requests that don't choose: one of {list(LOGPROBS_MODES)}; "
+        "raw = the model's float32 output before penalties, temperature, top-k/top-p; processed "
+        "= after them.",
+    )
+    model_impl_module: str | None = _arg(
+        None,
+        "Python module imported (in every engine process) before the model is built, which "
+        "registers out-of-tree architectures with jaxpaged.ModelRegistry.register_model.",
+    )
+
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and derive the typed configs.
 
@@ -208,6 +228,8 @@ class ModelConfig:
     seed: int
     hf_config_json: dict
     max_logprobs: int = 20
+    # vLLM's --logprobs-mode: the default of requests whose logprobs_mode is None.
+    logprobs_mode: str = "raw_logprobs"
     # Quantization: the flag as given and what it resolved to with the checkpoint (None: float).
     quantization: str | None = None
     quant_config: QuantizationConfig | None = None
@@ -280,9 +302,12 @@ class EngineConfig:
     compilation_cache_dir: str | None = None  # None: compilation_cache.DEFAULT_CACHE_ROOT
     # Multi-LoRA limits; None without enable_lora.
     lora_config: LoRAConfig | None = None
+    enable_sleep_mode: bool = False
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
+        import_model_impl(args.model_impl_module)  # registers its architectures
+        _check_choice("logprobs_mode", args.logprobs_mode, LOGPROBS_MODES)
         model = args.model or default_model_path()
         # A Hub id becomes its local snapshot directory (models.hub); a directory stays as is.
         model = resolve_model_path(
@@ -380,6 +405,7 @@ class EngineConfig:
                 seed=args.seed,
                 hf_config_json=hf_config_json,
                 max_logprobs=args.max_logprobs,
+                logprobs_mode=args.logprobs_mode,
                 quantization=args.quantization,
                 quant_config=quant_config,
             ),
@@ -405,7 +431,22 @@ class EngineConfig:
             enable_compilation_cache=bool(args.enable_compilation_cache),
             compilation_cache_dir=args.compilation_cache_dir,
             lora_config=_lora_config(args),
+            enable_sleep_mode=bool(args.enable_sleep_mode),
         )
+
+
+def import_model_impl(module: str | None) -> None:
+    """Import ``model_impl_module`` (its import registers its architectures); None: nothing.
+
+    Raises:
+        ValueError: the module cannot be imported (named, with the import error).
+    """
+    if module is None:
+        return
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"model_impl_module {module!r} cannot be imported: {e}") from e
 
 
 def _parallel_config(args: EngineArgs, hf_config_json: dict) -> ParallelConfig:

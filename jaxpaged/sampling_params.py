@@ -18,12 +18,22 @@ import math
 _MIN_TEMPERATURE = 1e-2
 # vLLM clamps each logit bias to this magnitude (OpenAI's documented range).
 _MAX_LOGIT_BIAS = 100.0
-# Accepted spellings of logprobs_mode; the short ones are aliases of vLLM's --logprobs-mode names.
+# Accepted spellings of logprobs_mode: vLLM's --logprobs-mode names, and short aliases.
 _LOGPROBS_MODES = {
     "raw_logprobs": "raw_logprobs",
     "raw": "raw_logprobs",
+    "raw_logits": "raw_logits",
     "processed_logprobs": "processed_logprobs",
     "processed": "processed_logprobs",
+    "processed_logits": "processed_logits",
+}
+# logprobs_mode -> its code in the step (``SamplingMetadata.logprobs_mode``): bit 0 processed
+# (after penalties, temperature and filters), bit 1 logits instead of log-probabilities.
+LOGPROBS_MODE_CODES = {
+    "raw_logprobs": 0,
+    "processed_logprobs": 1,
+    "raw_logits": 2,
+    "processed_logits": 3,
 }
 
 
@@ -97,11 +107,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Top log-probabilities to return per prompt token, plus the prompt token's; >= 0 and at
     most max_logprobs; None means none. Such requests bypass the prefix cache."""
-    logprobs_mode: str = "raw_logprobs"
-    """Which distribution logprobs describe: ``raw_logprobs`` (alias ``raw``; vLLM's default: the
-    model's, before penalties, bias and temperature) or ``processed_logprobs`` (alias
-    ``processed``: the one actually sampled from). Per request, where vLLM has an engine flag.
-    Prompt logprobs are always raw."""
+    logprobs_mode: str | None = None
+    """What logprobs report: ``raw_logprobs`` (alias ``raw``: float32 log-softmax of the model's
+    logits, before penalties, bias, temperature and top-k/top-p/min-p), ``raw_logits``,
+    ``processed_logprobs`` (alias ``processed``: the distribution actually sampled from) or
+    ``processed_logits``; None means the engine's ``logprobs_mode`` (vLLM's --logprobs-mode,
+    default ``raw_logprobs``). Prompt logprobs are always raw log-probabilities."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the decoded text."""
     spaces_between_special_tokens: bool = True
@@ -147,11 +158,11 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
-        if self.logprobs_mode not in _LOGPROBS_MODES:
+        if self.logprobs_mode is not None and self.logprobs_mode not in _LOGPROBS_MODES:
             raise SamplingParamsError(
                 "logprobs_mode", self.logprobs_mode, f"must be one of {sorted(_LOGPROBS_MODES)}"
             )
-        self.logprobs_mode = _LOGPROBS_MODES[self.logprobs_mode]
+        self.logprobs_mode = _LOGPROBS_MODES.get(self.logprobs_mode)
         self._verify()
         if self.temperature == 0.0:
             # Greedy ignores the filters; resetting them keeps the sampler's rows uniform (vLLM).

@@ -1,8 +1,16 @@
-"""Hugging Face ``architectures[0]`` name -> jaxpaged model class."""
+"""Hugging Face ``architectures[0]`` name -> jaxpaged model class.
+
+Our families are listed here; a user's out-of-tree model joins with :func:`register_model`
+(``jaxpaged.ModelRegistry.register_model``, vLLM's name), given as the class or, imported on
+first use, as ``"module:ClassName"``. The other two parts of a model, its parameter-name map and
+its sharding rules, follow from its parameter paths (``models.weights.hf_names``,
+``models.sharding.param_partition_spec``; ``docs/model_protocol.md``).
+"""
 
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +26,7 @@ from models.llama import (
     Qwen3ForCausalLM,
 )
 
-_MODEL_CLASSES: dict[str, type] = {
+_MODEL_CLASSES: dict[str, type | str] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -35,6 +43,54 @@ _CHECKPOINT_VIEWS: dict[str, Callable] = {
     "GPT2LMHeadModel": gpt2_view,
     "BloomForCausalLM": bloom_view,
 }
+
+
+def register_model(
+    architecture: str, model_class: type | str, *, view: Callable | None = None
+) -> None:
+    """Serve checkpoints whose ``config.json`` names ``architecture`` with ``model_class``.
+
+    Args:
+        architecture: the HF ``architectures[0]`` name, e.g. ``"MyLlamaForCausalLM"``.
+        model_class: an ``nnx.Module`` class following ``docs/model_protocol.md``, or
+            ``"package.module:ClassName"``, imported when a model of it is first built.
+        view: ``(reader, config=...) -> reader`` presenting a checkpoint whose tensors differ
+            from the standard layout (``models.checkpoint_views``); None: the standard layout.
+
+    A name registered again replaces the earlier class (our own families too, as in vLLM).
+
+    Raises:
+        ValueError: an empty architecture name, or a ``model_class`` that is neither a class
+            nor a ``"module:ClassName"`` string.
+    """
+    if not isinstance(architecture, str) or not architecture:
+        raise ValueError(f"architecture must be a non-empty string, got {architecture!r}")
+    lazy = isinstance(model_class, str) and model_class.count(":") == 1
+    if not (isinstance(model_class, type) or lazy):
+        raise ValueError(
+            f"model_class must be a class or a 'module:ClassName' string, got {model_class!r}"
+        )
+    _MODEL_CLASSES[architecture] = model_class
+    _CHECKPOINT_VIEWS.pop(architecture, None)
+    if view is not None:
+        _CHECKPOINT_VIEWS[architecture] = view
+
+
+def _resolve(architecture: str) -> type:
+    """The class registered for ``architecture``, importing a ``"module:ClassName"`` entry."""
+    entry = _MODEL_CLASSES[architecture]
+    if isinstance(entry, type):
+        return entry
+    module_name, class_name = entry.split(":")
+    try:
+        model_class = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(
+            f"architecture {architecture!r} is registered as {entry!r}, which cannot be "
+            f"imported: {e}"
+        ) from e
+    _MODEL_CLASSES[architecture] = model_class
+    return model_class
 
 
 def supported_architectures() -> list[str]:
@@ -59,7 +115,7 @@ def get_model_class(hf_config: Any) -> type:
         raise ValueError(
             f"architecture {name!r} is not supported; supported: {supported_architectures()}"
         )
-    return _MODEL_CLASSES[name]
+    return _resolve(name)
 
 
 def checkpoint_view(hf_config: Any) -> Callable | None:

@@ -13,6 +13,7 @@ filled from one checkpoint tensor (or fused pair) per expert (:func:`expert_hf_n
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import json
@@ -334,6 +335,70 @@ def _hf_parts(
     return [[(name, (*shape[:-1], size)) for name, size in zip(names, sizes, strict=True)]]
 
 
+@dataclasses.dataclass(frozen=True)
+class ParamPlan:
+    """How one parameter is filled: its flat-state ``path``, its ``shape`` (our layout), the HF
+    tensors of each block (:func:`_hf_parts`: one list, or one per expert) and whether they are
+    stored transposed (``[out, in]``)."""
+
+    path: tuple
+    shape: tuple[int, ...]
+    grid: list
+    transposed: bool
+
+    @property
+    def names(self) -> list[str]:
+        """Every HF tensor the parameter reads, in order."""
+        return [name for parts in self.grid for name, _ in parts]
+
+
+def plan_params(flat_state: Any, merged: dict, reader: Any, source: str) -> list[ParamPlan]:
+    """The fill plan of every parameter of ``flat_state`` (abstract or concrete), checked
+    against ``reader`` before anything is read: each HF tensor must be there with its shape.
+    ``source`` names the checkpoint in messages (a directory, or ``update_weights``' params).
+
+    Raises:
+        ValueError: a parameter missing or of a different shape (``check_tensor``); the first
+            such parameter path in flat-state (sorted) order is named, with its HF name.
+    """
+    plans = []
+    for path, variable in flat_state:
+        _, transposed = hf_names(path)
+        shape = tuple(variable.get_value().shape)
+        plans.append(ParamPlan(path, shape, _hf_parts(path, shape, merged), transposed))
+    for plan in plans:
+        for name, expected in itertools.chain.from_iterable(plan.grid):
+            check_tensor(reader, plan.path, name,
+                         expected[::-1] if plan.transposed else expected, source)
+    return plans
+
+
+def read_param(
+    reader: Any, plan: ParamPlan, dtype: jnp.dtype, assemble: Any = None
+) -> jax.Array:
+    """The value of ``plan``'s parameter in ``dtype``, from its HF tensors
+    (:func:`assemble_param`; ``assemble``: a jitted twin of it, so that the transposes and
+    concatenation of a fused parameter make no intermediate copies). Tensors already on a
+    device stay there."""
+    tensors = [[reader.read(name) for name, _ in parts] for parts in plan.grid]
+    assemble = assemble_param if assemble is None else assemble
+    return assemble(tensors, transposed=plan.transposed, expert=is_expert_param(plan.path),
+                    dtype=jnp.dtype(dtype))
+
+
+def assemble_param(tensors: list, *, transposed: bool, expert: bool, dtype: Any) -> jax.Array:
+    """One parameter from its HF tensors (``tensors``: per block, its parts): each transposed
+    back to ``[in, out]`` where stored ``[out, in]`` and cast to ``dtype``; a fused parameter's
+    parts concatenated along the last axis (one device: one shard, so the per-shard column
+    order of ``models.merged_linear`` is the plain concatenation); a stacked expert parameter's
+    experts stacked on a new first axis."""
+    blocks = []
+    for parts in tensors:
+        parts = [jnp.asarray(t.T if transposed else t, dtype=dtype) for t in parts]
+        blocks.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts, -1))
+    return jnp.stack(blocks) if expert else blocks[0]
+
+
 def _load_state(
     flat_state: Any,
     merged: dict,
@@ -342,12 +407,10 @@ def _load_state(
     hf_config: Any,
     view: Any = None,
 ) -> list:
-    """Fills every parameter of the abstract ``flat_state`` from the checkpoint; a fused
-    parameter is its parts' tensors concatenated along the last axis (one device: one shard,
-    so the per-shard column order of ``models.merged_linear`` is the plain concatenation); a
-    stacked expert parameter stacks its experts' (fused) tensors on a new first axis.
-    ``view`` (``models.registry.checkpoint_view``) wraps the reader for families whose tensors
-    differ from the standard layout.
+    """Fills every parameter of the abstract ``flat_state`` from the checkpoint
+    (:func:`plan_params`, then :func:`read_param` per parameter). ``view``
+    (``models.registry.checkpoint_view``) wraps the reader for families whose tensors differ
+    from the standard layout.
 
     Raises:
         ValueError: a parameter missing from the checkpoint or with a different shape; the message
@@ -355,28 +418,13 @@ def _load_state(
     """
     with ExitStack() as stack:
         reader = open_reader(model_dir, hf_config, stack, view)
-        plans = []
-        for path, variable in flat_state:
-            _, transposed = hf_names(path)
-            grid = _hf_parts(path, tuple(variable.get_value().shape), merged)
-            plans.append((path, variable, grid, transposed))
         # Check everything before reading anything big.
-        for path, _, grid, transposed in plans:
-            for name, expected in itertools.chain.from_iterable(grid):
-                check_tensor(reader, path, name, expected[::-1] if transposed else expected,
-                             model_dir)
-        filled = []
-        for path, variable, grid, transposed in plans:
-            blocks = []
-            for parts in grid:
-                tensors = []
-                for name, _ in parts:
-                    tensor = reader.read(name)
-                    tensors.append(jnp.asarray(tensor.T if transposed else tensor, dtype=dtype))
-                blocks.append(tensors[0] if len(tensors) == 1 else jnp.concatenate(tensors, -1))
-            value = jnp.stack(blocks) if is_expert_param(path) else blocks[0]
-            filled.append((path, variable.replace(value)))
-    return filled
+        plans = plan_params(flat_state, merged, reader, model_dir)
+        variables = [variable for _, variable in flat_state]
+        return [
+            (plan.path, variable.replace(read_param(reader, plan, dtype)))
+            for plan, variable in zip(plans, variables, strict=True)
+        ]
 
 
 def _dummy_state(flat_state: Any, dtype: jnp.dtype, seed: int) -> list:

@@ -19,7 +19,8 @@ def test_defaults_are_vllms():
     assert (p.max_tokens, p.min_tokens, p.logprobs, p.prompt_logprobs) == (16, 0, None, None)
     assert p.stop == [] and p.stop_token_ids == [] and p.logit_bias is None
     assert p.skip_special_tokens and p.spaces_between_special_tokens
-    assert p.output_kind is RequestOutputKind.CUMULATIVE and p.logprobs_mode == "raw_logprobs"
+    assert p.output_kind is RequestOutputKind.CUMULATIVE
+    assert p.logprobs_mode is None  # the engine's logprobs_mode (vLLM's default raw_logprobs)
     assert not p.uses_logits_state and not p.skip_reading_prefix_cache
 
 

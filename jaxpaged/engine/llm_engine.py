@@ -127,6 +127,8 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self.async_scheduling = config.async_scheduling
         self._seed_counter = itertools.count()
+        # Sleep mode: 0 awake, else the level of the last sleep() (vLLM's is_sleeping).
+        self._sleep_level = 0
         self.startup.log()
 
     def wait_for_executables(self) -> None:
@@ -181,6 +183,15 @@ class LLMEngine:
                 ``max_num_seqs``, a ``lora_request`` without ``enable_lora`` or with a bad
                 adapter.
         """
+        if self._sleep_level:
+            raise RuntimeError(
+                f"the engine is sleeping (level {self._sleep_level}): call wake_up() first"
+            )
+        if not self.worker.has_weights:
+            raise RuntimeError(
+                "the weights were released by sleep(level=2): give new ones with "
+                "update_weights() first"
+            )
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
@@ -216,6 +227,8 @@ class LLMEngine:
             group_kwargs = dict(beam_width=params.beam_width, beam_params=params)
         else:
             group_kwargs = dict(best_of=getattr(params, "best_of", None) or params.n)
+            if params.logprobs_mode is None:  # the engine's --logprobs-mode
+                params.logprobs_mode = self.config.model_config.logprobs_mode
         seq = Sequence(
             seq_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -325,6 +338,92 @@ class LLMEngine:
         """Forget every cached prefix (blocks in use keep their K/V). Returns True."""
         self.kv_cache_manager.reset_prefix_cache()
         return True
+
+    # ------------------------------------------------- weights from memory and sleep mode
+    def get_weights(self) -> dict:
+        """The engine's weights in the model's own layout (``Worker.get_weights``)."""
+        return self.worker.get_weights()
+
+    def update_weights(self, params, *, on_leaf=None) -> int:
+        """Replace the weights with ``params`` (``{HF name: array}`` or our own layout; on any
+        device or the host, sharded or not), placed leaf by leaf into the engine's layout and
+        shardings without recompiling, and forget every cached prefix (its K/V came from the
+        old weights). Returns the number of weights replaced.
+
+        Like vLLM's weight sync between steps, but refused while requests are unfinished
+        (vLLM leaves that to the caller; here a step would mix two policies).
+
+        Raises:
+            ValueError: a missing, extra or misshapen parameter, or a non-float dtype (named;
+                the engine keeps its previous weights).
+            RuntimeError: requests are unfinished.
+        """
+        self._check_idle("update_weights")
+        replaced = self.worker.update_weights(params, on_leaf=on_leaf)
+        self.reset_prefix_cache()
+        return replaced
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory until ``wake_up`` (vLLM's ``LLM.sleep``): level 1 the KV cache,
+        level 2 also the weights. Compiled executables are kept. vLLM's level 1 also moves the
+        weights to host memory; here they stay on the device (a trainer in the same process
+        usually holds them anyway). Sleeping again while asleep is a no-op with a warning
+        (vLLM's).
+
+        Raises:
+            ValueError: the engine was built without ``enable_sleep_mode``, or a level other
+                than 1 or 2.
+            RuntimeError: requests are unfinished.
+        """
+        self._check_sleep_mode()
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self._sleep_level:
+            logger.warning("the engine is already sleeping (level %d)", self._sleep_level)
+            return
+        self._check_idle("sleep")
+        self.kv_cache_manager.reset_prefix_cache()  # the cached K/V go with the cache
+        self.worker.sleep(level)
+        self._sleep_level = level
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate the KV cache at its compiled shapes (vLLM's ``LLM.wake_up``; ``tags``
+        ``["weights"]`` / ``["kv_cache"]`` are accepted for vLLM's callers: weights are brought
+        back by ``update_weights``, which works while asleep). Waking an engine that is not
+        sleeping is a no-op with a warning, as in vLLM.
+
+        Raises:
+            ValueError: no ``enable_sleep_mode``, or an unknown tag.
+        """
+        self._check_sleep_mode()
+        unknown = set(tags or ()) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags must be 'weights' or 'kv_cache', got {sorted(unknown)}")
+        if not self._sleep_level:
+            logger.warning("wake_up(): the engine is not sleeping")
+            return
+        if tags is None or "kv_cache" in tags:
+            self.worker.wake_up()
+            self._sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        """Whether ``sleep`` freed the KV cache and ``wake_up`` has not restored it yet."""
+        return bool(self._sleep_level)
+
+    def _check_sleep_mode(self) -> None:
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode needs an engine built with enable_sleep_mode=True")
+
+    def _check_idle(self, what: str) -> None:
+        for _ in range(2):  # async scheduling: resolve a last step still on the device
+            if self._in_flight is None or self.has_unfinished_requests():
+                break
+            self.step()
+        if self.has_unfinished_requests():
+            raise RuntimeError(
+                f"{what} needs an idle engine; {self.get_num_unfinished_requests()} request(s) "
+                "are unfinished: wait for them (or abort them) first"
+            )
 
     # ------------------------------------------------------------------------------ LoRA
     def add_lora(self, lora_request: LoRARequest) -> bool:

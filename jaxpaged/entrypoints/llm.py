@@ -82,6 +82,72 @@ class LLM:
         profile_dir, self._profile_dir = self._profile_dir, None
         return profile_dir
 
+    @classmethod
+    def from_params(cls, model: str, params, **kwargs) -> LLM:
+        """An engine for the HF-style directory ``model`` (its ``config.json`` is enough) whose
+        weights come from ``params`` in memory (as ``update_weights`` takes them) instead of
+        its safetensors: built with ``load_format="dummy"``, then updated.
+
+        Raises:
+            ValueError: as ``LLM(...)`` and ``update_weights``.
+        """
+        llm = cls(model, **{**kwargs, "load_format": "dummy"})
+        llm.update_weights(params)
+        return llm
+
+    def get_weights(self) -> dict:
+        """The engine's weights in the model's own nested layout (a dict of the engine's arrays,
+        not copies; ``jaxpaged.model_api.make_forward`` runs the same model on them and
+        ``update_weights`` takes the structure back).
+
+        Raises:
+            RuntimeError: the weights were released by ``sleep(level=2)``.
+        """
+        return self.llm_engine.get_weights()
+
+    def update_weights(self, params) -> None:
+        """Generate with ``params`` from now on: weights from memory, e.g. a trainer's.
+
+        ``params``: ``{HF name: array}`` (the safetensors names and layouts, e.g.
+        ``"model.layers.0.self_attn.q_proj.weight"`` ``[out, in]``) or the engine's own layout
+        (``get_weights()``'s structure); numpy or JAX arrays, on the host or any device, sharded
+        or not; float dtypes are cast to the engine's. Everything is checked before anything is
+        replaced; then each parameter is placed in the engine's layout and sharding as the old
+        one is released (peak memory: one copy of the weights; arrays already in the engine's
+        dtype and placement are used without a copy, so don't delete or donate them
+        afterwards). Nothing recompiles. Cached prefixes are forgotten. Also how weights come
+        back after ``sleep(level=2)``.
+
+        Raises:
+            ValueError: a missing, extra or misshapen parameter or a non-float dtype (named; the
+                engine keeps its previous weights); quantized models and ``enable_lora``.
+            RuntimeError: requests are unfinished (the offline API never leaves any).
+        """
+        self.llm_engine.update_weights(params)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory until ``wake_up`` (vLLM's ``LLM.sleep``; needs
+        ``enable_sleep_mode=True``): level 1 the KV cache, level 2 also the weights (restore
+        them with ``update_weights``). Compiled executables are kept.
+
+        Raises:
+            ValueError: no ``enable_sleep_mode``, or a level other than 1 or 2.
+        """
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate the KV cache freed by ``sleep`` at the same shapes, without recompiling
+        (vLLM's ``LLM.wake_up``); a no-op with a warning when not sleeping, as in vLLM.
+
+        Raises:
+            ValueError: no ``enable_sleep_mode``, or a tag other than weights / kv_cache.
+        """
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether the engine sleeps (``sleep`` without ``wake_up`` since)."""
+        return self.llm_engine.is_sleeping()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -39,7 +39,9 @@ class SamplingMetadata:
     suppress_stop: jax.Array  # i32[B]; 1 while fewer than min_tokens outputs exist.
     count_sampled: jax.Array  # i32[B]; 1 when the sampled token is real and enters the counts.
     num_logprobs: jax.Array  # i32[B]; top-k logprobs wanted, -1 for none.
-    processed_logprobs: jax.Array  # i32[B]; 1: logprobs of the sampled-from distribution.
+    # i32[B]; what logprobs report (``sampling_params.LOGPROBS_MODE_CODES``): bit 0 processed (the
+    # distribution sampled from), bit 1 logits instead of log-probabilities.
+    logprobs_mode: jax.Array
     # i32[T]: for each token, the prompt token that follows it (whose prompt logprob its logits
     # give), or -1 when that is not wanted (not a prompt-logprobs request, or past the prompt).
     prompt_target: jax.Array

@@ -45,10 +45,8 @@ def sample(
             no row asked for it.
 
     Returns:
-        ``(token_ids i32[B], logprobs, state)``. ``logprobs`` describe the raw model
-        distribution (vLLM's default) or, for rows with ``processed_logprobs``, the distribution
-        sampled from (after penalties, temperature and filters; greedy rows: after penalties);
-        they are zeros unless ``variant.logprobs``.
+        ``(token_ids i32[B], logprobs, state)``. ``logprobs`` report each row's
+        ``logprobs_mode`` (:func:`_logprobs_by_mode`); zeros unless ``variant.logprobs``.
     """
     logits = logits.astype(jnp.float32)
     processed = apply_logits_state(logits, state, metadata) if variant.uses_state else logits
@@ -65,9 +63,7 @@ def sample(
     token_ids = jnp.where(is_greedy, greedy_ids, sampled_ids)
 
     if variant.logprobs:
-        raw = jax.nn.log_softmax(logits, axis=-1)
-        sampled_from = jax.nn.log_softmax(scaled, axis=-1)
-        chosen = jnp.where((metadata.processed_logprobs != 0)[:, None], sampled_from, raw)
+        chosen = _logprobs_by_mode(logits, scaled, metadata.logprobs_mode)
         logprobs = top_logprobs(chosen, token_ids, num_logprobs)
     else:
         logprobs = TopLogprobs.zeros(logits.shape[0], num_logprobs)
@@ -76,6 +72,18 @@ def sample(
         count = jnp.where(uses_state, metadata.count_sampled, 0)
         state = count_sampled(state, metadata.state_slot, token_ids, count)
     return token_ids, logprobs, state
+
+
+def _logprobs_by_mode(logits: jax.Array, scaled: jax.Array, mode: jax.Array) -> jax.Array:
+    """f32[B, vocab_size]: per row, what its ``logprobs_mode`` reports (vLLM v1's sampler):
+    raw = the model's float32 logits (``logits``) before any processing, processed = what was
+    sampled from (``scaled``: after penalties, bias, temperature and min-p/top-k/top-p, whose
+    dropped tokens are -inf; greedy rows: after penalties); bit 0 of ``mode`` picks processed,
+    bit 1 logits rather than their log-softmax."""
+    processed = (mode & 1)[:, None] != 0
+    as_logits = (mode & 2)[:, None] != 0
+    values = jnp.where(processed, scaled, logits)
+    return jnp.where(as_logits, values, jax.nn.log_softmax(values, axis=-1))
 
 
 def _row_key(seed_lo: jax.Array, seed_hi: jax.Array, step: jax.Array) -> jax.Array:

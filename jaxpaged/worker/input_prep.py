@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxpaged.sampling_params import LOGPROBS_MODE_CODES
 from jaxpaged.sequence import PLACEHOLDER_TOKEN_ID
 
 # Per-sequence constants, in column order of the builder's constant rows: the first nine are
@@ -35,7 +36,7 @@ _CONSTANT_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
 )
-_MIN_TOKENS, _NUM_LOGPROBS, _PROCESSED, _PROMPT_LOGPROBS = 9, 10, 11, 12
+_MIN_TOKENS, _NUM_LOGPROBS, _LOGPROBS_MODE, _PROMPT_LOGPROBS = 9, 10, 11, 12
 _NUM_CONSTANTS = 13
 _INT32_MAX = 2**31 - 1
 
@@ -81,7 +82,9 @@ def _sampling_constants(params, seed: int, out: np.ndarray) -> None:
     out[_MIN_TOKENS] = min_tokens
     wants = params.logprobs is not None
     out[_NUM_LOGPROBS] = params.logprobs if wants else -1
-    out[_PROCESSED] = wants and params.logprobs_mode == "processed_logprobs"
+    # None (a request the engine has not resolved, e.g. in runner tests): raw logprobs.
+    mode = params.logprobs_mode or "raw_logprobs"
+    out[_LOGPROBS_MODE] = LOGPROBS_MODE_CODES[mode] if wants else 0
     out[_PROMPT_LOGPROBS] = params.prompt_logprobs is not None
 
 
@@ -252,7 +255,7 @@ class PackedInputBuilder:
         sampling = np.array([s.do_sample for s in scheduled], np.bool_)
         view["step"][:n] = steps
         view["num_logprobs"][:n] = np.where(sampling, constants[:, _NUM_LOGPROBS], -1)
-        view["processed_logprobs"][:n] = sampling & (constants[:, _PROCESSED] != 0)
+        view["logprobs_mode"][:n] = np.where(sampling, constants[:, _LOGPROBS_MODE], 0)
         if slots.count(None) == n:
             return  # no LogitsState user: the template's neutral slot and zeros stand
         has_slot = np.array([slot is not None for slot in slots], np.bool_)

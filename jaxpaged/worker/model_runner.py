@@ -39,6 +39,7 @@ from jaxpaged.worker.step_buffer import PackedLayout
 from jaxpaged.worker.step_timeline import StepTimeline
 from models.attention_metadata import AttentionMetadata
 from models.lora import LoRABatch
+from models.memory_weights import flatten_own_layout
 
 # Smallest token bucket of a step that carries a prefill chunk; decode-only steps use the
 # sequence buckets, which start at 1.
@@ -110,6 +111,8 @@ class ModelRunner:
         # in C++, with no Python callback per NNX variable (hundreds per step on 8B models).
         self._graphdef, state = nnx.split(model)
         self._weights, self._weights_treedef = jax.tree.flatten(state)
+        # Each weight's parameter path (nnx.to_flat_state's), in the order of self._weights.
+        self.weight_paths: list[tuple] = list(flatten_own_layout(state))
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
@@ -166,6 +169,7 @@ class ModelRunner:
         # same module (the same persistent-cache key) whether their loader committed them to
         # the device (orbax) or not (safetensors, dummy).
         self._weight_specs = self._spec(self._weights)
+        self._weight_shardings = [w.sharding for w in self._weights]
         self._kv_cache_specs = self._spec(kv_caches)
         self._logits_state_spec = self._spec(self.logits_state)
         self._prev_tokens_spec = self._spec(self._prev_tokens)
@@ -182,7 +186,7 @@ class ModelRunner:
         Raises:
             ValueError: a layer count, shape or dtype other than the ones compiled for.
         """
-        have = [(c.shape, c.dtype) for kv in self.kv_caches for c in kv]
+        have = [(c.shape, c.dtype) for kv in self._kv_cache_specs for c in kv]
         got = [(c.shape, c.dtype) for kv in kv_caches for c in kv]
         if have != got:
             raise ValueError(
@@ -190,6 +194,69 @@ class ModelRunner:
                 f"{have[:1]}, got {len(kv_caches)} pairs starting {got[:1]}"
             )
         self.kv_caches = kv_caches
+
+    def release_kv_caches(self) -> None:
+        """Free the device KV cache now (sleep mode); ``set_kv_caches`` gives the steps a new
+        one of the compiled shapes. No step may run in between."""
+        for pair in self.kv_caches:
+            for cache in pair:
+                if isinstance(cache, jax.Array):
+                    cache.delete()
+        self.kv_caches = list(self._kv_cache_specs)
+
+    @property
+    def has_kv_caches(self) -> bool:
+        """Whether the steps have a device KV cache (False before allocation and in sleep)."""
+        return all(isinstance(c, jax.Array) for pair in self.kv_caches for c in pair)
+
+    def weight(self, index: int) -> jax.Array | None:
+        """The array of weight ``index`` (order of ``weight_paths``); None once released."""
+        return self._weights[index]
+
+    def weight_spec(self, index: int) -> jax.ShapeDtypeStruct:
+        """Shape and dtype the steps were compiled for at weight ``index``."""
+        return self._weight_specs[index]
+
+    def weight_sharding(self, index: int):
+        """Where weight ``index`` lives (its sharding at start-up)."""
+        return self._weight_shardings[index]
+
+    def release_weight(self, index: int) -> None:
+        """Drop the runner's reference to weight ``index`` (its memory is freed unless someone
+        else holds the array); no step may run until ``set_weight`` fills it again."""
+        self._weights[index] = None
+
+    @property
+    def has_weights(self) -> bool:
+        """Whether every weight is there (False after ``release_weight``, e.g. in sleep)."""
+        return all(w is not None for w in self._weights)
+
+    def abstract_model(self) -> nnx.Module:
+        """The model with shapes and dtypes only (``jax.ShapeDtypeStruct`` parameters)."""
+        specs = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in self._weight_specs]
+        return nnx.merge(self._graphdef, jax.tree.unflatten(self._weights_treedef, specs))
+
+    def set_weight(self, index: int, value: jax.Array) -> None:
+        """Run the steps on ``value`` for weight ``index`` from now on (``update_weights``).
+
+        Raises:
+            ValueError: a shape, dtype or (tensor parallelism) sharding other than the one
+                the steps were compiled for; the weight is then unchanged.
+        """
+        spec = self._weight_specs[index]
+        if value.shape != spec.shape or value.dtype != spec.dtype:
+            raise ValueError(
+                f"weight {'.'.join(map(str, self.weight_paths[index]))} must be "
+                f"{spec.dtype}{list(spec.shape)}, got {value.dtype}{list(value.shape)}"
+            )
+        if spec.sharding is not None and not value.sharding.is_equivalent_to(
+            spec.sharding, value.ndim
+        ):
+            raise ValueError(
+                f"weight {'.'.join(map(str, self.weight_paths[index]))} must have sharding "
+                f"{spec.sharding}, got {value.sharding}"
+            )
+        self._weights[index] = value
 
     def _spec(self, tree):
         """``tree``'s arrays as ``jax.ShapeDtypeStruct`` s; with a mesh they keep their

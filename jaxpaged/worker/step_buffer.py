@@ -51,7 +51,7 @@ SECTIONS: tuple[tuple[str, str, type, object], ...] = (
     ("suppress_stop", "B", np.int32, 0),
     ("count_sampled", "B", np.int32, 0),
     ("num_logprobs", "B", np.int32, -1),
-    ("processed_logprobs", "B", np.int32, 0),
+    ("logprobs_mode", "B", np.int32, 0),
     # Per token: the prompt token that follows it (whose prompt logprob its logits give), or -1.
     ("prompt_target", "T", np.int32, -1),
 )

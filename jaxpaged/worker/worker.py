@@ -26,6 +26,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpaged.config import EngineConfig
@@ -49,11 +50,13 @@ from jaxpaged.worker.memory_pool import configure_memory_pool
 from jaxpaged.worker.model_runner import ModelRunner, PendingStep
 from jaxpaged.worker.step_timeline import StepTimeline
 from jaxpaged.worker.swap import BlockMover
+from jaxpaged.worker.weight_update import update_runner_weights
 from models.attention import kv_cache_head_dim
 from models.attention_backends import resolve_attention_backend
 from models.kv_scales import attach_kv_scales, read_kv_scales
 from models.orbax_checkpoint import is_orbax_checkpoint, load_orbax_model
 from models.quantized_weights import quantized_weight_bytes
+from models.registry import checkpoint_view
 from models.sharded_weights import load_sharded_model
 from models.sharding import kv_cache_sharding, make_mesh
 from models.tp_layout import TPLayout
@@ -407,6 +410,75 @@ class Worker:
             f"{stored / tp / 2**20:.2f} MiB per device vs {unquantized / tp / 2**20:.2f} MiB in "
             f"{self.dtype.name}, freeing {freed / 2**20:.2f} MiB = {blocks} KV blocks"
         )
+
+    # ------------------------------------------------------- weights from memory, sleep mode
+    def get_weights(self) -> dict:
+        """The weights the steps run on, in the model's own nested layout (a pure dict of the
+        engine's arrays, not copies; ``update_weights`` takes the same structure back).
+
+        Raises:
+            RuntimeError: the weights were released by ``sleep(level=2)``.
+        """
+        if not self.model_runner.has_weights:
+            raise RuntimeError(
+                "the weights were released by sleep(level=2); update_weights() restores them"
+            )
+        return nnx.to_pure_dict(self.model_runner.model_state)
+
+    def update_weights(self, params, *, on_leaf=None) -> int:
+        """Place ``params`` (``{HF name: array}`` or our own layout) into the steps' weights,
+        leaf by leaf with the old arrays released as it goes (``worker/weight_update.py``);
+        returns the number of weights replaced. Works while asleep (after ``sleep(level=2)``
+        it is how the weights come back).
+
+        Raises:
+            ValueError: bad ``params`` (named; nothing replaced), a quantized model or LoRA
+                (their weights have other layouts).
+        """
+        mc = self.config.model_config
+        if mc.quant_config is not None or self.lora_manager is not None:
+            what = "quantization" if mc.quant_config is not None else "enable_lora"
+            raise ValueError(f"update_weights is not supported with {what} yet")
+        self._model = None  # its variables hold the old arrays: they must be freed as we go
+        replaced = update_runner_weights(
+            self.model_runner,
+            params,
+            hf_config=self.hf_config,
+            dtype=self.dtype,
+            view=checkpoint_view(self.hf_config),
+            tensor_parallel_size=self.tensor_parallel_size,
+            on_leaf=on_leaf,
+        )
+        if self.model_runner.has_weights:
+            self._model = self.model_runner.model()
+        return replaced
+
+    def sleep(self, level: int) -> None:
+        """Free device memory (vLLM's sleep mode): level 1 the KV cache, level 2 also the
+        weights (the engine's references; arrays a trainer shares stay valid). The compiled
+        step executables are kept. ``wake_up`` re-allocates the cache at its shapes.
+
+        Raises:
+            ValueError: a level other than 1 or 2.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        self.model_runner.release_kv_caches()
+        if level == 2:
+            self._model = None
+            for index in range(len(self.model_runner.weight_paths)):
+                self.model_runner.release_weight(index)
+
+    @property
+    def has_weights(self) -> bool:
+        """Whether the weights are there (False after ``sleep(level=2)`` until an update)."""
+        return self.model_runner.has_weights
+
+    def wake_up(self) -> None:
+        """Re-allocate the KV cache at the shapes the steps were compiled for (its contents
+        are gone: the caller forgets cached prefixes)."""
+        if not self.model_runner.has_kv_caches:
+            self.reset_kv_caches()
 
     def set_step_timeline(self, timeline: StepTimeline | None) -> None:
         """Time every dispatched step on the device (benchmarks); None stops."""

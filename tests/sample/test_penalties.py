@@ -110,7 +110,7 @@ def test_logits_state_rows_match_numpy_reference():
 def test_sampler_applies_rows_before_greedy_and_counts_sampled_tokens():
     logits, state, metadata, want = _state_case(seed=2)
     count = np.array([1, 1, 1, 1, 0, 1], np.int32)  # row 4: a chunk that does not sample
-    md = make_metadata(B, **metadata, count_sampled=count, num_logprobs=3, processed_logprobs=1)
+    md = make_metadata(B, **metadata, count_sampled=count, num_logprobs=3, logprobs_mode=1)
     run = jax.jit(functools.partial(sample, num_logprobs=3, variant=ALL_STAGES))
     tokens, logprobs, new_state = run(logits, md, state)
     tokens = np.asarray(tokens)

@@ -54,7 +54,7 @@ def _draw(logits_row, **params):
         seed_hi=params.pop("seed_hi", 0),
         step=params.pop("step", 0),
         num_logprobs=0,
-        processed_logprobs=1,
+        logprobs_mode=1,
         **params,
     )
     logits = np.broadcast_to(logits_row, (n, logits_row.shape[0]))

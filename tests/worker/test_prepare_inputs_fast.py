@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.core.scheduler_output import ScheduledSequence
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import LOGPROBS_MODE_CODES, SamplingParams
 from jaxpaged.sequence import Sequence
 from jaxpaged.worker.input_prep import PackedInputBuilder
 from jaxpaged.worker.step_buffer import SAMPLING_COLUMNS, PackedLayout
@@ -49,7 +49,7 @@ class _SamplingRows:
             rows["count_sampled"][i] = do_sample
         if do_sample and params.logprobs is not None:
             rows["num_logprobs"][i] = params.logprobs
-            rows["processed_logprobs"][i] = params.logprobs_mode == "processed_logprobs"
+            rows["logprobs_mode"][i] = LOGPROBS_MODE_CODES[params.logprobs_mode or "raw_logprobs"]
 
     def set_prompt_targets(self, t, seq, num_computed_tokens, num_new_tokens):
         if seq.sampling_params.prompt_logprobs is None:
