@@ -16,6 +16,7 @@ _EXPORTS = {
     "RequestOutput": "jaxpaged.outputs",
     "CompletionOutput": "jaxpaged.outputs",
     "BeamSearchParams": "jaxpaged.beam_search",
+    "ModelRegistry": "jaxpaged.model_registry",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

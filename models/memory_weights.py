@@ -92,7 +92,11 @@ class UpdatePlan:
 
 
 def plan_hf_update(
-    model: Any, hf_config: Any, params: Mapping[str, Any], dtype: Any, view: Any = None,
+    model: Any,
+    hf_config: Any,
+    params: Mapping[str, Any],
+    dtype: Any,
+    view: Any = None,
     assemble: Any = None,
 ) -> UpdatePlan:
     """Check ``params`` (HF names) against ``model``'s parameters through the loaders' map.

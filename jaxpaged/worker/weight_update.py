@@ -66,9 +66,7 @@ def update_runner_weights(
             runner.abstract_model(), hf_config, params, dtype, view, assemble=_ASSEMBLE
         )
     else:
-        current = [
-            (path, _current(runner, i)) for i, path in enumerate(runner.weight_paths)
-        ]
+        current = [(path, _current(runner, i)) for i, path in enumerate(runner.weight_paths)]
         plan = plan_own_update(current, params, dtype)
     # Arrays the caller passed are never dropped early: a new value may be one of them.
     passed = {id(leaf) for leaf in jax.tree.leaves(params)}
