@@ -25,6 +25,11 @@ import time
 from collections.abc import Sequence as SequenceABC
 
 
+class EngineSleepingError(RuntimeError):
+    """A request reached an engine whose memory ``sleep`` freed (``wake_up`` first; after
+    ``sleep(level=2)`` also ``update_weights``); the server answers it like a refused prompt."""
+
+
 class PromptError(ValueError):
     """A prompt the engine cannot take (empty, ids that are not integers or lie outside the
     vocabulary, too long for ``max_model_len`` or the KV cache); ``parameter`` names the request

@@ -51,7 +51,7 @@ from jaxpaged.engine.core_messages import (
 )
 from jaxpaged.lora.metrics import lora_stats
 from jaxpaged.sampling_params import RequestOutputKind
-from jaxpaged.sequence import PromptError, is_token_id_list
+from jaxpaged.sequence import EngineSleepingError, PromptError, is_token_id_list
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,9 @@ class EngineCore:
         "add_lora",
         "remove_lora",
         "list_loras",
+        "sleep",
+        "wake_up",
+        "is_sleeping",
     )
 
     def __init__(self, engine, *, max_num_queued_requests: int | None = None, num_clients: int = 1):
@@ -152,7 +155,7 @@ class EngineCore:
                 arrival_time=arrival_time,
                 lora_request=lora_from_wire(lora),
             )
-        except (ValueError, QueueFullError) as error:
+        except (ValueError, QueueFullError, EngineSleepingError) as error:
             return [type(error).__name__, str(error), getattr(error, "parameter", None)]
         if self.num_clients > 1:
             self._client_of[request_id] = client_index
@@ -249,6 +252,25 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> bool:
+        """``LLMEngine.sleep`` (server: dev-mode ``POST /sleep``); returns True.
+
+        Raises:
+            ValueError: no enable_sleep_mode, or a bad level.
+            RuntimeError: requests are unfinished.
+        """
+        self.engine.sleep(int(level))
+        return True
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """``LLMEngine.wake_up`` (server: dev-mode ``POST /wake_up``); returns True."""
+        self.engine.wake_up(None if tags is None else [str(t) for t in tags])
+        return True
+
+    def is_sleeping(self) -> bool:
+        """``LLMEngine.is_sleeping`` (server: dev-mode ``GET /is_sleeping``)."""
+        return self.engine.is_sleeping()
 
     def check_idle(self) -> dict:
         """Stats after checking the block pool's invariants (raises if one is broken)."""

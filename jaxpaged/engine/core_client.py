@@ -458,6 +458,39 @@ class EngineCoreClient:
         """Ids of the adapters registered in the core (vLLM's ``AsyncLLM.list_loras``)."""
         return set(await self.call_utility("list_loras"))
 
+    # ------------------------------------------------------------------------ sleep mode
+    async def sleep(self, level: int = 1) -> None:
+        """Put the core's engine to sleep (``LLMEngine.sleep``) between its steps.
+
+        Raises:
+            ValueError: no enable_sleep_mode, or a bad level.
+            RuntimeError: requests are unfinished (or the core died).
+        """
+        await self._call_raising_value_errors("sleep", int(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the core's engine (``LLMEngine.wake_up``; not sleeping: a no-op).
+
+        Raises:
+            ValueError: no enable_sleep_mode, or an unknown tag.
+        """
+        await self._call_raising_value_errors("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        """``LLMEngine.is_sleeping`` of the core's engine."""
+        return bool(await self.call_utility("is_sleeping"))
+
+    async def _call_raising_value_errors(self, name: str, *args):
+        """``call_utility``, with the core's ``ValueError`` raised as one (bad input) and its
+        other failures as ``RuntimeError`` s."""
+        try:
+            return await self.call_utility(name, *args)
+        except RuntimeError as error:
+            prefix, message = f"{ValueError.__name__}: ", str(error)
+            if isinstance(error, EngineDeadError) or not message.startswith(prefix):
+                raise
+            raise ValueError(message[len(prefix) :]) from None
+
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine core has died: {self.dead_error}")

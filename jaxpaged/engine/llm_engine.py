@@ -27,6 +27,7 @@ from jaxpaged.outputs import RequestOutput
 from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
 from jaxpaged.sequence import (
+    EngineSleepingError,
     PromptError,
     Sequence,
     SequenceGroup,
@@ -184,11 +185,11 @@ class LLMEngine:
                 adapter.
         """
         if self._sleep_level:
-            raise RuntimeError(
+            raise EngineSleepingError(
                 f"the engine is sleeping (level {self._sleep_level}): call wake_up() first"
             )
         if not self.worker.has_weights:
-            raise RuntimeError(
+            raise EngineSleepingError(
                 "the weights were released by sleep(level=2): give new ones with "
                 "update_weights() first"
             )
@@ -536,4 +537,4 @@ def _first_eos(hf_config, tokenizer) -> int | None:
 
 
 # Sequence status is re-exported for callers that inspect engine state.
-__all__ = ["LLMEngine", "SequenceStatus"]
+__all__ = ["EngineSleepingError", "LLMEngine", "SequenceStatus"]

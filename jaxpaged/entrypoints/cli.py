@@ -2,7 +2,8 @@
 ``jaxpaged bench throughput|latency|serve`` (vLLM's ``vllm bench``).
 
 Every ``EngineArgs`` field is a flag (``--max-model-len``, ``--block-size``, ...), as in vLLM.
-This is the only module that reads ``os.environ`` (``JAXPAGED_API_KEY`` for ``serve``) or sets
+This is the only module that reads ``os.environ`` (``JAXPAGED_API_KEY`` and
+``VLLM_SERVER_DEV_MODE`` for ``serve``) or sets
 it for child processes (``XLA_PYTHON_CLIENT_MEM_FRACTION``, ``PROMETHEUS_MULTIPROC_DIR``).
 """
 
@@ -230,6 +231,13 @@ def _add_serve_parser(sub) -> None:
         '{"name": ..., "path": ..., "base_model_name": ...}; clients select one by `model`',
     )
     serve.add_argument(
+        "--enable-dev-endpoints",
+        action="store_true",
+        help="serve the development routes POST /sleep, POST /wake_up, GET /is_sleeping and "
+        "POST /reset_prefix_cache (vLLM's dev mode; also on with env VLLM_SERVER_DEV_MODE=1); "
+        "never expose them publicly",
+    )
+    serve.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -283,6 +291,9 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
         uvicorn_log_level=args.uvicorn_log_level,
         lora_modules=lora_modules,
         api_server_count=args.api_server_count,
+        enable_dev_endpoints=bool(
+            args.enable_dev_endpoints or environ.get("VLLM_SERVER_DEV_MODE") == "1"
+        ),
     )
 
 

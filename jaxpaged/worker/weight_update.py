@@ -68,6 +68,7 @@ def update_runner_weights(
     else:
         current = [(path, _current(runner, i)) for i, path in enumerate(runner.weight_paths)]
         plan = plan_own_update(current, params, dtype)
+        del current  # holds every old array: they must be freed one by one below
     # Arrays the caller passed are never dropped early: a new value may be one of them.
     passed = {id(leaf) for leaf in jax.tree.leaves(params)}
     replaced = 0

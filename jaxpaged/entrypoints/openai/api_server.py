@@ -37,6 +37,7 @@ import jaxpaged
 from jaxpaged.engine.core import freeze_gc_heap
 from jaxpaged.engine.core_client import EngineCoreClient
 from jaxpaged.engine.dp_client import DPEngineCoreClient
+from jaxpaged.entrypoints.openai.dev_endpoints import add_dev_routes
 from jaxpaged.entrypoints.openai.errors import (
     BadRequestError,
     error_response,
@@ -74,6 +75,7 @@ def build_app(
     api_server_index: int = 0,
     api_server_count: int = 1,
     multiprocess_metrics_dir: str | None = None,
+    enable_dev_endpoints: bool = False,
 ) -> FastAPI:
     """The server app over ``client`` (a spawned ``EngineCoreClient``, or one connected to a
     core the parent process started); the client's tasks start with the app's lifespan, and a
@@ -97,6 +99,9 @@ def build_app(
         multiprocess_metrics_dir: the ``PROMETHEUS_MULTIPROC_DIR`` of several API processes;
             ``/metrics`` then renders every process's values (``render_multiprocess``). None:
             this process's own registries.
+        enable_dev_endpoints: add vLLM's dev-mode routes (``dev_endpoints.add_dev_routes``:
+            sleep mode and prefix-cache reset); vLLM reads ``VLLM_SERVER_DEV_MODE``, here the
+            caller decides (``jaxpaged serve --enable-dev-endpoints``).
 
     ``app.state.engine`` is the client, ``app.state.metrics`` its ``ServerMetrics``.
 
@@ -170,6 +175,8 @@ def build_app(
         return models.model_list()
 
     add_lora_routes(app, models)
+    if enable_dev_endpoints:
+        add_dev_routes(app, engine)
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
@@ -285,6 +292,7 @@ def run_server(
     lora_modules: Sequence[LoRAModulePath] = (),
     api_server_count: int = 1,
     multiprocess_metrics_dir: str | None = None,
+    enable_dev_endpoints: bool = False,
 ) -> int:
     """Start the engine core for ``engine_args`` (``EngineArgs``) and serve until interrupted;
     returns the exit status (0, or 1 when an API process of several died).
@@ -309,7 +317,12 @@ def run_server(
         chat_template=chat_template,
         metrics_prefix=metrics_prefix,
         lora_modules=lora_modules,
+        enable_dev_endpoints=enable_dev_endpoints,
     )
+    if enable_dev_endpoints and data_parallel_size != 1:
+        raise ValueError(
+            "--enable-dev-endpoints needs --data-parallel-size 1 (sleep mode is per engine core)"
+        )
     if api_server_count != 1 or data_parallel_size != 1:
         check_api_server_count(api_server_count, data_parallel_size)
     if api_server_count > 1:
