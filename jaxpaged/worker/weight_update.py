@@ -16,6 +16,7 @@ previous parameters) stays valid.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -96,18 +97,24 @@ def _current(runner, index: int):
 
 def device_bytes_in_use(device: jax.Device) -> int:
     """Bytes of live arrays on ``device``: the allocator's ``bytes_in_use`` where the device
-    reports memory statistics (GPU), else the sum of ``nbytes`` of the live arrays' shards on
-    it (CPU, whose device reports none)."""
+    reports memory statistics (GPU), else the bytes of the live arrays' shards on it (CPU,
+    whose device reports none); one buffer seen through several arrays (a sharded array's
+    ``shard.data``) counts once."""
     stats = device.memory_stats()
     if stats and "bytes_in_use" in stats:
         return int(stats["bytes_in_use"])
-    total = 0
+    total, seen = 0, set()
     for array in jax.live_arrays():
-        if array.is_deleted():
+        if array.is_deleted() or device not in array.sharding.device_set:
             continue
-        for shard in array.addressable_shards:
-            if shard.device == device:
-                total += shard.data.nbytes
+        if len(array.sharding.device_set) == 1:
+            buffer = array.unsafe_buffer_pointer()
+            if buffer not in seen:
+                seen.add(buffer)
+                total += array.nbytes
+        else:  # its shard on this device (not through addressable_shards, which caches arrays)
+            shard_shape = array.sharding.shard_shape(array.shape)
+            total += math.prod(shard_shape) * array.dtype.itemsize
     return total
 
 

@@ -26,7 +26,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpaged.config import EngineConfig
@@ -401,7 +400,7 @@ class Worker:
         quant_config = self.config.model_config.quant_config
         if quant_config is None:
             return ""
-        stored, unquantized = quantized_weight_bytes(self._model)
+        stored, unquantized = quantized_weight_bytes(self.model_runner.model())
         tp = self.tensor_parallel_size
         freed = (unquantized - stored) // tp
         blocks = freed * tp // self.kv_cache_spec.bytes_per_block
@@ -423,7 +422,15 @@ class Worker:
             raise RuntimeError(
                 "the weights were released by sleep(level=2); update_weights() restores them"
             )
-        return nnx.to_pure_dict(self.model_runner.model_state)
+        # Built directly (nnx.to_pure_dict's State objects sit in reference cycles, which would
+        # keep these arrays alive past an update until the next cyclic collection).
+        runner, weights = self.model_runner, {}
+        for index, path in enumerate(runner.weight_paths):
+            node = weights
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = runner.weight(index)
+        return weights
 
     def update_weights(self, params, *, on_leaf=None) -> int:
         """Place ``params`` (``{HF name: array}`` or our own layout) into the steps' weights,
@@ -439,7 +446,7 @@ class Worker:
         if mc.quant_config is not None or self.lora_manager is not None:
             what = "quantization" if mc.quant_config is not None else "enable_lora"
             raise ValueError(f"update_weights is not supported with {what} yet")
-        self._model = None  # its variables hold the old arrays: they must be freed as we go
+        self._release_model()  # its variables hold the old arrays: they must be freed as we go
         replaced = update_runner_weights(
             self.model_runner,
             params,
@@ -449,9 +456,15 @@ class Worker:
             tensor_parallel_size=self.tensor_parallel_size,
             on_leaf=on_leaf,
         )
-        if self.model_runner.has_weights:
-            self._model = self.model_runner.model()
         return replaced
+
+    def _release_model(self) -> None:
+        """Forget the loaded module (the runner steps on its own split of it): its variables
+        sit in reference cycles, so its arrays go only with a cyclic collection, done here
+        once rather than whenever the collector runs."""
+        if self._model is not None:
+            self._model = None
+            gc.collect()
 
     def sleep(self, level: int) -> None:
         """Free device memory (vLLM's sleep mode): level 1 the KV cache, level 2 also the
@@ -465,7 +478,7 @@ class Worker:
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         self.model_runner.release_kv_caches()
         if level == 2:
-            self._model = None
+            self._release_model()
             for index in range(len(self.model_runner.weight_paths)):
                 self.model_runner.release_weight(index)
 
