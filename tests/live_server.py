@@ -154,6 +154,7 @@ def start_server(
     api_key=None,
     chat_template=None,
     lora_modules=(),
+    enable_dev_endpoints=False,
     **kw,
 ):
     """A ``RunningServer`` over a freshly spawned core (``spawn_client(**kw)``)."""
@@ -163,12 +164,13 @@ def start_server(
     client = spawn_client(**kw)
     app = build_app(
         client,
-        model=default_model_path(),
+        model=kw.get("model") or default_model_path(),
         tokenizer=client.tokenizer,
         served_model_names=list(served_model_names),
         api_key=api_key,
         chat_template=chat_template,
         lora_modules=lora_modules,
+        enable_dev_endpoints=enable_dev_endpoints,
     )
     return RunningServer(app)
 
