@@ -6,6 +6,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -64,6 +65,16 @@ def test_internals_runs_and_draws_every_picture(tmp_path):
     readme = (EXAMPLES / "README.md").read_text()
     for name in made:
         assert f"images/{name}" in readme
+
+
+def test_rl_grpo_reward_rises_with_in_memory_weight_updates(tmp_path):
+    started = time.monotonic()
+    notebook = _execute("rl_grpo.ipynb", tmp_path)  # its last cells assert the rise
+    text = _text(notebook)
+    assert text.count("reward") >= 10
+    drifts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if "|rollout" in line]
+    assert drifts and max(drifts) < 1e-4  # rollout logprobs = the training forward's
+    assert time.monotonic() - started < 120
 
 
 if __name__ == "__main__":  # regenerate examples/images: python tests/examples/test_notebooks.py
