@@ -154,7 +154,9 @@ def test_core_holds_the_api_process_params_without_stop_strings_in_delta_mode(st
         kind = RequestOutputKind.DELTA
         if request_id == "best_of":
             kind = RequestOutputKind.FINAL_ONLY
-        expected = dataclasses.replace(params, stop=[], output_kind=kind)
+        # A request without a logprobs_mode takes the engine's (--logprobs-mode, raw_logprobs).
+        mode = params.logprobs_mode or "raw_logprobs"
+        expected = dataclasses.replace(params, stop=[], output_kind=kind, logprobs_mode=mode)
         got = held[request_id].sampling_params
         assert got == expected, request_id
         assert got.bad_words_token_ids == params.bad_words_token_ids
