@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -156,9 +157,15 @@ def allocate_kv_caches(
     own heads.
     """
     shape = kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    placement = {} if sharding is None else {"out_shardings": sharding}
-    make = jax.jit(lambda: jnp.full(shape, fill_value, spec.dtype), **placement)
+    make = _filler(shape, jnp.dtype(spec.dtype), float(fill_value), sharding)
     return [(make(), make()) for _ in range(spec.num_layers)]
+
+
+@functools.lru_cache(maxsize=16)
+def _filler(shape: tuple, dtype, fill_value: float, sharding):
+    """One jitted fill per cache geometry, kept: ``wake_up`` re-allocates without compiling."""
+    placement = {} if sharding is None else {"out_shardings": sharding}
+    return jax.jit(lambda: jnp.full(shape, fill_value, dtype), **placement)
 
 
 def kv_cache_shapes(spec: KVCacheSpec, num_blocks: int, *, sharding=None) -> list:

@@ -12,6 +12,7 @@ import safetensors.numpy
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.sequence import EngineSleepingError
+from jaxpaged.worker.compilation_cache import CompileCounter
 from jaxpaged.worker.weight_update import device_bytes_in_use
 from tests.conftest import SMALL_ENGINE
 
@@ -46,10 +47,12 @@ def test_sleep_level_1_frees_the_kv_cache_and_wake_up_restores_it_without_compil
     assert awake - device_bytes_in_use(device) >= _kv_bytes(llm)
     with pytest.raises(EngineSleepingError, match="wake_up"):
         llm.generate("Once upon a time", use_tqdm=False)
-    llm.wake_up()
-    assert not llm.is_sleeping()
-    assert device_bytes_in_use(device) - awake < 0.01 * _kv_bytes(llm)
-    assert _greedy_matches(llm, golden)
+    with CompileCounter() as counter:
+        llm.wake_up()
+        assert not llm.is_sleeping()
+        assert device_bytes_in_use(device) - awake < 0.01 * _kv_bytes(llm)
+        assert _greedy_matches(llm, golden)
+    assert counter.requests == 0  # no step, and not even the cache's fill, compiles again
     assert runner.num_compilations == compiled
 
 
