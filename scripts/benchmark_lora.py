@@ -25,11 +25,8 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from jaxpaged.benchmarks.dataset import make_requests  # noqa: E402
-from jaxpaged.entrypoints.cli import (  # noqa: E402
-    add_engine_args,
-    engine_args_from,
-    set_jax_memory_fraction,
-)
+from jaxpaged.entrypoints.cli_args import add_engine_args, engine_args_from  # noqa: E402
+from jaxpaged.entrypoints.env import set_jax_memory_fraction  # noqa: E402
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
