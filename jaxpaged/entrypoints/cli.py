@@ -1,5 +1,5 @@
 """The ``jaxpaged`` command: ``jaxpaged generate "Once upon a time"``, ``jaxpaged serve``,
-``jaxpaged bench throughput|latency|serve`` (vLLM's ``vllm bench``), ``jaxpaged convert``.
+``jaxpaged bench throughput|latency|serve|matrix`` (vLLM's ``vllm bench``), ``jaxpaged convert``.
 
 Every ``EngineArgs`` field is a flag (``--max-model-len``, ``--block-size``, ...), as in vLLM.
 The flags are defined in ``cli_args.py``; environment variables are read and set in ``env.py``.
@@ -24,6 +24,10 @@ BENCHMARKS = {
     "throughput": ("jaxpaged.benchmarks.throughput", "offline throughput of LLM.generate"),
     "latency": ("jaxpaged.benchmarks.latency", "latency of one batch, end to end"),
     "serve": ("jaxpaged.benchmarks.serving", "online serving: load a running server over HTTP"),
+    "matrix": (
+        "jaxpaged.benchmarks.matrix",
+        "every kernel/code-path option on small engines: compiles? matches the reference? timings",
+    ),
 }
 
 

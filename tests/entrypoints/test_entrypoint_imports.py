@@ -69,7 +69,7 @@ def test_bench_help_lists_every_kind(capsys):
     assert exited.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: jaxpaged bench")
-    for kind in ("throughput", "latency", "serve"):
+    for kind in ("throughput", "latency", "serve", "matrix"):
         assert f"    {kind}" in out
 
 
