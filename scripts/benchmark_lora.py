@@ -1,7 +1,7 @@
 """Multi-LoRA cost: throughput with many adapters and batch-1 TPOT with one, vs the base model.
 
 One process runs one engine (``--num-adapters 0``: LoRA off, the base model alone); the job
-``benchmarks/results/lora/run.sh`` runs it once for the base and once with adapters, then
+``benchmarks/lora.sh`` runs it once for the base and once with adapters, then
 prints the ratios. Adapters are random PEFT directories of real shapes written on the fly
 (``jaxpaged.lora.dummy``), spread round-robin over the requests. Also, with ``--micro``, an
 XLA micro-benchmark of one projection with and without ``models.lora.lora_delta`` (the
