@@ -67,9 +67,19 @@ COMMON_ENGINE_ARGS = dict(
     seed=0,
     disable_log_stats=True,
 )
-# The plain-JAX path every "reference" row is compared with.
+# The plain-JAX path every "reference" row is compared with. Options that change the schedule
+# or the cache layout but not the results (block size, cache size, preemption, prefix caching,
+# async, eager) take one setting, so rows that differ only in them share one reference run;
+# buckets compile on first use (only the few the requests need).
 REFERENCE_OVERRIDES = dict(
-    attention_backend="reference", linear_backend="xla", async_scheduling=False, enforce_eager=True
+    attention_backend="reference",
+    linear_backend="xla",
+    async_scheduling=False,
+    enforce_eager=True,
+    block_size=COMMON_ENGINE_ARGS["block_size"],
+    num_gpu_blocks_override=COMMON_ENGINE_ARGS["num_gpu_blocks_override"],
+    preemption_mode=None,
+    enable_prefix_caching=True,
 )
 STRUCTURED_CHOICES = ("yes", "no", "maybe")
 # ``--shrink``: tiny shapes (keys replaced where a config has them) for a CPU smoke test of the
@@ -269,6 +279,8 @@ def run_engine(row: MatrixRow, args: dict, workdir: str, golden: dict | None) ->
     engine = llm.llm_engine
     engine.wait_for_executables()
     startup = time.perf_counter() - start
+    # Before any adapter is loaded (the LoRA fold layout writes adapters into base columns).
+    checksum = engine.worker.weights_checksum()
     try:
         prompt_ids, late = prompts(engine.vocab_size, golden=golden)
         loras = lora_requests(row, engine, workdir, len(prompt_ids))
@@ -279,7 +291,7 @@ def run_engine(row: MatrixRow, args: dict, workdir: str, golden: dict | None) ->
         second, steps = run_requests(engine, row, prompt_ids, late, loras, "second")
         t2 = time.perf_counter()
         same = [[c.tokens for c in r] for r in first] == [[c.tokens for c in r] for r in second]
-        result = RunResult(first, same, steps, t1 - t0, t2 - t1, engine.worker.weights_checksum())
+        result = RunResult(first, same, steps, t1 - t0, t2 - t1, checksum)
         return result, startup, engine.worker.compile_seconds
     finally:
         del engine, llm
@@ -522,6 +534,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="share this persistent compilation cache among the rows' engines (identical "
         "programs compile once; a re-run compiles nothing); default: no cache",
     )  # fmt: skip
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="keep the rows already in --out (a run that was cut short) and run only the others",
+    )  # fmt: skip
     parser.add_argument("--no-tqdm", action="store_true", help="no progress bar")
     parser.add_argument(
         "--shrink", action="store_true",
@@ -547,6 +563,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from tqdm.auto import tqdm
 
     report = dict(environment(), shrink=args.shrink, rows=[])
+    if args.resume:  # keep the rows a cut-short run wrote; run the others
+        if not args.out or not os.path.isfile(args.out):
+            print("error: --resume needs an existing --out file", file=sys.stderr)
+            return 2
+        report["rows"] = json.loads(pathlib.Path(args.out).read_text())["rows"]
+        done = {record["name"] for record in report["rows"]}
+        rows = [row for row in rows if row.name not in done]
     with tempfile.TemporaryDirectory(prefix="jaxpaged-matrix-") as workdir:
         matrix = Matrix(workdir, args.compilation_cache_dir, shrink=args.shrink)
         bar = tqdm(rows, desc="matrix", unit="row", disable=args.no_tqdm, file=sys.stderr)

@@ -94,3 +94,19 @@ def test_a_failing_row_is_recorded_and_the_walk_goes_on(tmp_path, monkeypatch):
 def test_only_that_matches_nothing_is_an_error(capsys):
     assert matrix.main(["--only", "no-such-row"]) == 2
     assert "matches no row" in capsys.readouterr().err
+
+
+def test_resume_keeps_the_rows_done_and_runs_the_others(tmp_path, monkeypatch):
+    from jaxpaged.benchmarks.matrix_rows import MatrixRow
+
+    rows = (
+        MatrixRow("done", "stories260k", {"dtype": "float32"}),
+        MatrixRow("left", "stories260k", {"dtype": "float32", "block_size": 7}),
+    )
+    monkeypatch.setattr(matrix, "ROWS", rows)
+    out = tmp_path / "m.json"
+    out.write_text(json.dumps({"rows": [{"name": "done", "compiled": "ok", "matches": True}]}))
+    assert matrix.main(["--out", str(out), "--no-tqdm", "--resume"]) == 1  # "left" fails
+    names = [r["name"] for r in json.loads(out.read_text())["rows"]]
+    assert names == ["done", "left"]
+    assert matrix.main(["--out", str(tmp_path / "none.json"), "--resume"]) == 2
