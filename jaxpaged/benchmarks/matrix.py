@@ -1,10 +1,11 @@
-"""``jaxpaged bench matrix``: every kernel / code-path option on small engines, in one process.
+"""Every option value that selects a kernel or code path, each on a small engine, in one process.
 
-For each declared row (``matrix_rows.ROWS``) the matrix builds a small engine (2 layers of the
-real config's shapes with dummy weights, or stories260k), runs a few steps on the device (four
-prompts of 7 to 60 tokens, one of them arriving two steps late and sharing a 32-token prefix
-with another, so steps mix chunked prefill, cached-prefix prefill and decodes; 8 new tokens
-each, greedy with top-5 logprobs unless the row's workload says otherwise), runs the same
+``jaxpaged bench matrix``: for each declared row (``matrix_rows.ROWS``) the matrix builds a
+small engine (2 layers of the real config's shapes with dummy weights, or stories260k), runs a
+few steps on the device (four prompts of 7 to 60 tokens, one of them arriving two steps late
+and sharing a 32-token prefix with another, so steps mix chunked prefill, cached-prefix prefill
+and decodes; 8 new tokens each, greedy with top-5 logprobs unless the row's workload says
+otherwise), runs the same
 requests a second time (the timed pass; the prefix cache reset first), and compares them with
 the row's reference (``matrix_rows`` module docstring).
 
@@ -442,7 +443,9 @@ class Matrix:
             try:
                 self._references[key] = run_engine(row, args, self.workdir, None)[0]
             except Exception as error:  # noqa: BLE001 - remembered: rows sharing it skip it
-                self._references[key] = error
+                # Its message only: a traceback would keep the failed engine (and its device
+                # memory) alive for the rest of the walk.
+                self._references[key] = RuntimeError(_first_line(error))
         cached = self._references[key]
         if isinstance(cached, Exception):
             raise cached

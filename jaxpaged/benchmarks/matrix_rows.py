@@ -118,8 +118,8 @@ MODELS: dict[str, ModelSpec] = {
     "llama-3-8b": ModelSpec("llama-3-8b"),
     "llama-3-8b-awq": ModelSpec("llama-3-8b-awq"),
     "llama-3-8b-gptq": ModelSpec("llama-3-8b-gptq"),
-    "llama-3-8b-gptq-act-order": ModelSpec(
-        "llama-3-8b", quantization_config={**_GPTQ, "desc_act": True}
+    "llama-3-8b-gptq-act-order": ModelSpec(  # float16, as GPTQ checkpoints are
+        "llama-3-8b-gptq", quantization_config={**_GPTQ, "desc_act": True}
     ),
     "llama-3-8b-ct-w4a16": ModelSpec(
         "llama-3-8b",
