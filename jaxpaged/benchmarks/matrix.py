@@ -326,7 +326,10 @@ def compare(
             if a.logprobs is not None and b.logprobs is not None:
                 for i in range(end):
                     token = a.tokens[i]
-                    worst = max(worst, abs(a.logprobs[i][token] - b.logprobs[i][token]))
+                    delta = abs(a.logprobs[i][token] - b.logprobs[i][token])
+                    if math.isnan(delta):  # max() would drop a NaN
+                        return False, math.inf, f"request {r}.{c}: NaN logprob at token {i}"
+                    worst = max(worst, delta)
             if diverged is None:
                 continue
             i = diverged

@@ -43,6 +43,12 @@ def test_compare_refuses_a_token_outside_the_other_top_k():
     assert not ok and math.isinf(worst)
 
 
+def test_compare_refuses_a_nan_logprob():
+    a = [[_c([5], [{5: float("nan")}])]]
+    ok, worst, note = compare(a, [[_c([5], [{5: -1.0}])]], 1.0)
+    assert not ok and math.isinf(worst) and "NaN" in note
+
+
 def test_patched_restores_the_constant():
     import models.lora
 
