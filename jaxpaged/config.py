@@ -30,7 +30,7 @@ DEFAULT_MODEL_NAME = "stories260k"
 
 _LOAD_FORMATS = ("auto", "safetensors", "dummy", "bitsandbytes")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-_BLOCK_SIZES = (8, 16, 32, 64, 128)
+BLOCK_SIZE_CHOICES = (8, 16, 32, 64, 128)
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
@@ -302,7 +302,7 @@ class EngineConfig:
         _check_choice("dtype", args.dtype, DTYPE_CHOICES)
         _check_choice("load_format", args.load_format, _LOAD_FORMATS)
         _check_choice("attention_backend", args.attention_backend, ATTENTION_BACKEND_CHOICES)
-        _check_choice("block_size", args.block_size, _BLOCK_SIZES)
+        _check_choice("block_size", args.block_size, BLOCK_SIZE_CHOICES)
         _check_choice("preemption_mode", args.preemption_mode, PREEMPTION_MODES)
         _check_kv_cache_dtype(args)
         if not args.swap_space >= 0:

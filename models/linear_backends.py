@@ -5,7 +5,7 @@
 W4A16) through the W4A16 kernel ``pallas_kernels.w4a16_matmul`` (Pallas Triton on GPU,
 ``interpret=True`` elsewhere), their tensors repacked to its layout once at load
 (``LinearMethod.repack``). ``auto`` is ``xla`` until the H200 figures say otherwise
-(``benchmarks/results/quantization/run.sh``). The engine's configuration validates the choice
+(``benchmarks/quantization.sh``). The engine's configuration validates the choice
 with :func:`with_linear_backend` and records it on the quantization config, which every layer's
 ``LinearMethod`` holds.
 """

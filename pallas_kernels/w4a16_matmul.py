@@ -10,7 +10,7 @@ Why a kernel: on the H200, XLA compiles ``models.quantization.awq.awq_linear`` a
 a loop fusion that reads the packed weights at about 223 GB/s, against 2.7 TB/s for the bf16
 GEMV (``docs/benchmarks.md``, "Quantized linears (issue 14)"). This kernel streams the packed
 words and dequantizes each K-tile in registers. Its GPU speed is not measured yet
-(``benchmarks/results/quantization/microbench.py --methods bf16,awq,pallas``).
+(``scripts/benchmark_quantized_linear.py --methods bf16,awq,pallas``).
 
 Kernel layout (``in`` inputs, ``out`` outputs, ``G = in // group_size`` groups, ``P = in // 8``):
 

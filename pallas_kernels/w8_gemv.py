@@ -22,7 +22,7 @@ stored). A second token tile reads every weight again: the kernel is for ``T`` u
 ``max_block_t`` (decode); larger steps belong to XLA's GEMM.
 
 HBM bytes: ``out * in`` weight bytes per token tile, plus ``x``, the partials and the output.
-Tiles: ``W8GemvTiling`` (unmeasured defaults; ``benchmarks/results/quantization/microbench.py``
+Tiles: ``W8GemvTiling`` (unmeasured defaults; ``scripts/benchmark_quantized_linear.py``
 ``--methods fp8gemv,int8gemv`` times them beside bf16).
 
 Backend: Pallas Triton on GPU (``interpret=True`` on CPU; the e4m3 -> bfloat16 convert needs

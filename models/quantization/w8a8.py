@@ -24,7 +24,7 @@ Decode policy (issue 14): a step of at most :data:`W8_GEMV_MAX_TOKENS` tokens on
 weight-only Pallas GEMV (``pallas_kernels.w8_gemv``, :func:`weight_only_linear`), which streams
 8-bit weights faster than XLA's GEMV fusions should. This changes the numbers (activations
 unquantized: closer to the float model than W8A8, not equal to vLLM's W8A8 kernels), so it is
-off (0) until ``benchmarks/results/quantization/microbench.py``'s ``fp8gemv`` / ``int8gemv``
+off (0) until ``scripts/benchmark_quantized_linear.py``'s ``fp8gemv`` / ``int8gemv``
 columns are measured on the H200. The kernel is written for one device: under tensor
 parallelism XLA cannot split it and would gather its operands.
 """
