@@ -69,15 +69,17 @@ T4, T8 = W4A16Tiling, W8GemvTiling
 
 # Candidates per kernel and T range, best guess first (the first always runs).
 W4A16_DECODE_1 = [
+    T4(block_t=1, block_n=128, block_k=32, dot=False, fold=True),
     T4(block_t=1, block_n=128, block_k=32, dot=False),
-    T4(block_t=1, block_n=256, block_k=16, dot=False),
-    T4(block_t=1, block_n=64, block_k=64, dot=False, num_warps=8),
-    T4(block_t=16, block_n=64, block_k=32),
+    T4(block_t=1, block_n=256, block_k=16, dot=False, fold=True),
+    T4(block_t=1, block_n=64, block_k=64, dot=False, fold=True, num_warps=2),
+    T4(block_t=16, block_n=64, block_k=32, fold=True),
     T4(block_t=16, block_n=128, block_k=32, swap=True),
-    T4(block_t=1, block_n=128, block_k=32, dot=False, magic=False),
+    T4(block_t=1, block_n=256, block_k=32, dot=False, num_warps=8),
 ]
 W4A16_DECODE = [
     T4(block_t=32, block_n=64, block_k=32),
+    T4(block_t=32, block_n=64, block_k=32, fold=True),
     T4(block_t=32, block_n=128, block_k=32, swap=True),
     T4(block_t=32, block_n=128, block_k=16, num_warps=8),
     T4(block_t=32, block_n=64, block_k=64, num_warps=8, num_stages=4),

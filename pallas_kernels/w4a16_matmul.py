@@ -46,6 +46,14 @@ converts ``q - z`` with an ``int32 -> float32`` convert. Both then multiply by t
 in float32 (exact products of small integers: the two give identical results). For the dot the
 tile is rounded once to ``x.dtype`` (as ``dequantize_groups`` does).
 
+**Fold** (``fold=True``): the nibble is shifted to bits 19..22 of a float32 with the bits of
+1.0 (one shift, one three-input logic op), the float ``v = 1 + q / 16``, exactly; the K-step
+sums ``x_k v_k`` over the slot's ``block_k`` rows (one FMA per weight, or a dot on ``v`` in
+``x``'s dtype, exact there too) and then applies the group's zero and scale once per column:
+``sum_k x_k (q_k - z) s = 16 s (sum_k x_k v_k - (1 + z / 16) sum_k x_k)``. The weight is never
+formed, so it is never rounded; the subtraction loses at most a few float32 ulps of
+``sum_k |x_k|``.
+
 Tails: a token count, an ``out`` or a split count that the tiles do not divide is masked (loads
 pad with zero, stores are masked). ``block_k`` must divide both ``P`` and ``group_size`` (each
 slot's rows of one step sit in one group: one zero row and one scale row per slot and step).
@@ -97,6 +105,9 @@ class W4A16Tiling:
             tile is the dot's first operand (M = ``block_n``), the operand a Hopper ``wgmma``
             may take from registers, and the token tile its N (Machete's swap for small M).
         magic: dequantize through float bit patterns (True) or an integer convert (False).
+        fold: apply zero points and scales per group after the products (module docstring,
+            "fold"): three operations per weight instead of five; the weight is never rounded
+            to ``x``'s dtype. Overrides ``magic`` and ``swap``.
     """
 
     block_t: int = 64
@@ -108,12 +119,13 @@ class W4A16Tiling:
     dot: bool = True
     swap: bool = False
     magic: bool = True
+    fold: bool = False
 
 
 # Defaults by token count, (largest T, tiling), first match wins. NOT MEASURED: best guesses
 # until benchmarks/quant_kernels.py's sweep on the H200 fills them in.
 DEFAULT_TILINGS: tuple[tuple[int | None, W4A16Tiling], ...] = (
-    (1, W4A16Tiling(block_t=1, block_n=128, block_k=32, dot=False)),
+    (1, W4A16Tiling(block_t=1, block_n=128, block_k=32, dot=False, fold=True)),
     (32, W4A16Tiling(block_t=32, block_n=64, block_k=32)),
     (None, W4A16Tiling(block_t=128, block_n=128, block_k=16, split_k=1, num_warps=8)),
 )
@@ -140,6 +152,23 @@ def _load(ref, mask):
     return pltriton.load(ref) if mask is None else pltriton.load(ref, mask=mask, other=0)
 
 
+def _folded(xs, words, j, zero, scale, *, dot, precision):
+    """Slot ``j``'s contribution ``[bt, bn]`` by the fold (module docstring): ``16 s (sum_k x_k
+    v_k - (1 + z / 16) sum_k x_k)`` with ``v = 1 + q / 16`` built from the nibble's bits."""
+    shift = 19 - 4 * j  # the nibble's bits [4 j, 4 j + 4) to [19, 23), the top of the mantissa
+    moved = jnp.left_shift(words, shift) if shift > 0 else jnp.right_shift(words, -shift)
+    v = lax.bitcast_convert_type((moved & 0x00780000) | 0x3F800000, jnp.float32)
+    x32 = xs.astype(jnp.float32)
+    if dot:  # v has four mantissa bits: exact in bfloat16 / float16
+        part = jnp.dot(xs, v.astype(xs.dtype), precision=precision,
+                       preferred_element_type=jnp.float32)  # fmt: skip
+    else:
+        part = jnp.sum(x32[:, :, None] * v[None, :, :], axis=1)
+    x_sum = jnp.sum(x32, axis=1, keepdims=True)  # [bt, 1]
+    offset = 1.0 + zero.astype(jnp.float32) * 0.0625  # [1, bn]
+    return (part - offset * x_sum) * (scale.astype(jnp.float32) * 16.0)
+
+
 def _w4a16_kernel(
     x_ref,  # [T, in]
     w_ref,  # i32[P, out]: the plane-packed weight
@@ -156,6 +185,7 @@ def _w4a16_kernel(
     dot: bool,
     swap: bool,
     magic: bool,
+    fold: bool,
 ):
     num_tokens, _ = x_ref.shape
     planes, n_total = w_ref.shape
@@ -183,6 +213,10 @@ def _w4a16_kernel(
             group = pl.ds(row0 // group_size, 1)
             zero = _load(z_ref.at[group, cols], row_mask)  # [1, bn]
             scale = _load(s_ref.at[group, cols], row_mask)
+            xs = _load(x_ref.at[toks, pl.ds(pl.multiple_of(row0, block_k), block_k)], x_mask)
+            if fold:
+                acc += _folded(xs, words, j, zero, scale, dot=dot, precision=precision)
+                continue
             nibble = jnp.right_shift(words, 4 * j) & 0xF if j else words & 0xF
             if magic:  # float(2^23 + q) - float(2^23 + z) = q - z, exactly
                 q = lax.bitcast_convert_type(nibble | _MAGIC, jnp.float32)
@@ -190,7 +224,6 @@ def _w4a16_kernel(
             else:
                 w = (nibble - zero.astype(jnp.int32)).astype(jnp.float32)
                 w = w * scale.astype(jnp.float32)
-            xs = _load(x_ref.at[toks, pl.ds(pl.multiple_of(row0, block_k), block_k)], x_mask)
             if swap:  # acc is [bn, bt]; the tile rounded once to x's dtype
                 acc += jnp.dot(
                     w.astype(dtype).T, xs.T, precision=precision,
@@ -207,11 +240,11 @@ def _w4a16_kernel(
     if swap:
         acc_shape = (block_n, block_t)
     else:
-        acc_shape = (block_t, block_n) if dot else (block_t, block_k, block_n)
+        acc_shape = (block_t, block_n) if dot or fold else (block_t, block_k, block_n)
     acc = lax.fori_loop(0, num_steps, step, jnp.zeros(acc_shape, jnp.float32))
     if swap:
         acc = acc.T
-    elif not dot:
+    elif not dot and not fold:
         acc = jnp.sum(acc, axis=1)
     mask = t_ok & n_ok
     if partials:
@@ -248,8 +281,9 @@ def _w4a16_matmul(x, qweight, scales, zeros, *, group_size, tiling, interpret):
         steps_per_split=pl.cdiv(planes // tiling.block_k, split_k),
         partials=partials,
         dot=tiling.dot,
-        swap=tiling.dot and tiling.swap,
+        swap=tiling.dot and tiling.swap and not tiling.fold,
         magic=tiling.magic,
+        fold=tiling.fold,
     )
 
     def whole(shape):  # every program sees the whole array and masks its own tile

@@ -51,6 +51,10 @@ CASES = [
     (1, 1024, 80, 128, T(block_t=1, block_n=32, block_k=16, split_k=3, dot=False)),
     # elementwise, 3 tokens in a tile of 4, integer convert instead of the float bit trick
     (3, 512, 48, 64, T(block_t=4, block_n=32, block_k=16, dot=False, magic=False)),
+    # the fold (zeros and scales per group after the products), elementwise and with dots
+    (1, 1024, 80, 128, T(block_t=1, block_n=32, block_k=16, split_k=3, dot=False, fold=True)),
+    (3, 512, 48, 64, T(block_t=4, block_n=32, block_k=32, dot=False, fold=True)),
+    (16, 512, 40, 32, T(block_t=16, block_n=32, block_k=16, split_k=2, fold=True)),
     # dots, T = 3 padded to 16 rows, K split by default
     (3, 512, 64, 32, T(block_t=16, block_n=32, block_k=16)),
     # T = 16, swapped operands (weight tile first), groups of 256, N tail
@@ -81,15 +85,15 @@ def test_kernel_matches_reference_float32(
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_MODES)
-@pytest.mark.parametrize("dot", [True, False])
-def test_kernel_bfloat16(dot, interpret):
+@pytest.mark.parametrize("dot,fold", [(True, False), (False, False), (True, True), (False, True)])
+def test_kernel_bfloat16(dot, fold, interpret):
     """bf16 in and out, bf16 scales: T over two tiles with a tail, two N tiles, K split."""
     rng = np.random.default_rng(7)
     w = _kernel_weights(rng, 1024, 64, 128)
     w["scales"] = w["scales"].astype(jnp.bfloat16)
     tokens = 19 if dot else 3
     x = jnp.asarray(rng.standard_normal((tokens, 1024)), jnp.bfloat16)
-    tiling = T(block_t=16 if dot else 2, block_n=32, block_k=16, split_k=2, dot=dot)
+    tiling = T(block_t=16 if dot else 2, block_n=32, block_k=16, split_k=2, dot=dot, fold=fold)
     got = w4a16_matmul(x, **w, group_size=128, tiling=tiling, interpret=interpret)
     want = w4a16_matmul_reference(x, **w, group_size=128)
     assert got.dtype == jnp.bfloat16
