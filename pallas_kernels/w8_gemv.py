@@ -94,6 +94,11 @@ def _float_from_int8(w: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(b | 0x4B000000, jnp.float32) - float(2**23 + 128)
 
 
+def _load(ref, mask):
+    """A load of ``ref``, masked (padding zero) where ``mask`` is given."""
+    return pltriton.load(ref) if mask is None else pltriton.load(ref, mask=mask, other=0)
+
+
 def _w8_gemv_kernel(
     x_ref,  # [T, K]
     w_ref,  # [N, K], 8-bit (FP8 as uint8 bytes)
@@ -121,11 +126,23 @@ def _w8_gemv_kernel(
     num_steps = jnp.minimum(steps_per_split, pl.cdiv(k_total, block_k) - first_step)
     precision = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)  # IEEE for f32, none for bf16
 
+    # Masks only where a tail exists (static shapes): an unmasked load vectorizes freely.
+    t_tail, n_tail, k_tail = num_tokens % block_t, n_total % block_n, k_total % block_k
+
+    def masked(rows_ok, rows_tail, k_ok, shape):
+        if rows_tail and k_tail:
+            return rows_ok & k_ok
+        if rows_tail:
+            return jnp.broadcast_to(rows_ok, shape)
+        return jnp.broadcast_to(k_ok, shape) if k_tail else None
+
     def step(i, acc):
-        k0 = (first_step + i) * block_k
+        k0 = pl.multiple_of((first_step + i) * block_k, block_k)
         k_ok = k0 + k_iota < k_total  # [1, block_k]
-        x = pltriton.load(x_ref.at[toks, pl.ds(k0, block_k)], mask=t_ok & k_ok, other=0)
-        w = pltriton.load(w_ref.at[cols, pl.ds(k0, block_k)], mask=n_ok & k_ok, other=0)
+        x_mask = masked(t_ok, t_tail, k_ok, (block_t, block_k))
+        w_mask = masked(n_ok, n_tail, k_ok, (block_n, block_k))
+        x = _load(x_ref.at[toks, pl.ds(k0, block_k)], x_mask)
+        w = _load(w_ref.at[cols, pl.ds(k0, block_k)], w_mask)
         if bits and weight_dtype == jnp.int8:
             w = _float_from_int8(w)
         elif w.dtype != weight_dtype:  # FP8 travels as its bytes (see _w8_gemv)

@@ -90,6 +90,18 @@ def test_variants_match_the_reference(dtype, tiling, num_tokens, interpret):
     np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
 
 
+@pytest.mark.parametrize("tiling", [SMALL_TILES, *VARIANTS])
+@pytest.mark.parametrize("interpret", INTERPRET_MODES)
+def test_without_tails_the_unmasked_loads_match(tiling, interpret):
+    """T, N and K multiples of the tiles: every load and store unmasked."""
+    rng = np.random.default_rng(5)
+    w, scale = _weights("int8", "channel", rng, n=64, k=256)
+    x = jnp.asarray(rng.normal(size=(16, 256)), jnp.float32)
+    got = w8_gemv(x, w, scale, tiling=tiling, interpret=interpret)
+    exact = _float64(x, w, scale)
+    np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
+
+
 def test_int8_bit_pattern_convert_is_exact():
     """Every int8 value through the bit-pattern convert gives itself."""
     values = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
