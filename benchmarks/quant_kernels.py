@@ -69,19 +69,19 @@ T4, T8 = W4A16Tiling, W8GemvTiling
 
 # Candidates per kernel and T range, best guess first (the first always runs).
 W4A16_DECODE_1 = [
-    T4(block_t=1, block_n=128, block_k=32, dot=False, fold=True),
+    T4(block_t=1, block_n=64, block_k=32, dot=False, fold=True),
+    T4(block_t=1, block_n=128, block_k=32, split_k=8, dot=False, fold=True),
+    T4(block_t=1, block_n=64, block_k=64, split_k=4, dot=False, fold=True),
     T4(block_t=1, block_n=128, block_k=32, dot=False),
-    T4(block_t=1, block_n=256, block_k=16, dot=False, fold=True),
-    T4(block_t=1, block_n=64, block_k=64, dot=False, fold=True, num_warps=2),
+    T4(block_t=1, block_n=256, block_k=16, split_k=8, dot=False, fold=True, num_warps=8),
     T4(block_t=16, block_n=64, block_k=32, fold=True),
     T4(block_t=16, block_n=128, block_k=32, swap=True),
-    T4(block_t=1, block_n=256, block_k=32, dot=False, num_warps=8),
 ]
 W4A16_DECODE = [
     T4(block_t=32, block_n=64, block_k=32),
     T4(block_t=32, block_n=64, block_k=32, fold=True),
     T4(block_t=32, block_n=128, block_k=32, swap=True),
-    T4(block_t=32, block_n=128, block_k=16, num_warps=8),
+    T4(block_t=32, block_n=128, block_k=32, split_k=8, num_warps=8),
     T4(block_t=32, block_n=64, block_k=64, num_warps=8, num_stages=4),
 ]
 W4A16_PREFILL = [
@@ -94,14 +94,14 @@ W4A16_PREFILL = [
 W8_DECODE_1 = [
     T8(),
     T8(max_block_t=1, block_n=32, block_k=256, dot=False, bits=True),
-    T8(max_block_t=1, block_n=16, block_k=512, dot=False, bits=True),
+    T8(max_block_t=1, block_n=32, block_k=512, split_k=8, dot=False, bits=True),
     T8(block_n=64, block_k=512, num_warps=8, bits=True),
-    T8(block_n=128, block_k=256, num_warps=8, num_stages=4, bits=True),
+    T8(block_n=128, block_k=256, split_k=8, num_warps=8, num_stages=4, bits=True),
 ]
 W8_DECODE = [
     T8(max_block_t=32),
     T8(max_block_t=32, block_n=64, block_k=256, num_warps=8, num_stages=4, bits=True),
-    T8(max_block_t=32, block_n=128, block_k=128, num_warps=8, bits=True),
+    T8(max_block_t=32, block_n=128, block_k=128, split_k=8, num_warps=8, bits=True),
 ]
 
 

@@ -125,7 +125,7 @@ class W4A16Tiling:
 # Defaults by token count, (largest T, tiling), first match wins. NOT MEASURED: best guesses
 # until benchmarks/quant_kernels.py's sweep on the H200 fills them in.
 DEFAULT_TILINGS: tuple[tuple[int | None, W4A16Tiling], ...] = (
-    (1, W4A16Tiling(block_t=1, block_n=128, block_k=32, dot=False, fold=True)),
+    (1, W4A16Tiling(block_t=1, block_n=64, block_k=32, dot=False, fold=True)),
     (32, W4A16Tiling(block_t=32, block_n=64, block_k=32)),
     (None, W4A16Tiling(block_t=128, block_n=128, block_k=16, split_k=1, num_warps=8)),
 )
