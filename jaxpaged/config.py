@@ -128,7 +128,8 @@ class EngineArgs:
     linear_backend: str = _arg(
         "auto",
         "Backend of 4-bit quantized linears (awq, gptq, compressed-tensors W4A16): xla "
-        "(dequantize into XLA's dot), pallas (the W4A16 Pallas kernel; one device), or auto (xla).",
+        "(dequantize into XLA's dot), pallas (the W4A16 Pallas kernel; one device), or auto (per "
+        "step's token count from models.linear_backends.AUTO_BACKENDS, on a GPU).",
     )
     preemption_mode: str | None = _arg(
         None,
