@@ -69,8 +69,9 @@ T4, T8 = W4A16Tiling, W8GemvTiling
 
 # Candidates per kernel and T range, best guess first (the first always runs).
 W4A16_DECODE_1 = [
+    T4(block_t=1, block_n=64, block_k=32, dot=False, fold=True, defer=True),
     T4(block_t=1, block_n=64, block_k=32, dot=False, fold=True),
-    T4(block_t=1, block_n=128, block_k=32, split_k=8, dot=False, fold=True),
+    T4(block_t=1, block_n=128, block_k=32, split_k=8, dot=False, fold=True, defer=True),
     T4(block_t=1, block_n=64, block_k=64, split_k=4, dot=False, fold=True),
     T4(block_t=1, block_n=128, block_k=32, dot=False),
     T4(block_t=1, block_n=256, block_k=16, split_k=8, dot=False, fold=True, num_warps=8),
