@@ -338,8 +338,10 @@ def main() -> int:
                 cands = W8_DECODE_1 if t == 1 else W8_DECODE
                 measure(f"w8gemv-{fam}", t, fam, cands[0], fam)
                 w8_later += [(f"w8gemv-{fam}", t, fam, c, fam) for c in cands[1:max_candidates]]
-        measure("fp8-w8a8", t, "fp8", None, "fp8")
-        measure("int8-w8a8", t, "int8", None, "int8")
+        # W8A8 quantizes the activations: its error is reported where the weight-only
+        # reference exists anyway (T <= 32), not judged.
+        measure("fp8-w8a8", t, "fp8", None, "fp8" if t <= 32 else None)
+        measure("int8-w8a8", t, "int8", None, "int8" if t <= 32 else None)
     for job in later + w8_later:
         measure(*job, first=False)
 
