@@ -91,6 +91,7 @@ W4A16_PREFILL = [
     T4(block_t=128, block_n=256, block_k=16, split_k=1, num_warps=8),
     T4(block_t=128, block_n=128, block_k=16, split_k=1, num_warps=8, swap=True),
     T4(block_t=64, block_n=256, block_k=16, split_k=1, num_warps=8, num_stages=4),
+    T4(block_t=128, block_n=128, block_k=16, num_warps=8),  # K split when programs are few
 ]
 W8_DECODE_1 = [
     T8(),
