@@ -243,6 +243,8 @@ def main() -> int:
                         help="the sweep's other candidates start only before this many seconds; "
                         "after 1.3x it nothing more starts")  # fmt: skip
     parser.add_argument("--max-candidates", type=int, default=None)
+    parser.add_argument("--kernels", default=None,
+                        help="comma list of kernels to run (default all; bf16 always runs)")  # fmt: skip
     parser.add_argument("--out", default=None, help="JSON results path")
     args = parser.parse_args()
     t_start = time.perf_counter()
@@ -282,7 +284,11 @@ def main() -> int:
 
     base: dict[int, float] = {}
 
+    only = None if args.kernels is None else set(args.kernels.split(",")) | {"bf16"}
+
     def measure(kernel, t, family, tiling=None, ref_family=None, first=True):
+        if only is not None and kernel not in only:
+            return None
         elapsed = time.perf_counter() - t_start
         if elapsed > 1.3 * args.budget_s or (not first and elapsed > args.budget_s):
             return None
