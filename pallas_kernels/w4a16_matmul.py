@@ -108,6 +108,9 @@ class W4A16Tiling:
         fold: apply zero points and scales per group after the products (module docstring,
             "fold"): three operations per weight instead of five; the weight is never rounded
             to ``x``'s dtype. Overrides ``magic`` and ``swap``.
+        defer: with ``fold`` and without ``dot``, multiply ``v`` by ``16 s`` per weight (four
+            operations) and sum the products once after the loop, instead of reducing each
+            slot's rows every step (a cross-thread reduction per slot and step).
     """
 
     block_t: int = 64
@@ -120,12 +123,13 @@ class W4A16Tiling:
     swap: bool = False
     magic: bool = True
     fold: bool = False
+    defer: bool = False
 
 
 # Defaults by token count, (largest T, tiling), first match wins. NOT MEASURED: best guesses
 # until benchmarks/quant_kernels.py's sweep on the H200 fills them in.
 DEFAULT_TILINGS: tuple[tuple[int | None, W4A16Tiling], ...] = (
-    (1, W4A16Tiling(block_t=1, block_n=64, block_k=32, dot=False, fold=True)),
+    (1, W4A16Tiling(block_t=1, block_n=64, block_k=32, dot=False, fold=True, defer=True)),
     (32, W4A16Tiling(block_t=32, block_n=64, block_k=32)),
     (None, W4A16Tiling(block_t=128, block_n=128, block_k=16, split_k=1, num_warps=8)),
 )
@@ -152,12 +156,18 @@ def _load(ref, mask):
     return pltriton.load(ref) if mask is None else pltriton.load(ref, mask=mask, other=0)
 
 
+def _unit_nibble(words, j):
+    """Slot ``j``'s nibbles ``q`` as the floats ``v = 1 + q / 16`` (exact): the nibble's bits
+    ``[4 j, 4 j + 4)`` moved to ``[19, 23)``, the top of a float32 mantissa, OR the bits of 1."""
+    shift = 19 - 4 * j
+    moved = jnp.left_shift(words, shift) if shift > 0 else jnp.right_shift(words, -shift)
+    return lax.bitcast_convert_type((moved & 0x00780000) | 0x3F800000, jnp.float32)
+
+
 def _folded(xs, words, j, zero, scale, *, dot, precision):
     """Slot ``j``'s contribution ``[bt, bn]`` by the fold (module docstring): ``16 s (sum_k x_k
-    v_k - (1 + z / 16) sum_k x_k)`` with ``v = 1 + q / 16`` built from the nibble's bits."""
-    shift = 19 - 4 * j  # the nibble's bits [4 j, 4 j + 4) to [19, 23), the top of the mantissa
-    moved = jnp.left_shift(words, shift) if shift > 0 else jnp.right_shift(words, -shift)
-    v = lax.bitcast_convert_type((moved & 0x00780000) | 0x3F800000, jnp.float32)
+    v_k - (1 + z / 16) sum_k x_k)`` with ``v = 1 + q / 16``."""
+    v = _unit_nibble(words, j)
     x32 = xs.astype(jnp.float32)
     if dot:  # v has four mantissa bits: exact in bfloat16 / float16
         part = jnp.dot(xs, v.astype(xs.dtype), precision=precision,
@@ -186,6 +196,7 @@ def _w4a16_kernel(
     swap: bool,
     magic: bool,
     fold: bool,
+    defer: bool,
 ):
     num_tokens, _ = x_ref.shape
     planes, n_total = w_ref.shape
@@ -205,7 +216,8 @@ def _w4a16_kernel(
     # float32 x: true float32 dots (Triton would otherwise use TF32 on the GPU).
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
-    def step(i, acc):
+    def step(i, carry):
+        acc, corr = carry
         r0 = pl.multiple_of((first_step + i) * block_k, block_k)
         words = _load(w_ref.at[pl.ds(r0, block_k), cols], w_mask)
         for j in range(PACK):
@@ -214,6 +226,13 @@ def _w4a16_kernel(
             zero = _load(z_ref.at[group, cols], row_mask)  # [1, bn]
             scale = _load(s_ref.at[group, cols], row_mask)
             xs = _load(x_ref.at[toks, pl.ds(pl.multiple_of(row0, block_k), block_k)], x_mask)
+            if defer:  # 16 s v x elementwise; the zero's share 16 s (1 + z / 16) sum(x) aside
+                x32 = xs.astype(jnp.float32)
+                s16 = scale.astype(jnp.float32) * 16.0
+                acc += x32[:, :, None] * (_unit_nibble(words, j) * s16)[None, :, :]
+                offset = (1.0 + zero.astype(jnp.float32) * 0.0625) * s16
+                corr += jnp.sum(x32, axis=1, keepdims=True) * offset
+                continue
             if fold:
                 acc += _folded(xs, words, j, zero, scale, dot=dot, precision=precision)
                 continue
@@ -235,15 +254,20 @@ def _w4a16_kernel(
                 )
             else:  # [bt, bk, bn] products, summed over k after the loop
                 acc += xs.astype(jnp.float32)[:, :, None] * w[None, :, :]
-        return acc
+        return acc, corr
 
     if swap:
         acc_shape = (block_n, block_t)
     else:
-        acc_shape = (block_t, block_n) if dot or fold else (block_t, block_k, block_n)
-    acc = lax.fori_loop(0, num_steps, step, jnp.zeros(acc_shape, jnp.float32))
+        acc_shape = (
+            (block_t, block_n) if dot or (fold and not defer) else (block_t, block_k, block_n)
+        )
+    corr = jnp.zeros((block_t, block_n) if defer else (1, 1), jnp.float32)
+    acc, corr = lax.fori_loop(0, num_steps, step, (jnp.zeros(acc_shape, jnp.float32), corr))
     if swap:
         acc = acc.T
+    elif defer:
+        acc = jnp.sum(acc, axis=1) - corr
     elif not dot and not fold:
         acc = jnp.sum(acc, axis=1)
     mask = t_ok & n_ok
@@ -284,6 +308,7 @@ def _w4a16_matmul(x, qweight, scales, zeros, *, group_size, tiling, interpret):
         swap=tiling.dot and tiling.swap and not tiling.fold,
         magic=tiling.magic,
         fold=tiling.fold,
+        defer=tiling.fold and tiling.defer and not tiling.dot,
     )
 
     def whole(shape):  # every program sees the whole array and masks its own tile

@@ -54,6 +54,13 @@ CASES = [
     # the fold (zeros and scales per group after the products), elementwise and with dots
     (1, 1024, 80, 128, T(block_t=1, block_n=32, block_k=16, split_k=3, dot=False, fold=True)),
     (3, 512, 48, 64, T(block_t=4, block_n=32, block_k=32, dot=False, fold=True)),
+    (
+        3,
+        1024,
+        80,
+        128,
+        T(block_t=2, block_n=32, block_k=16, split_k=3, dot=False, fold=True, defer=True),
+    ),  # fmt: skip
     (16, 512, 40, 32, T(block_t=16, block_n=32, block_k=16, split_k=2, fold=True)),
     # dots, T = 3 padded to 16 rows, K split by default
     (3, 512, 64, 32, T(block_t=16, block_n=32, block_k=16)),
