@@ -248,9 +248,14 @@ def test_a_constraint_the_backend_cannot_compile_is_refused_by_name(llm, fields,
     assert out.outputs[0].finish_reason == "stop"
 
 
-def test_preempted_constrained_requests_still_validate(llm):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preempted_constrained_requests_still_validate(llm, async_scheduling):
     # 10 blocks of 16 tokens; 8 distinct prompts of ~3 blocks each: recompute preemption.
-    small = LLM(**{**ENGINE, "max_num_seqs": 8, "max_model_len": 128}, num_gpu_blocks_override=10)
+    small = LLM(
+        **{**ENGINE, "max_num_seqs": 8, "max_model_len": 128},
+        num_gpu_blocks_override=10,
+        async_scheduling=async_scheduling,
+    )
     story = "Lily and Tom went to the park to play with a big red ball in the sun. "
     prompts = [f"{i} {story}{story}" for i in range(8)]
     params = [_json_params(s, 0.0, i) for i, s in enumerate(SCHEMAS[16:24])]
@@ -269,6 +274,9 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm):
         SamplingParams(temperature=0.0, max_tokens=40),
         SamplingParams(seed=9, max_tokens=40),
     ]
+    forked = _json_params(SCHEMAS[17], 1.0, 21)
+    forked.n = 3  # each sample its own matcher, forked under the split steps
+    params.append(forked)
     prompts = [PROMPT] * len(params)
     got = async_llm.generate(prompts, params, use_tqdm=False)
     want = llm.generate(prompts, params, use_tqdm=False)
@@ -276,8 +284,12 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm):
     parts = {key.part for key in async_llm.llm_engine.worker.model_runner._executables}
     assert {"forward", "sample"} <= parts
     for g, w in zip(got, want, strict=True):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+        assert len(g.outputs) == len(w.outputs)
+        for a, b in zip(g.outputs, w.outputs, strict=True):
+            assert a.token_ids == b.token_ids
+            assert a.finish_reason == b.finish_reason
+    for completion in got[-1].outputs:
+        jsonschema.validate(json.loads(completion.text), SCHEMAS[17])
 
 
 def test_special_tokens_are_never_allowed_by_a_grammar(llm):
