@@ -260,6 +260,6 @@ def _backend_class(name: str):
         return GuidanceBackend
     try:
         import xgrammar  # noqa: F401
-    except ImportError:
+    except Exception:  # ImportError, or a broken install (its native library, torch)
         return GuidanceBackend
     return XGrammarBackend

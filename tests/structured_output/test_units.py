@@ -127,3 +127,16 @@ def test_compiler_caches_by_key_and_runs_off_the_calling_thread():
     assert compiler.num_compiled == 4
     assert all(name.startswith("jaxpaged-grammar") for name in threads)
     compiler.shutdown()
+
+
+def test_auto_backend_falls_back_to_guidance_without_xgrammar(monkeypatch):
+    import sys
+
+    from jaxpaged.structured_output.backend import XGrammarBackend
+    from jaxpaged.structured_output.backend_guidance import GuidanceBackend
+    from jaxpaged.structured_output.manager import _backend_class
+
+    assert _backend_class("guidance") is GuidanceBackend
+    assert _backend_class("xgrammar") is XGrammarBackend
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # as if it were not installed
+    assert _backend_class("auto") is GuidanceBackend
