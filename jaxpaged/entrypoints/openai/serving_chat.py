@@ -38,6 +38,7 @@ from jaxpaged.entrypoints.openai.serving_engine import (
     stable_text,
     usage_of,
 )
+from jaxpaged.entrypoints.openai.structured_outputs import structured_outputs_from_request
 
 
 def load_chat_template(chat_template: str | None) -> str | None:
@@ -152,7 +153,12 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(values)
         request_id = self.response_id("chatcmpl", request)
         (stream,) = await self.add_requests(
-            request_id, [(prompt_text, ids)], [params], arrival_time, lora_request
+            request_id,
+            [(prompt_text, ids)],
+            [params],
+            arrival_time,
+            lora_request,
+            structured_field=structured_outputs_from_request(request)[1],
         )
         model = self.response_model(lora_request)
         if request.stream:
