@@ -74,6 +74,9 @@ def build_app(
     api_server_index: int = 0,
     api_server_count: int = 1,
     multiprocess_metrics_dir: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The server app over ``client`` (a spawned ``EngineCoreClient``, or one connected to a
     core the parent process started); the client's tasks start with the app's lifespan, and a
@@ -97,13 +100,19 @@ def build_app(
         multiprocess_metrics_dir: the ``PROMETHEUS_MULTIPROC_DIR`` of several API processes;
             ``/metrics`` then renders every process's values (``render_multiprocess``). None:
             this process's own registries.
+        enable_auto_tool_choice / tool_call_parser: serve ``tool_choice="auto"``, reading
+            calls with the named parser (``tool_parsers``); the flag needs a parser.
+        reasoning_parser: split ``<think>…</think>`` into ``reasoning``
+            (``reasoning_parsers``); None: replies are all content.
 
     ``app.state.engine`` is the client, ``app.state.metrics`` its ``ServerMetrics``.
 
     Raises:
         ValueError: an empty served name list, a bad chat template or metrics prefix,
-            ``lora_modules`` without LoRA or with a name used twice.
+            ``lora_modules`` without LoRA or with a name used twice, an unknown tool or
+            reasoning parser, --enable-auto-tool-choice without a tool parser.
     """
+    parsers = resolve_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     names = list(served_model_names or [model])
     if not names or not all(names):
         raise ValueError(f"served_model_names must be non-empty names, got {names!r}")
@@ -128,7 +137,12 @@ def build_app(
         max_model_len=max_model_len,
     )
     completion = OpenAIServingCompletion(**common)
-    chat = OpenAIServingChat(**common, chat_template=load_chat_template(chat_template))
+    chat = OpenAIServingChat(
+        **common,
+        chat_template=load_chat_template(chat_template),
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        **parsers,
+    )
     models = OpenAIServingModels(
         engine, names, model, max_model_len, api_server_count=api_server_count
     )
@@ -285,6 +299,9 @@ def run_server(
     lora_modules: Sequence[LoRAModulePath] = (),
     api_server_count: int = 1,
     multiprocess_metrics_dir: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> int:
     """Start the engine core for ``engine_args`` (``EngineArgs``) and serve until interrupted;
     returns the exit status (0, or 1 when an API process of several died).
@@ -309,7 +326,11 @@ def run_server(
         chat_template=chat_template,
         metrics_prefix=metrics_prefix,
         lora_modules=lora_modules,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
+    resolve_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     if api_server_count != 1 or data_parallel_size != 1:
         check_api_server_count(api_server_count, data_parallel_size)
     if api_server_count > 1:
@@ -343,6 +364,27 @@ def run_server(
     freeze_gc_heap()  # the tokenizer and the app live as long as this process
     uvicorn.run(app, host=host or "0.0.0.0", port=port, log_level=uvicorn_log_level)
     return 0
+
+
+def resolve_parsers(
+    enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None
+) -> dict:
+    """``OpenAIServingChat`` keywords for the parser flags (``tool_parser``,
+    ``reasoning_parser`` classes, None where not asked for).
+
+    Raises:
+        ValueError: an unknown parser name (the message lists the known ones), or
+            --enable-auto-tool-choice without --tool-call-parser.
+    """
+    from jaxpaged.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+    from jaxpaged.entrypoints.openai.tool_parsers import get_tool_parser
+
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    return dict(
+        tool_parser=get_tool_parser(tool_call_parser) if tool_call_parser else None,
+        reasoning_parser=get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
+    )
 
 
 def check_api_server_count(api_server_count: int, data_parallel_size: int = 1) -> None:

@@ -5,7 +5,9 @@ the messages are rendered to text with the request's ``chat_template``, else the
 ``--chat-template``, else the tokenizer's own; the text is tokenized *without* adding special
 tokens (the template writes them). Text content parts are joined with newlines. When streaming,
 each choice first gets a chunk whose delta is ``{"role": "assistant", "content": ""}``, then
-content deltas, the last with ``finish_reason``.
+content deltas, the last with ``finish_reason``. Tool calls and reasoning (``chat_tools``): the
+reply is read by a per-choice ``ChatChoiceParser``, streamed as ``reasoning`` / ``content`` /
+``tool_calls`` deltas.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ import jinja2
 from fastapi.responses import StreamingResponse
 
 from jaxpaged.engine.core_client import RequestStream
+from jaxpaged.entrypoints.openai.chat_tools import (
+    ChatChoiceParser,
+    check_tool_request,
+    template_messages,
+    tool_constraint_schema,
+    tool_mode_parser,
+)
 from jaxpaged.entrypoints.openai.errors import BadRequestError, error_from_exception
 from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -60,11 +69,30 @@ def load_chat_template(chat_template: str | None) -> str | None:
 
 
 class OpenAIServingChat(OpenAIServing):
-    """The chat endpoint; ``chat_template`` is the server-wide template text (or None)."""
+    """The chat endpoint.
 
-    def __init__(self, *args, chat_template: str | None = None, **kwargs):
+    Args:
+        chat_template: the server-wide template text (or None).
+        enable_auto_tool_choice: ``--enable-auto-tool-choice``: "auto" tool choice is served.
+        tool_parser: the ``--tool-call-parser`` class (``tool_parsers.get_tool_parser``).
+        reasoning_parser: the ``--reasoning-parser`` class
+            (``reasoning_parsers.get_reasoning_parser``).
+    """
+
+    def __init__(
+        self,
+        *args,
+        chat_template: str | None = None,
+        enable_auto_tool_choice: bool = False,
+        tool_parser: type | None = None,
+        reasoning_parser: type | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
 
     def render_messages(
         self,
@@ -75,8 +103,10 @@ class OpenAIServingChat(OpenAIServing):
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         documents: list[dict] | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
-        """The prompt text for ``messages``.
+        """The prompt text for ``messages``; ``tools`` (OpenAI's tool dicts) are passed to
+        the template, which may render them (vLLM passes them the same way).
 
         Raises:
             BadRequestError: no template anywhere, a non-text content part, or a template error.
@@ -93,7 +123,7 @@ class OpenAIServingChat(OpenAIServing):
                 "--chat-template or send chat_template in the request",
                 param="messages",
             )
-        conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+        conversation = template_messages([_message_dict(m, i) for i, m in enumerate(messages)])
         try:
             return self.tokenizer.apply_chat_template(
                 conversation,
@@ -101,6 +131,7 @@ class OpenAIServingChat(OpenAIServing):
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 documents=documents,
+                tools=tools,
                 tokenize=False,
                 **(chat_template_kwargs or {}),
             )
@@ -122,6 +153,9 @@ class OpenAIServingChat(OpenAIServing):
         arrival_time = time.monotonic()
         lora_request = self.check_model(request.model)
         self.check_supported(request)
+        check_tool_request(
+            request, enable_auto_tools=self.enable_auto_tool_choice, tool_parser=self.tool_parser
+        )
         prompt_text = self.render_messages(
             request.messages,
             chat_template=request.chat_template,
@@ -129,6 +163,9 @@ class OpenAIServingChat(OpenAIServing):
             continue_final_message=request.continue_final_message,
             chat_template_kwargs=request.chat_template_kwargs,
             documents=request.documents,
+            tools=[tool.model_dump(exclude_none=True) for tool in request.tools]
+            if request.tools
+            else None,
         )
         # The template writes the special tokens; add_special_tokens adds the tokenizer's too.
         prompt_text, ids = self.truncate(
@@ -149,6 +186,7 @@ class OpenAIServingChat(OpenAIServing):
         values["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
         if request.echo and request.prompt_logprobs is None and request.logprobs:
             values["prompt_logprobs"] = request.top_logprobs or 0  # vLLM's rule
+        self._tool_sampling_values(request, values)
         params = self.sampling_params(values)
         request_id = self.response_id("chatcmpl", request)
         (stream,) = await self.add_requests(
@@ -160,6 +198,28 @@ class OpenAIServingChat(OpenAIServing):
                 self._stream(request, request_id, model, stream), media_type="text/event-stream"
             )
         return await self._full(request, request_id, model, stream)
+
+    def _tool_sampling_values(self, request: ChatCompletionRequest, values: dict) -> None:
+        """A named or "required" tool choice constrains the reply to a JSON schema; a parser
+        whose markers are special tokens needs them kept in the text."""
+        schema = tool_constraint_schema(request)
+        if schema is not None:
+            values["structured_outputs"] = _json_constraint(schema)
+        parser = tool_mode_parser(request, self.tool_parser, self.tokenizer)
+        if parser is not None and parser.keeps_special_tokens:
+            values["skip_special_tokens"] = False
+
+    def choice_parser(self, request: ChatCompletionRequest) -> ChatChoiceParser | None:
+        """A fresh reader of one choice's reply; None when the reply is plain content."""
+        tool_parser = tool_mode_parser(request, self.tool_parser, self.tokenizer)
+        reasoning_parser = None
+        if self.reasoning_parser is not None:
+            reasoning_parser = self.reasoning_parser(
+                self.tokenizer, chat_template_kwargs=request.chat_template_kwargs
+            )
+        if tool_parser is None and reasoning_parser is None:
+            return None
+        return ChatChoiceParser(request, tool_parser, reasoning_parser)
 
     def _logprobs(self, request, completion, start: int):
         if not request.logprobs or completion.logprobs is None:
@@ -192,16 +252,26 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             stream.close()
         echo = self._echo(request)
-        choices = [
-            ChatCompletionResponseChoice(
-                index=completion.index,
-                message=ChatMessage(role="assistant", content=echo + completion.text),
-                logprobs=self._logprobs(request, completion, 0),
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
+        choices = []
+        for completion in final.outputs:
+            parser = self.choice_parser(request)
+            finish_reason = completion.finish_reason
+            if parser is None:
+                message = ChatMessage(role="assistant", content=completion.text)
+            else:
+                message = parser.message(completion.text)
+                finish_reason = parser.finish_reason(finish_reason)
+            if echo:
+                message.content = echo + (message.content or "")
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=completion.index,
+                    message=message,
+                    logprobs=self._logprobs(request, completion, 0),
+                    finish_reason=finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
             )
-            for completion in final.outputs
-        ]
         return ChatCompletionResponse(
             id=request_id,
             model=model,
@@ -227,9 +297,9 @@ class OpenAIServingChat(OpenAIServing):
                 id=request_id, created=created, model=model, choices=choices
             )
             data = response.model_dump()
-            for choice in data["choices"]:
+            for choice, model_choice in zip(data["choices"], choices, strict=True):
                 # A delta carries only what it adds (role first, then content), as OpenAI's do.
-                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+                choice["delta"] = model_choice.delta.model_dump(exclude_none=True)
             if usage is None:
                 del data["usage"]
             else:
@@ -242,6 +312,7 @@ class OpenAIServingChat(OpenAIServing):
         echo = self._echo(request)
         final = None
         head = content_chunk_head(request_id, created, model)
+        parsers: dict[int, ChatChoiceParser | None] = {}
         try:
             for index in range(request.n):
                 yield chunk(
@@ -269,6 +340,26 @@ class OpenAIServingChat(OpenAIServing):
                     sent_tokens[index] = len(completion.token_ids)
                     if finished:
                         done.add(index)
+                    if index not in parsers:
+                        parsers[index] = self.choice_parser(request)
+                    parser = parsers[index]
+                    if parser is not None:
+                        message = parser.delta(text, final=finished)
+                        if first and echo:
+                            message = message or DeltaMessage()
+                            message.content = echo + (message.content or "")
+                        finish_reason = parser.finish_reason(completion.finish_reason)
+                        if message is None and not finished:
+                            continue
+                        choice = ChatCompletionResponseStreamChoice(
+                            index=index,
+                            delta=message or DeltaMessage(),
+                            logprobs=logprobs,
+                            finish_reason=finish_reason,
+                            stop_reason=completion.stop_reason,
+                        )
+                        yield chunk([choice], usage_of([output]) if continuous_usage else None)
+                        continue
                     content = (echo if first else "") + delta
                     if logprobs is None and not continuous_usage:  # the per-token common case
                         yield content_chunk_sse(
@@ -291,6 +382,23 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             stream.close()
         yield SSE_DONE
+
+
+def _json_constraint(schema: dict):
+    """``StructuredOutputsParams(json=schema)`` for the engine.
+
+    Raises:
+        BadRequestError: this build has no structured outputs.
+    """
+    try:
+        from jaxpaged.sampling_params import StructuredOutputsParams
+    except ImportError:
+        raise BadRequestError(
+            'a named or "required" tool_choice needs structured outputs, which this build '
+            'does not have; use tool_choice "auto" or "none"',
+            param="tool_choice",
+        ) from None
+    return StructuredOutputsParams(json=schema)
 
 
 def _message_dict(message: ChatMessageParam, position: int) -> dict:

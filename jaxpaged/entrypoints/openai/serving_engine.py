@@ -74,11 +74,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "mm_processor_kwargs": (None, {}),
     "prompt_embeds": (None,),
     "suffix": (None,),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),  # without tools, "auto" calls none
-    "parallel_tool_calls": (None, False),
     "reasoning_effort": (None,),
-    "include_reasoning": (True,),  # no reasoning parser: all output is content
 }
 # Structured outputs: one message for the family.
 _GUIDED = {name for name in UNSUPPORTED_FIELDS if name.startswith("guided_")} | {"structural_tag"}

@@ -68,9 +68,7 @@ def test_every_vllm_request_field_is_declared(model, fields):
         ("completions", "suffix", "end"),
         ("completions", "response_format", {"type": "json_object"}),
         ("chat/completions", "guided_regex", "[a-z]+"),
-        ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("chat/completions", "reasoning_effort", "low"),
-        ("chat/completions", "include_reasoning", False),
         ("chat/completions", "vllm_xargs", {"k": 1}),
     ],
 )
