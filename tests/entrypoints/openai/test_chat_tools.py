@@ -313,3 +313,55 @@ def test_required_schema_lifts_defs_to_the_root_and_refuses_conflicting_ones():
     with pytest.raises(BadRequestError) as error:
         tool_constraint_schema(_request(tools=[tool, other], tool_choice="required"))
     assert error.value.param == "tools.1.function.parameters"
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+REQUIRED_REPLY = (
+    '[{"name": "get_weather", "parameters": {"city": "Rome", "days": 3}}, '
+    '{"name": "get_time", "parameters": {"zone": "Europe/Rome"}}]'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_choice_constrains_to_the_parameters_and_finishes_stop(tokenizer, stream):
+    serving, engine = _chat(tokenizer, '{"city": "Oslo", "days": 1}')
+    request = _request(tool_choice=NAMED, stream=stream)
+    if stream:
+        message, _ = _streamed(serving, request)
+        ((name, arguments),) = [
+            (c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]
+        ]
+        finish_reason, content = message["finish_reason"], message["content"]
+    else:
+        (choice,) = _run(serving, request).choices
+        ((name, arguments),) = [
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+        ]
+        finish_reason, content = choice.finish_reason, choice.message.content
+    assert (name, json.loads(arguments)) == ("get_weather", {"city": "Oslo", "days": 1})
+    assert finish_reason == "stop" and content == ""  # OpenAI's and vLLM's convention
+    params = engine.requests[0][1]
+    assert params["structured_outputs"].json == WEATHER_TOOL["function"]["parameters"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_choice_constrains_to_a_call_array_and_finishes_tool_calls(tokenizer, stream):
+    serving, engine = _chat(tokenizer, REQUIRED_REPLY)  # no auto parser: none is needed
+    request = _request(tool_choice="required", stream=stream)
+    if stream:
+        message, _ = _streamed(serving, request)
+        calls = [
+            (c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message["tool_calls"]
+        ]
+        finish_reason = message["finish_reason"]
+    else:
+        (choice,) = _run(serving, request).choices
+        calls, finish_reason = _calls(choice.message.tool_calls), choice.finish_reason
+    assert calls == [
+        ("get_weather", {"city": "Rome", "days": 3}),
+        ("get_time", {"zone": "Europe/Rome"}),
+    ]
+    assert finish_reason == "tool_calls"
+    schema = engine.requests[0][1]["structured_outputs"].json
+    assert schema == tool_constraint_schema(_request(tool_choice="required"))
