@@ -47,6 +47,7 @@ from jaxpaged.entrypoints.openai.serving_engine import (
     stable_text,
     usage_of,
 )
+from jaxpaged.sampling_params import StructuredOutputsParams
 
 
 def load_chat_template(chat_template: str | None) -> str | None:
@@ -204,10 +205,24 @@ class OpenAIServingChat(OpenAIServing):
         whose markers are special tokens needs them kept in the text."""
         schema = tool_constraint_schema(request)
         if schema is not None:
-            values["structured_outputs"] = _json_constraint(schema)
+            values["structured_outputs"] = _json_constraint(
+                schema, self.reasoning_end_token_ids(request)
+            )
         parser = tool_mode_parser(request, self.tool_parser, self.tokenizer)
         if parser is not None and parser.keeps_special_tokens:
             values["skip_special_tokens"] = False
+
+    def reasoning_end_token_ids(self, request: ChatCompletionRequest) -> list[int] | None:
+        """With --reasoning-parser, the ids that end the reasoning: a constraint starts after
+        them (None: no parser, or the request switched thinking off)."""
+        if self.reasoning_parser is None:
+            return None
+        parser = self.reasoning_parser(
+            self.tokenizer, chat_template_kwargs=request.chat_template_kwargs
+        )
+        if not parser.missing_end_is_reasoning():
+            return None
+        return parser.end_token_ids()
 
     def choice_parser(self, request: ChatCompletionRequest) -> ChatChoiceParser | None:
         """A fresh reader of one choice's reply; None when the reply is plain content."""
@@ -384,21 +399,10 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
 
-def _json_constraint(schema: dict):
-    """``StructuredOutputsParams(json=schema)`` for the engine.
-
-    Raises:
-        BadRequestError: this build has no structured outputs.
-    """
-    try:
-        from jaxpaged.sampling_params import StructuredOutputsParams
-    except ImportError:
-        raise BadRequestError(
-            'a named or "required" tool_choice needs structured outputs, which this build '
-            'does not have; use tool_choice "auto" or "none"',
-            param="tool_choice",
-        ) from None
-    return StructuredOutputsParams(json=schema)
+def _json_constraint(schema: dict, reasoning_end_token_ids: list[int] | None):
+    """``StructuredOutputsParams(json=schema)`` for the engine, starting after the reasoning
+    when ``reasoning_end_token_ids`` is given."""
+    return StructuredOutputsParams(json=schema, reasoning_end_token_ids=reasoning_end_token_ids)
 
 
 def _message_dict(message: ChatMessageParam, position: int) -> dict:

@@ -365,3 +365,19 @@ def test_required_choice_constrains_to_a_call_array_and_finishes_tool_calls(toke
     assert finish_reason == "tool_calls"
     schema = engine.requests[0][1]["structured_outputs"].json
     assert schema == tool_constraint_schema(_request(tool_choice="required"))
+
+
+def test_with_a_reasoning_parser_the_constraint_starts_after_the_end_of_thinking(tokenizer):
+    reply = '<think>Oslo it is.</think>{"city": "Oslo", "days": 1}'
+    serving, engine = _chat(tokenizer, reply, reasoning_parser="deepseek_r1")
+    (choice,) = _run(serving, _request(tool_choice=NAMED)).choices
+    assert choice.message.reasoning == "Oslo it is."
+    assert _calls(choice.message.tool_calls) == [("get_weather", {"city": "Oslo", "days": 1})]
+    constraint = engine.requests[0][1]["structured_outputs"]
+    assert constraint.reasoning_end_token_ids == tokenizer.encode(
+        "</think>", add_special_tokens=False
+    )
+    # Thinking switched off (qwen3): the constraint starts at once.
+    serving, engine = _chat(tokenizer, '{"city": "Oslo", "days": 1}', reasoning_parser="qwen3")
+    _run(serving, _request(tool_choice=NAMED, chat_template_kwargs={"enable_thinking": False}))
+    assert engine.requests[0][1]["structured_outputs"].reasoning_end_token_ids is None
