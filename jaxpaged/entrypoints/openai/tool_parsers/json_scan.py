@@ -146,7 +146,7 @@ def scan_call_object(text: str, pos: int, args_keys: tuple[str, ...], *, final: 
         if end is None:
             return call
         if key == "name":
-            name = _loads(text[start:end])
+            name = loads_json(text[start:end])
             if not isinstance(name, str):
                 raise MalformedToolCall(f"a tool call's name must be a string, got {name!r}")
             call.name = name
@@ -160,11 +160,12 @@ def scan_call_object(text: str, pos: int, args_keys: tuple[str, ...], *, final: 
     if call.end is not None:
         if call.name is None or call.args_start is None:
             raise MalformedToolCall(f"a tool call needs 'name' and one of {list(args_keys)}")
-        _loads(call.arguments(text))
+        loads_json(call.arguments(text))
     return call
 
 
-def _loads(text: str):
+def loads_json(text: str):
+    """``json.loads``, raising MalformedToolCall."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:

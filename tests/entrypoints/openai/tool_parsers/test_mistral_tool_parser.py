@@ -23,9 +23,24 @@ TWO = (
 )
 
 
+# mistral-common v11+ tokenizers: one [TOOL_CALLS]name[ARGS]{...} per call.
+V11 = (
+    'Sure.[TOOL_CALLS]get_current_weather[ARGS]{"location": "Paris, France", "format": "celsius"}'
+    '[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}'
+)
+
+
 @pytest.mark.parametrize(
     "text, content, calls",
     [
+        (
+            V11,
+            "Sure.",
+            [
+                ("get_current_weather", {"location": "Paris, France", "format": "celsius"}),
+                ("get_time", {"tz": "CET"}),
+            ],
+        ),
         (DOCS, None, [("get_current_weather", {"location": "Paris, France", "format": "celsius"})]),
         (
             TWO,
@@ -55,6 +70,6 @@ def test_the_marker_is_a_special_token_kept_in_the_text():
     assert Parser.keeps_special_tokens
 
 
-@pytest.mark.parametrize("text", [DOCS, TWO, "A [TOOL list"])
+@pytest.mark.parametrize("text", [DOCS, TWO, V11, "A [TOOL list"])
 def test_streamed_deltas_reassemble_to_the_whole_answer(text):
     check_stream_matches_whole(Parser, text)
