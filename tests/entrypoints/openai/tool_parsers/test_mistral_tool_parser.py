@@ -59,7 +59,14 @@ def test_calls_and_content_of_documented_texts(text, content, calls):
 
 
 @pytest.mark.parametrize(
-    "text", ["No tools needed.", '[TOOL_CALLS] [{"name": "f"', '[TOOL_CALLS] {"name": 1}']
+    "text",
+    [
+        "No tools needed.",
+        '[TOOL_CALLS] [{"name": "f"',
+        '[TOOL_CALLS] {"name": 1}',
+        "[TOOL_CALLS]f[ARGS]{bad}",
+        "[TOOL_CALLS]no args tag",
+    ],
 )
 def test_text_that_is_not_well_formed_calls_is_content(text):
     info = Parser().extract_tool_calls(text)
