@@ -12,6 +12,7 @@ import os
 from importlib import resources
 
 from jaxpaged.core.scheduler import PREEMPTION_MODES
+from jaxpaged.structured_output.config import StructuredOutputsConfig
 from models.attention_backends import ATTENTION_BACKEND_CHOICES
 from models.dtypes import DTYPE_CHOICES
 from models.hub import resolve_model_path
@@ -174,6 +175,12 @@ class EngineArgs:
     max_logprobs: int = _arg(
         20, "Most logprobs / prompt_logprobs a request may ask for per token, >= 0 (vLLM's cap)."
     )
+    structured_outputs_config: str | dict | None = _arg(
+        None,
+        'Constrained decoding settings as JSON, e.g. \'{"backend": "xgrammar"}\' (or a bare '
+        "backend name): backend auto | xgrammar (guidance is refused), disable_any_whitespace, "
+        "disable_additional_properties. None: backend auto (xgrammar).",
+    )
 
     enable_lora: bool = _arg(
         False, "Serve LoRA adapters (PEFT directories) on top of the base model, per request."
@@ -280,6 +287,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = None  # None: compilation_cache.DEFAULT_CACHE_ROOT
     # Multi-LoRA limits; None without enable_lora.
     lora_config: LoRAConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig = dataclasses.field(
+        default_factory=StructuredOutputsConfig
+    )
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -405,6 +415,7 @@ class EngineConfig:
             enable_compilation_cache=bool(args.enable_compilation_cache),
             compilation_cache_dir=args.compilation_cache_dir,
             lora_config=_lora_config(args),
+            structured_outputs_config=StructuredOutputsConfig.parse(args.structured_outputs_config),
         )
 
 

@@ -34,6 +34,7 @@ from jaxpaged.sequence import (
     check_prompt_vocab,
     is_token_id_list,
 )
+from jaxpaged.structured_output.manager import StructuredOutputManager
 from jaxpaged.worker.compilation_cache import cache_root
 from jaxpaged.worker.model_runner import PendingStep
 from jaxpaged.worker.worker import Worker
@@ -122,12 +123,29 @@ class LLMEngine:
         self.step_history = StepHistory()
 
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
+        # Grammars of constrained requests (structured outputs); nothing is loaded until the
+        # first one arrives.
+        self.structured_output = StructuredOutputManager(
+            config.structured_outputs_config,
+            self._grammar_tokenizer,
+            vocab_size=self.vocab_size,
+            eos_token_id=self.eos_token_id,
+        )
         # Async scheduling: the dispatched step whose tokens are not yet on the host. The flag
         # may be switched between runs (benchmarks compare both); a step in flight drains first.
         self._in_flight: InFlightStep | None = None
         self.async_scheduling = config.async_scheduling
         self._seed_counter = itertools.count()
         self.startup.log()
+
+    def _grammar_tokenizer(self):
+        """The tokenizer grammars compile against: the engine's, or loaded for them (the
+        engine core runs without one)."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.config.model_config.tokenizer)
 
     def wait_for_executables(self) -> None:
         """Return once every step bucket is compiled or loaded (a warm start loads most on a
@@ -198,6 +216,10 @@ class LLMEngine:
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
         self._check_lora(lora_request)
+        if isinstance(params, SamplingParams):
+            # Last check: a bad schema / regex / grammar raises here, naming the field; the
+            # grammar then compiles on the manager's thread while the request waits.
+            self.structured_output.add_request(request_id, params)
         group_kwargs = {}
         seq_params = params
         if isinstance(params, BeamSearchParams):
@@ -227,7 +249,11 @@ class LLMEngine:
         )
         seq.sampling_seed = self._request_seed(params)
         group = SequenceGroup(request_id, seq, **group_kwargs)
-        self.scheduler.add_request(group)
+        try:
+            self.scheduler.add_request(group)
+        except Exception:
+            self.structured_output.remove_request(request_id)
+            raise
         output_kind = RequestOutputKind.FINAL_ONLY if final_only else seq_params.output_kind
         self.output_processor.add_request(group, prompt_text, output_kind)
 
@@ -300,6 +326,7 @@ class LLMEngine:
         if state is None:
             return None
         self.scheduler.abort(request_id)
+        self.structured_output.remove_request(request_id)
         # With async scheduling the scheduler may already have finished (and forgotten) the
         # group by length on a token still on the device. That token is not part of the
         # output, and the sequence counts as aborted so that resolving the step leaves it be.
@@ -370,8 +397,11 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         self.step_history.record(scheduler_output, self.kv_cache_manager.usage)
         in_flight, self._in_flight = self._in_flight, None
-        if scheduler_output.num_beam_candidates:
-            # Beam steps need the previous tokens on the host: finish the pipeline first.
+        if scheduler_output.num_beam_candidates or self.structured_output.needs_bitmask(
+            scheduler_output.scheduled
+        ):
+            # Beam steps and steps that sample under a grammar need the previous tokens on the
+            # host (beam candidates; the grammar bitmask): finish the pipeline first.
             outputs = [] if in_flight is None else self._resolve(in_flight, token_deltas)
             runner_output = self._run_sync(scheduler_output)
             return outputs + self._commit(scheduler_output, runner_output, token_deltas)
@@ -388,6 +418,7 @@ class LLMEngine:
     def _resolve(self, in_flight: InFlightStep, token_deltas: bool) -> list:
         runner_output = self.worker.collect(in_flight.pending)
         updated = resolve(self.scheduler, in_flight, runner_output)
+        self._update_grammars(updated)
         return self.output_processor.process(
             runner_output, updated, time.monotonic(), token_deltas=token_deltas
         )
@@ -395,6 +426,9 @@ class LLMEngine:
     def _run_sync(self, scheduler_output) -> ModelRunnerOutput:
         if scheduler_output.is_empty:
             return ModelRunnerOutput({})
+        scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
+            scheduler_output.scheduled
+        )
         self.worker.execute_block_ops(scheduler_output)
         return self.worker.execute_model(scheduler_output)
 
@@ -408,9 +442,22 @@ class LLMEngine:
             runner_output.sampled_logprobs,
             beam_candidates=self.worker.beam_candidates,
         )
+        self._update_grammars(updated)
         return self.output_processor.process(
             runner_output, updated, time.monotonic(), token_deltas=token_deltas
         )
+
+    def _update_grammars(self, updated: list[Sequence]) -> None:
+        """Feed just-committed tokens to the grammars; stop a sequence whose grammar has
+        terminated (EOS accepted; only reachable with ignore_eos) and abort one whose token the
+        grammar rejected."""
+        terminated, rejected = self.structured_output.update(updated)
+        for seq in terminated:
+            self.scheduler.finish_sequence(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+        for seq in rejected:
+            self.scheduler.finish_sequence(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
+        if terminated or rejected:
+            self.structured_output.update(terminated + rejected)  # drops their state
 
     def _step_sync(self, token_deltas: bool) -> list:
         scheduler_output = self.scheduler.schedule()

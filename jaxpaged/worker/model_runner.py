@@ -31,6 +31,7 @@ from jaxpaged.sample.logprobs import (
 )
 from jaxpaged.sample.metadata import SamplerVariant, SamplingMetadata
 from jaxpaged.sample.sampler import sample
+from jaxpaged.structured_output.bitmask import apply_token_bitmask, num_words
 from jaxpaged.worker.beam_candidates import top_logprobs
 from jaxpaged.worker.buckets import make_buckets, round_up_to_bucket
 from jaxpaged.worker.executables import ExecutableTable
@@ -295,8 +296,13 @@ class ModelRunner:
         ``memory_analysis()`` gives XLA's temporary, argument and output bytes."""
         return self._executable_table.get(key)
 
+    def _layout(self, key: BucketKey) -> PackedLayout:
+        # Only structured steps carry the token bitmask (one variant per bucket, any schema).
+        words = num_words(self.vocab_size) if key.variant.structured else 0
+        return PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks, words)
+
     def _lower_and_compile(self, key: BucketKey) -> jax.stages.Compiled:
-        layout = PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
+        layout = self._layout(key)
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         lora_weights = self._lora_weights()
         return self._jitted_step.lower(
@@ -373,6 +379,11 @@ class ModelRunner:
         hidden, kv_caches = model(input_ids, arrays["positions"], kv_caches, metadata, *extra)
         # Only the rows that sample reach the LM head.
         logits = model.compute_logits(hidden[arrays["logits_indices"]])
+        if variant.structured:
+            # Grammar-disallowed tokens go to -inf before anything reads the logits, so the
+            # sampler, the logprobs (raw ones too, as vLLM's) and beam candidates all see it.
+            bitmask = arrays["token_bitmask"].reshape(b, layout.bitmask_words)
+            logits = apply_token_bitmask(logits.astype(jnp.float32), bitmask)
         token_ids, logprobs, logits_state = sample(
             logits, sampling, logits_state, num_logprobs=self.max_logprobs, variant=variant
         )
@@ -424,9 +435,16 @@ class ModelRunner:
             padded = min(1 << (num_candidates - 1).bit_length(), self.vocab_size)
             key = dataclasses.replace(key, num_beam_candidates=padded)
         slots = self._assign_logits_state_slots(scheduled)
-        key = dataclasses.replace(key, variant=SamplerVariant.for_step(scheduled, slots))
-        layout = PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
+        bitmask = scheduler_output.grammar_bitmask
+        variant = SamplerVariant.for_step(scheduled, slots)
+        if bitmask is not None:
+            variant = dataclasses.replace(variant, structured=True)
+        key = dataclasses.replace(key, variant=variant)
+        layout = self._layout(key)
         packed = self._prepare_inputs(scheduled, layout, slots)
+        if bitmask is not None:
+            span = layout.spans()["token_bitmask"]
+            packed[span].reshape(layout.num_seqs, layout.bitmask_words)[: len(scheduled)] = bitmask
         self.num_scheduled_tokens += scheduler_output.num_batched_tokens
         self.num_bucket_tokens += key.num_tokens
         executable = self.executable(key)

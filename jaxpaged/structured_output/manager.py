@@ -1,0 +1,207 @@
+"""``StructuredOutputManager``: what the engine calls to constrain requests with grammars.
+
+Life of a constrained request (vLLM v1's ``StructuredOutputManager`` plays the same part):
+
+1. ``add_request`` (engine thread, when the request is added): the constraint is parsed into a
+   tokenizer-free grammar, so a bad schema, regex or grammar raises ``ValueError`` naming the
+   field before the request enters the scheduler (no blocks taken); then its compilation is
+   submitted to the thread pool (or found in the cache).
+2. ``grammar_bitmask`` (before each step that samples a constrained row): every such row's
+   matcher is brought up to date with its committed tokens and fills its row of the packed
+   bitmask; other rows allow everything. A grammar still compiling is waited for here.
+3. ``update`` (after each commit): matchers accept the new tokens; a sequence whose grammar
+   terminated without the engine stopping it (``ignore_eos``) is reported to be stopped, and
+   one whose token the grammar rejected is reported to be aborted; finished requests' state is
+   dropped.
+4. ``remove_request`` on abort.
+
+The tokenizer is loaded on the first compilation (the engine core process has none), on the
+compile thread.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.structured_output.bitmask import ALL_ALLOWED, num_words
+from jaxpaged.structured_output.compiler import GrammarCompiler
+from jaxpaged.structured_output.config import StructuredOutputsConfig
+from jaxpaged.structured_output.request_state import SequenceGrammar
+
+logger = logging.getLogger(__name__)
+
+
+class _RequestGrammar:
+    """A request's compiled grammar (a future) and its sequences' matchers."""
+
+    __slots__ = ("future", "seqs", "error", "group")
+
+    def __init__(self, future):
+        self.future = future
+        self.seqs: dict[str, SequenceGrammar] = {}
+        self.error: str | None = None
+        self.group = None  # the SequenceGroup, known once one of its sequences samples
+
+
+class StructuredOutputManager:
+    """Per-request grammars of one engine.
+
+    Args:
+        config: the engine's ``StructuredOutputsConfig``.
+        load_tokenizer: returns the HF tokenizer (called once, on the compile thread).
+        vocab_size: the model's vocabulary size (bitmask width ``ceil(vocab_size / 32)``).
+        eos_token_id: the engine's EOS: the one token a completed grammar allows.
+    """
+
+    def __init__(
+        self,
+        config: StructuredOutputsConfig,
+        load_tokenizer,
+        *,
+        vocab_size: int,
+        eos_token_id: int | None,
+    ):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.num_words = num_words(vocab_size)
+        self._load_tokenizer = load_tokenizer
+        self._eos_token_id = eos_token_id
+        self._backend = None
+        self._compiler: GrammarCompiler | None = None
+        self._requests: dict[str, _RequestGrammar] = {}
+
+    @property
+    def backend(self):
+        """The grammar backend, created (and xgrammar imported) on first use."""
+        if self._backend is None:
+            from jaxpaged.structured_output.backend import XGrammarBackend
+
+            self._backend = XGrammarBackend(
+                self._load_tokenizer,
+                vocab_size=self.vocab_size,
+                stop_token_ids=None if self._eos_token_id is None else [self._eos_token_id],
+                disable_any_whitespace=self.config.disable_any_whitespace,
+                disable_additional_properties=self.config.disable_additional_properties,
+            )
+            self._compiler = GrammarCompiler(self._backend.compile)
+        return self._backend
+
+    @property
+    def num_compiled(self) -> int:
+        """Grammar compilations submitted so far (cache misses)."""
+        return 0 if self._compiler is None else self._compiler.num_compiled
+
+    def has_requests(self) -> bool:
+        return bool(self._requests)
+
+    def is_constrained(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    # --------------------------------------------------------------------------- requests
+    def add_request(self, request_id: str, params: SamplingParams) -> None:
+        """Check the request's constraint and start compiling it (no-op when unconstrained).
+
+        Raises:
+            SamplingParamsError: (a ``ValueError``) naming the constraint field when the
+                backend cannot parse it or does not support it.
+        """
+        so = params.structured_outputs
+        if so is None:
+            return
+        grammar = self.backend.check(so)
+        self._requests[request_id] = _RequestGrammar(self._compiler.submit(so.cache_key, grammar))
+
+    def remove_request(self, request_id: str) -> None:
+        """Forget an aborted or finished request's grammar state."""
+        self._requests.pop(request_id, None)
+
+    def _seq_state(self, seq) -> SequenceGrammar | None:
+        request = self._requests.get(seq.group.request_id)
+        if request is None or request.error is not None:
+            return None
+        request.group = seq.group
+        state = request.seqs.get(seq.seq_id)
+        if state is None:
+            try:
+                compiled = request.future.result()
+            except Exception as error:  # validated at add; a compile failure is a backend bug
+                logger.error("grammar of request %s failed to compile: %s", seq.seq_id, error)
+                request.error = str(error)
+                return None
+            state = request.seqs[seq.seq_id] = SequenceGrammar(self.backend.matcher(compiled))
+        state.sync(seq.output_token_ids)
+        return state
+
+    # ------------------------------------------------------------------------------ steps
+    def grammar_bitmask(self, scheduled) -> np.ndarray | None:
+        """The step's bitmask rows, i32[len(scheduled), W] in ``scheduled`` order (all ones for
+        rows that are unconstrained, do not sample, or finished), or None when no row samples
+        under a grammar."""
+        if not self._requests:
+            return None
+        rows = [
+            i
+            for i, s in enumerate(scheduled)
+            if s.do_sample and s.seq.group.request_id in self._requests and not s.seq.is_finished
+        ]
+        if not rows:
+            return None
+        bitmask = np.full((len(scheduled), self.num_words), ALL_ALLOWED, np.int32)
+        for i in rows:
+            state = self._seq_state(scheduled[i].seq)
+            if state is not None and not state.failed and not state.is_terminated:
+                state.matcher.fill_next_token_bitmask(bitmask, i)
+        return bitmask
+
+    def needs_bitmask(self, scheduled) -> bool:
+        """Whether some row of ``scheduled`` samples under a grammar (such a step needs its
+        rows' previous tokens on the host: the engine runs it synchronously)."""
+        return bool(self._requests) and any(
+            s.do_sample and s.seq.group.request_id in self._requests for s in scheduled
+        )
+
+    def update(self, seqs) -> tuple[list, list]:
+        """Advance the matchers of ``seqs`` (just committed) and drop finished requests.
+
+        Returns:
+            ``(terminated, rejected)``: unfinished sequences whose grammar has terminated (to
+            stop), and those whose last token the grammar rejected or whose grammar failed to
+            compile (to abort).
+        """
+        terminated, rejected = [], []
+        if not self._requests:
+            return terminated, rejected
+        # Requests finished outside the commit (stop strings, found by the detokenizer).
+        done = [rid for rid, r in self._requests.items() if r.group and r.group.is_finished]
+        for request_id in done:
+            del self._requests[request_id]
+        for seq in seqs:
+            request_id = seq.group.request_id
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            if seq.group.is_finished:
+                self._requests.pop(request_id, None)
+                continue
+            if seq.is_finished:
+                request.seqs.pop(seq.seq_id, None)
+                continue
+            if request.error is not None:
+                rejected.append(seq)
+                continue
+            state = request.seqs.get(seq.seq_id)
+            if state is None:
+                continue  # not sampled under the grammar yet
+            state.sync(seq.output_token_ids)
+            if state.failed:
+                rejected.append(seq)
+            elif state.is_terminated:
+                terminated.append(seq)
+        return terminated, rejected
+
+    def shutdown(self) -> None:
+        if self._compiler is not None:
+            self._compiler.shutdown()
