@@ -1,11 +1,20 @@
 """Tool calling through a live server and the ``openai`` client: bad tool requests are 400s
-naming their field and leave the server serving with its KV cache free."""
+naming their field and leave the server serving with its KV cache free; "required" and named
+choices always yield calls whose arguments validate against the tool's schema (stories260k
+under the JSON-schema constraint), streamed as they are returned whole."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 
-from tests.entrypoints.openai.tool_template import TIME_TOOL, WEATHER_TOOL
+from tests.entrypoints.openai.tool_template import (
+    SHORT_TOOL_CHAT_TEMPLATE,
+    TIME_TOOL,
+    WEATHER_TOOL,
+)
 from tests.live_server import MODEL_NAME
 
 openai = pytest.importorskip("openai")
@@ -64,3 +73,120 @@ def test_bad_tool_requests_are_a_400_naming_the_field(client, server, fields, pa
     assert ok.choices[0].finish_reason == "length"
     stats = server.wait_idle()
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
+
+
+# ------------------------------------------------ a server with tools: constrained calls
+TOOLS = [WEATHER_TOOL, TIME_TOOL]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+SAMPLING = [dict(temperature=0.0), *(dict(temperature=1.0, seed=seed) for seed in range(2))]
+
+
+@pytest.fixture(scope="module")
+def tool_client():
+    from tests.live_server import API_KEY, start_server
+
+    running = start_server(
+        api_key=API_KEY,
+        chat_template=SHORT_TOOL_CHAT_TEMPLATE,
+        enable_auto_tool_choice=True,
+        tool_call_parser="hermes",
+        max_model_len=256,
+        # The tiny model would fill any whitespace a JSON grammar allows until max_tokens.
+        structured_outputs_config={"disable_any_whitespace": True},
+    )
+    yield openai.OpenAI(base_url=f"{running.url}/v1", api_key=API_KEY, max_retries=0), running
+    running.stop()
+
+
+def _check_calls(calls):
+    for call in calls:
+        assert call.id.startswith("chatcmpl-tool-") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("sampling", SAMPLING)
+def test_required_always_yields_calls_that_validate(tool_client, sampling):
+    # parallel_tool_calls=False: the array holds one call (the tiny model, left free, adds
+    # calls until max_tokens; a real model closes the array).
+    client, _ = tool_client
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_completion_tokens=200, **sampling,
+    )  # fmt: skip
+    (choice,) = response.choices
+    assert choice.finish_reason == "tool_calls"
+    assert len(choice.message.tool_calls) == 1 and choice.message.content == ""
+    _check_calls(choice.message.tool_calls)
+
+
+def test_required_with_parallel_calls_allowed_ends_when_the_model_closes_the_array(tool_client):
+    client, _ = tool_client
+    from transformers import AutoTokenizer
+
+    from jaxpaged.config import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    # Make "]" likely once the grammar allows it (after a complete call; nowhere else in these
+    # schemas): the tiny model would otherwise add calls until max_tokens.
+    (close_id,) = tokenizer.convert_tokens_to_ids(["]"])
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+        max_completion_tokens=200, temperature=1.0, seed=5, logit_bias={str(close_id): 50},
+    )  # fmt: skip
+    (choice,) = response.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    _check_calls(choice.message.tool_calls)
+
+
+@pytest.mark.parametrize("sampling", SAMPLING)
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_named_choice_always_yields_one_call_that_validates(tool_client, name, sampling):
+    client, _ = tool_client
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_completion_tokens=200,
+        tool_choice={"type": "function", "function": {"name": name}}, **sampling,
+    )  # fmt: skip
+    (choice,) = response.choices
+    assert choice.finish_reason == "stop"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == name
+    _check_calls([call])
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED])
+def test_streamed_calls_equal_the_whole_response(tool_client, tool_choice):
+    client, running = tool_client
+    body = dict(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+        max_completion_tokens=200, temperature=0.0, parallel_tool_calls=False,
+    )  # fmt: skip
+    whole = client.chat.completions.create(**body).choices[0]
+    calls, finish_reason = {}, None
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            finish_reason = choice.finish_reason or finish_reason
+            for delta in choice.delta.tool_calls or ():
+                if delta.index not in calls:
+                    assert delta.id and delta.function.name  # name first
+                    calls[delta.index] = [delta.function.name, ""]
+                else:
+                    assert delta.id is None and delta.function.name is None
+                calls[delta.index][1] += delta.function.arguments or ""
+    assert finish_reason == whole.finish_reason
+    assert list(calls.values()) == [
+        [c.function.name, c.function.arguments] for c in whole.message.tool_calls
+    ]
+    assert len(calls) == 1  # parallel_tool_calls=False
+    stats = running.wait_idle()
+    assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
+
+
+def test_auto_reply_without_calls_is_content(tool_client):
+    """The tiny model writes a story, not a call: "auto" returns it as content."""
+    client, _ = tool_client
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_completion_tokens=8, temperature=0
+    )
+    (choice,) = response.choices
+    assert choice.message.tool_calls in (None, []) and choice.message.content
+    assert choice.finish_reason == "length"

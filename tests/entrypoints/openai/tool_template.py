@@ -13,6 +13,14 @@ TOOL_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
+# For the live stories260k server (char-level tokens, 256-token context): tools by name only.
+SHORT_TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}{{ '\\n' }}"
+    "{% endif %}"
+    "{%- for m in messages %}{{ m.role }}: {{ m.content }}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -35,7 +43,9 @@ TIME_TOOL = {
         "name": "get_time",
         "parameters": {
             "type": "object",
-            "properties": {"zone": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Z][a-z]+$"}},
+            "properties": {
+                "zone": {"type": "string", "pattern": "^[A-Z][a-z]{2,8}/[A-Z][a-z]{2,8}$"}
+            },
             "required": ["zone"],
             "additionalProperties": False,
         },
