@@ -204,6 +204,9 @@ def build_app(
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs,
+                tools=[t.model_dump(exclude_none=True) for t in request.tools]
+                if request.tools
+                else None,
             )
             add_special = bool(request.add_special_tokens)
         else:

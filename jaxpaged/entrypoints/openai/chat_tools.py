@@ -192,6 +192,7 @@ class ChatChoiceParser:
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self._sent_content = 0
+        self._sent_reasoning = 0
         self.calls_made = False
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
@@ -230,8 +231,8 @@ class ChatChoiceParser:
         content_text = text
         if self.reasoning_parser is not None:
             split = self.reasoning_parser.split(text, final=final)
-            piece = self.reasoning_parser.extract_reasoning_streaming("", text, "", final=final)
-            reasoning = piece.reasoning if piece is not None else None
+            reasoning = split.reasoning[self._sent_reasoning :]
+            self._sent_reasoning = max(self._sent_reasoning, len(split.reasoning))
             content_text = split.content
         if not self.include_reasoning:
             reasoning = None

@@ -524,6 +524,8 @@ class TokenizeRequest(OpenAIRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    """With ``messages``: passed to the chat template, as on ``/v1/chat/completions``."""
     return_token_strs: bool = False
 
     @model_validator(mode="after")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import pytest
 
@@ -15,7 +16,7 @@ from tests.entrypoints.openai.tool_template import (
     TIME_TOOL,
     WEATHER_TOOL,
 )
-from tests.live_server import MODEL_NAME
+from tests.live_server import API_KEY, MODEL_NAME
 
 openai = pytest.importorskip("openai")
 
@@ -83,7 +84,7 @@ SAMPLING = [dict(temperature=0.0), *(dict(temperature=1.0, seed=seed) for seed i
 
 @pytest.fixture(scope="module")
 def tool_client():
-    from tests.live_server import API_KEY, start_server
+    from tests.live_server import start_server
 
     running = start_server(
         api_key=API_KEY,
@@ -190,3 +191,16 @@ def test_auto_reply_without_calls_is_content(tool_client):
     (choice,) = response.choices
     assert choice.message.tool_calls in (None, []) and choice.message.content
     assert choice.finish_reason == "length"
+
+
+def test_tokenize_renders_tools_like_the_chat_endpoint(tool_client):
+    _, running = tool_client
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "tools": TOOLS}
+    with httpx.Client(base_url=running.url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+
+        def rendered(request):
+            tokens = http.post("/tokenize", json=request).json()["tokens"]
+            return http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+
+        assert rendered(body).startswith("tools: get_weather get_time\nuser: What is")
+        assert rendered(body | {"tools": None}).startswith("user: What is")
