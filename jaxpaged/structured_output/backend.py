@@ -153,12 +153,35 @@ class XGrammarBackend:
     def compile(self, grammar):
         """``grammar`` compiled against the tokenizer (thread-safe; xgrammar caches too)."""
         if self._compiler is None:
-            tokenizer = self._load_tokenizer()
-            info = self.xgr.TokenizerInfo.from_huggingface(
-                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
-            )
+            info = self._tokenizer_info(self._load_tokenizer())
             self._compiler = self.xgr.GrammarCompiler(info, max_threads=2)
         return self._compiler.compile_grammar(grammar)
+
+    def _tokenizer_info(self, tokenizer):
+        """xgrammar's view of the vocabulary, with every special token (BOS, UNK, added special
+        tokens, ids past the tokenizer up to ``vocab_size``) as an empty string, which xgrammar
+        never allows. ``TokenizerInfo.from_huggingface`` alone keeps their text, so a grammar
+        starting with "<" could begin with ``<s>`` (seen on stories260k's SentencePiece
+        vocabulary)."""
+        detected = self.xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+        )
+        encoded = [""] * self.vocab_size
+        for token, token_id in tokenizer.get_vocab().items():
+            if token_id < self.vocab_size:
+                encoded[token_id] = token
+        special = set(tokenizer.all_special_ids)
+        special |= {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        for token_id in special:
+            if token_id < self.vocab_size:
+                encoded[token_id] = ""
+        return self.xgr.TokenizerInfo(
+            encoded,
+            detected.vocab_type,
+            vocab_size=self.vocab_size,
+            stop_token_ids=detected.stop_token_ids,
+            add_prefix_space=detected.add_prefix_space,
+        )
 
     def matcher(self, compiled):
         """A fresh matcher at the grammar's start: ``accept_token(id) -> bool``,

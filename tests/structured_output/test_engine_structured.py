@@ -237,3 +237,14 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm):
     for g, w in zip(got, want, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+
+
+def test_special_tokens_are_never_allowed_by_a_grammar(llm):
+    # "<s>" (BOS) starts with "<": xgrammar's default vocabulary view would allow it here.
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=10,
+        structured_outputs=StructuredOutputsParams(grammar='root ::= "<" [a-z] [a-z]? ">"'),
+    )
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(r"<[a-z]{1,2}>", out.text), (out.text, out.token_ids)

@@ -154,9 +154,10 @@ class _SamplingFields(OpenAIRequest):
     """With logprobs: tokens are written ``token_id:<id>`` (for tokens JSON cannot carry)."""
     request_id: str | None = None
     """The response's id becomes ``<cmpl|chatcmpl>-<request_id>``; None: a random one."""
-    # Refused unless neutral (serving_engine.UNSUPPORTED_FIELDS):
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
+    # Structured outputs (entrypoints/openai/structured_outputs.py): at most one of
+    # structured_outputs, guided_json / _regex / _choice / _grammar, structural_tag and a
+    # response_format other than text.
+    structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
@@ -165,6 +166,9 @@ class _SamplingFields(OpenAIRequest):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structural_tag: str | None = None
+    # Refused unless neutral (serving_engine.UNSUPPORTED_FIELDS):
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     priority: int = 0
     logits_processors: list[Any] | None = None
     cache_salt: str | None = None

@@ -47,6 +47,7 @@ from jaxpaged.entrypoints.openai.serving_engine import (
     stable_text,
     usage_of,
 )
+from jaxpaged.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from jaxpaged.sampling_params import StructuredOutputsParams
 
 
@@ -187,11 +188,16 @@ class OpenAIServingChat(OpenAIServing):
         values["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
         if request.echo and request.prompt_logprobs is None and request.logprobs:
             values["prompt_logprobs"] = request.top_logprobs or 0  # vLLM's rule
-        self._tool_sampling_values(request, values)
+        structured_field = self._constraint_values(request, values)
         params = self.sampling_params(values)
         request_id = self.response_id("chatcmpl", request)
         (stream,) = await self.add_requests(
-            request_id, [(prompt_text, ids)], [params], arrival_time, lora_request
+            request_id,
+            [(prompt_text, ids)],
+            [params],
+            arrival_time,
+            lora_request,
+            structured_field=structured_field,
         )
         model = self.response_model(lora_request)
         if request.stream:
@@ -200,17 +206,38 @@ class OpenAIServingChat(OpenAIServing):
             )
         return await self._full(request, request_id, model, stream)
 
-    def _tool_sampling_values(self, request: ChatCompletionRequest, values: dict) -> None:
-        """A named or "required" tool choice constrains the reply to a JSON schema; a parser
-        whose markers are special tokens needs them kept in the text."""
+    def _constraint_values(self, request: ChatCompletionRequest, values: dict) -> str | None:
+        """Set the request's constraint in ``values``; returns the request field it came from
+        (for the engine's errors), None when unconstrained.
+
+        A named or "required" tool choice constrains the reply to a JSON schema built from the
+        tools (vLLM's rule), and refuses a second constraint from the request (vLLM refuses
+        it for a named choice and overrides it for "required"; here neither is silently
+        dropped). With --reasoning-parser any constraint starts after the reasoning. A parser
+        whose markers are special tokens needs them kept in the text.
+
+        Raises:
+            BadRequestError: a tool choice and a structured-output field together.
+        """
+        field = structured_outputs_from_request(request)[1]
         schema = tool_constraint_schema(request)
         if schema is not None:
-            values["structured_outputs"] = _json_constraint(
-                schema, self.reasoning_end_token_ids(request)
-            )
+            if field is not None:
+                raise BadRequestError(
+                    "You can only either use constraints for structured outputs or tools, not "
+                    f'both: {field} cannot be combined with a named or "required" tool_choice',
+                    param=field,
+                )
+            values["structured_outputs"] = StructuredOutputsParams(json=schema)
+            field = "tools"
+        constraint = values.get("structured_outputs")
+        end_ids = self.reasoning_end_token_ids(request) if constraint is not None else None
+        if end_ids is not None and constraint.reasoning_end_token_ids is None:
+            constraint.reasoning_end_token_ids = end_ids
         parser = tool_mode_parser(request, self.tool_parser, self.tokenizer)
         if parser is not None and parser.keeps_special_tokens:
             values["skip_special_tokens"] = False
+        return field
 
     def reasoning_end_token_ids(self, request: ChatCompletionRequest) -> list[int] | None:
         """With --reasoning-parser, the ids that end the reasoning: a constraint starts after
@@ -397,12 +424,6 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             stream.close()
         yield SSE_DONE
-
-
-def _json_constraint(schema: dict, reasoning_end_token_ids: list[int] | None):
-    """``StructuredOutputsParams(json=schema)`` for the engine, starting after the reasoning
-    when ``reasoning_end_token_ids`` is given."""
-    return StructuredOutputsParams(json=schema, reasoning_end_token_ids=reasoning_end_token_ids)
 
 
 def _message_dict(message: ChatMessageParam, position: int) -> dict:

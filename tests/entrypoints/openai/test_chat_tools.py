@@ -381,3 +381,27 @@ def test_with_a_reasoning_parser_the_constraint_starts_after_the_end_of_thinking
     serving, engine = _chat(tokenizer, '{"city": "Oslo", "days": 1}', reasoning_parser="qwen3")
     _run(serving, _request(tool_choice=NAMED, chat_template_kwargs={"enable_thinking": False}))
     assert engine.requests[0][1]["structured_outputs"].reasoning_end_token_ids is None
+
+
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"])
+def test_a_tool_choice_and_a_structured_output_field_together_are_a_400(tokenizer, tool_choice):
+    serving, engine = _chat(tokenizer, "x")
+    request = _request(tool_choice=tool_choice, response_format={"type": "json_object"})
+    with pytest.raises(BadRequestError) as error:
+        _run(serving, request)
+    assert error.value.param == "response_format" and "not both" in str(error.value)
+    assert engine.requests == []
+
+
+def test_with_a_reasoning_parser_a_response_format_also_waits_for_the_reasoning(tokenizer):
+    serving, engine = _chat(tokenizer, '<think>k</think>{"a": 1}', reasoning_parser="deepseek_r1")
+    request = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "Hi"}], response_format={"type": "json_object"}
+    )
+    (choice,) = _run(serving, request).choices
+    assert (choice.message.reasoning, choice.message.content) == ("k", '{"a": 1}')
+    constraint = engine.requests[0][1]["structured_outputs"]
+    assert constraint.json_object is True
+    assert constraint.reasoning_end_token_ids == tokenizer.encode(
+        "</think>", add_special_tokens=False
+    )
