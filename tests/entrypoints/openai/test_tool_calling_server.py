@@ -204,3 +204,42 @@ def test_tokenize_renders_tools_like_the_chat_endpoint(tool_client):
 
         assert rendered(body).startswith("tools: get_weather get_time\nuser: What is")
         assert rendered(body | {"tools": None}).startswith("user: What is")
+
+
+# A regex that makes stories260k write the hermes format; the model still picks the values.
+HERMES_REGEX = (
+    r'It is (sunny|cold)\. <tool_call>\{"name": "get_weather", "arguments": '
+    r'\{"city": "(Paris|Rome|Oslo)", "days": [1-7]\}\}</tool_call>'
+)
+
+
+@pytest.mark.parametrize("sampling", SAMPLING)
+def test_auto_parses_the_calls_the_model_wrote(tool_client, sampling):
+    """End to end for "auto": the same greedy/seeded request with tool_choice "none" shows the
+    raw text; with "auto" the hermes parser must turn exactly that text into content + call."""
+    client, _ = tool_client
+    body = dict(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_completion_tokens=120,
+        extra_body={"structured_outputs": {"regex": HERMES_REGEX}}, **sampling,
+    )  # fmt: skip
+    raw = client.chat.completions.create(**body, tool_choice="none").choices[0].message.content
+    content, _, call = raw.partition("<tool_call>")
+    expected = json.loads(call.removesuffix("</tool_call>"))
+    (choice,) = client.chat.completions.create(**body, tool_choice="auto").choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == content
+    ((name, arguments),) = [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]
+    assert (name, json.loads(arguments)) == (expected["name"], expected["arguments"])
+    _check_calls(choice.message.tool_calls)
+    streamed, calls = "", {}
+    for chunk in client.chat.completions.create(**body, tool_choice="auto", stream=True):
+        for delta in (c.delta for c in chunk.choices):
+            streamed += delta.content or ""
+            for part in delta.tool_calls or ():
+                calls.setdefault(part.index, [part.function.name, ""])[1] += (
+                    part.function.arguments or ""
+                )
+    assert streamed == content
+    assert list(calls.values()) == [[name, arguments]]
