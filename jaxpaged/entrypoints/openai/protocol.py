@@ -14,7 +14,15 @@ import logging
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from jaxpaged.sequence import is_token_id_list
 
@@ -422,9 +430,17 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    """Left out of the JSON when empty (vLLM's serializer)."""
     reasoning: str | None = None
     """The text between ``<think>`` and ``</think>`` with --reasoning-parser (vLLM's field
     name since it retired ``reasoning_content``)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_tool_calls(self, handler):
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
