@@ -377,7 +377,8 @@ class OpenAIServingChat(OpenAIServing):
                     delta = text[len(previous) :]
                     if not delta and not finished:
                         continue
-                    logprobs = self._logprobs(request, completion, sent_tokens.get(index, 0))
+                    tokens_sent = sent_tokens.get(index, 0)
+                    logprobs = self._logprobs(request, completion, tokens_sent)
                     sent_text[index] = text
                     sent_tokens[index] = len(completion.token_ids)
                     if finished:
@@ -392,6 +393,8 @@ class OpenAIServingChat(OpenAIServing):
                             message.content = echo + (message.content or "")
                         finish_reason = parser.finish_reason(completion.finish_reason)
                         if message is None and not finished:
+                            # Held back (a possible marker): its logprobs go with the next.
+                            sent_tokens[index] = tokens_sent
                             continue
                         choice = ChatCompletionResponseStreamChoice(
                             index=index,

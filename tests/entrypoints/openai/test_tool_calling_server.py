@@ -243,3 +243,18 @@ def test_auto_parses_the_calls_the_model_wrote(tool_client, sampling):
                 )
     assert streamed == content
     assert list(calls.values()) == [[name, arguments]]
+
+
+def test_streamed_tool_calls_keep_every_tokens_logprobs(tool_client):
+    """Text the parser holds back (a possible "<tool_call>") still has its logprobs sent."""
+    client, _ = tool_client
+    entries, usage = 0, None
+    for chunk in client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_completion_tokens=120,
+        temperature=0.0, logprobs=True, stream=True, stream_options={"include_usage": True},
+        extra_body={"structured_outputs": {"regex": HERMES_REGEX}},
+    ):  # fmt: skip
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            entries += len(choice.logprobs.content) if choice.logprobs else 0
+    assert entries == usage.completion_tokens > 40
