@@ -78,8 +78,11 @@ def parse_and_build(parser: argparse.ArgumentParser, argv: list[str] | None):
     return args, llm
 
 
-def run_requests(engine, requests: list[BenchmarkRequest], *, tag: str) -> dict:
-    """Queue every request, step the engine until all finish; timing, tokens, fragmentation."""
+def run_requests(
+    engine, requests: list[BenchmarkRequest], *, tag: str, structured_outputs=None
+) -> dict:
+    """Queue every request, step the engine until all finish; timing, tokens, fragmentation.
+    ``structured_outputs``: a ``StructuredOutputsParams`` every request carries (None: none)."""
     from jaxpaged.sampling_params import SamplingParams
 
     stored_sum = held_sum = 0
@@ -89,7 +92,12 @@ def run_requests(engine, requests: list[BenchmarkRequest], *, tag: str) -> dict:
     for i, request in enumerate(requests):
         # vLLM's benchmark sampling: random sampling, every request runs to its output length.
         params = SamplingParams(
-            n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=request.output_len
+            n=1,
+            temperature=1.0,
+            top_p=1.0,
+            ignore_eos=True,
+            max_tokens=request.output_len,
+            structured_outputs=structured_outputs,
         )
         engine.add_request(
             f"{tag}-{i}", {"prompt_token_ids": request.prompt_token_ids}, params, final_only=True
@@ -115,12 +123,16 @@ def run_requests(engine, requests: list[BenchmarkRequest], *, tag: str) -> dict:
     }
 
 
-def run_throughput(llm, requests: list[BenchmarkRequest], *, warmup: bool = True) -> dict:
-    """Time ``requests`` on ``llm``'s engine (after a short warm-up run)."""
+def run_throughput(
+    llm, requests: list[BenchmarkRequest], *, warmup: bool = True, structured_outputs=None
+) -> dict:
+    """Time ``requests`` on ``llm``'s engine (after a short warm-up run); with
+    ``structured_outputs`` every request carries that constraint (it must not be able to
+    complete within the output length, so that every request makes its tokens)."""
     engine = llm.llm_engine
     if warmup:
         warm = [BenchmarkRequest(r.prompt_token_ids[:16], 4) for r in requests[:8]]
-        run_requests(engine, warm, tag="warmup")
+        run_requests(engine, warm, tag="warmup", structured_outputs=structured_outputs)
     result: dict = {}
     # A timed run must not read prefixes that an earlier run (the warm-up, or the same
     # workload run synchronously first) left in the prefix cache: vLLM's prompts are fresh.
@@ -132,7 +144,7 @@ def run_throughput(llm, requests: list[BenchmarkRequest], *, warmup: bool = True
     timeline = StepTimeline()
     engine.worker.set_step_timeline(timeline)
     try:
-        run = run_requests(engine, requests, tag="timed")
+        run = run_requests(engine, requests, tag="timed", structured_outputs=structured_outputs)
     finally:
         engine.worker.set_step_timeline(None)
         timeline.close()

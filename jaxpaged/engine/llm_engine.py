@@ -426,7 +426,7 @@ class LLMEngine:
     def _run_sync(self, scheduler_output) -> ModelRunnerOutput:
         if scheduler_output.is_empty:
             return ModelRunnerOutput({})
-        scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
+        scheduler_output.grammar_bitmask = self.structured_output.bitmask_filler(
             scheduler_output.scheduled
         )
         self.worker.execute_block_ops(scheduler_output)

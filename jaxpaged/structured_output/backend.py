@@ -79,6 +79,7 @@ class XGrammarBackend:
         self.disable_any_whitespace = disable_any_whitespace
         self.disable_additional_properties = disable_additional_properties
         self._compiler = None
+        self._batch = None
 
     def check(self, params: StructuredOutputsParams):
         """The tokenizer-free grammar of ``params``.
@@ -185,8 +186,19 @@ class XGrammarBackend:
 
     def matcher(self, compiled):
         """A fresh matcher at the grammar's start: ``accept_token(id) -> bool``,
-        ``fill_next_token_bitmask(i32[B, W] numpy array, row)``, ``is_terminated()``."""
+        ``is_terminated()``."""
         return self.xgr.GrammarMatcher(compiled)
+
+    def fill_bitmask(self, matchers: list, bitmask, rows: list[int]) -> None:
+        """Write each matcher's allowed tokens into ``bitmask`` (i32[B, W] numpy) at its row,
+        on xgrammar's threads (one call per step; the GIL is released)."""
+        if self._batch is None:
+            self._batch = self.xgr.BatchGrammarMatcher(max_threads="auto")
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+
+    def accept_tokens(self, matchers: list, tokens: list[int]) -> list[bool]:
+        """Advance each matcher by one token; whether each was allowed."""
+        return self.xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
 
 
 def _short(value, limit: int = 200):

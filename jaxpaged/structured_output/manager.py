@@ -26,6 +26,7 @@ import logging
 import numpy as np
 
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sequence import PLACEHOLDER_TOKEN_ID
 from jaxpaged.structured_output.bitmask import ALL_ALLOWED, num_words
 from jaxpaged.structured_output.compiler import GrammarCompiler
 from jaxpaged.structured_output.config import StructuredOutputsConfig
@@ -128,7 +129,7 @@ class StructuredOutputManager:
         request.group = seq.group
         state = request.seqs.get(seq.seq_id)
         if state is None:
-            try:
+            try:  # compiled on the pool since add_request; waits if it is still compiling
                 compiled = request.future.result()
             except Exception as error:  # validated at add; a compile failure is a backend bug
                 logger.error("grammar of request %s failed to compile: %s", seq.seq_id, error)
@@ -144,7 +145,19 @@ class StructuredOutputManager:
     def grammar_bitmask(self, scheduled) -> np.ndarray | None:
         """The step's bitmask rows, i32[len(scheduled), W] in ``scheduled`` order (all ones for
         rows that are unconstrained, do not sample, or finished), or None when no row samples
-        under a grammar."""
+        under a grammar. (Tests and tools; the engine uses ``bitmask_filler``.)"""
+        fill = self.bitmask_filler(scheduled)
+        if fill is None:
+            return None
+        bitmask = np.full((len(scheduled), self.num_words), ALL_ALLOWED, np.int32)
+        fill(bitmask)
+        return bitmask
+
+    def bitmask_filler(self, scheduled):
+        """None when no row of ``scheduled`` samples under a grammar; else ``fill(out)``, which
+        writes the constrained rows of ``out`` (i32[>= len(scheduled), W], already all ones:
+        the model runner's packed buffer) in ``scheduled`` order, bringing their matchers up
+        to date with the committed tokens first."""
         if not self._requests:
             return None
         rows = [
@@ -154,12 +167,18 @@ class StructuredOutputManager:
         ]
         if not rows:
             return None
-        bitmask = np.full((len(scheduled), self.num_words), ALL_ALLOWED, np.int32)
-        for i in rows:
-            state = self._seq_state(scheduled[i].seq)
-            if state is not None and state.active and not state.failed and not state.is_terminated:
-                state.matcher.fill_next_token_bitmask(bitmask, i)
-        return bitmask
+
+        def fill(out: np.ndarray) -> None:
+            states = [(i, self._seq_state(scheduled[i].seq)) for i in rows]
+            live = [
+                (i, s)
+                for i, s in states
+                if s is not None and s.active and not s.failed and not s.is_terminated
+            ]
+            if live:
+                self.backend.fill_bitmask([s.matcher for _, s in live], out, [i for i, _ in live])
+
+        return fill
 
     def needs_bitmask(self, scheduled) -> bool:
         """Whether some row of ``scheduled`` samples under a grammar (such a step needs its
@@ -176,7 +195,7 @@ class StructuredOutputManager:
             stop), and those whose last token the grammar rejected or whose grammar failed to
             compile (to abort).
         """
-        terminated, rejected = [], []
+        terminated, rejected, pending = [], [], []
         if not self._requests:
             return terminated, rejected
         # Requests finished outside the commit (stop strings, found by the detokenizer).
@@ -200,12 +219,30 @@ class StructuredOutputManager:
             state = request.seqs.get(seq.seq_id)
             if state is None:
                 continue  # not sampled under the grammar yet
-            state.sync(seq.output_token_ids)
+            pending.append((seq, state))
+        self._sync(pending)
+        for seq, state in pending:
             if state.failed:
                 rejected.append(seq)
             elif state.is_terminated:
                 terminated.append(seq)
         return terminated, rejected
+
+    def _sync(self, pending: list) -> None:
+        """Bring matchers up to date: one batched call for the usual one new token each."""
+        one = [
+            (seq, state)
+            for seq, state in pending
+            if state.num_behind(seq.output_token_ids) == 1 and not state.matcher.is_terminated()
+        ]
+        if one:
+            tokens = [seq.output_token_ids[-1] for seq, _ in one]
+            if PLACEHOLDER_TOKEN_ID not in tokens:
+                accepted = self.backend.accept_tokens([s.matcher for _, s in one], tokens)
+                for (_, state), ok in zip(one, accepted, strict=True):
+                    state.accepted(ok)
+        for seq, state in pending:
+            state.sync(seq.output_token_ids)
 
     def shutdown(self) -> None:
         if self._compiler is not None:

@@ -73,6 +73,20 @@ class SequenceGrammar:
                 return
             self.num_accepted += 1
 
+    def num_behind(self, output_token_ids: list[int]) -> int:
+        """Output tokens not yet accepted (none before the grammar starts)."""
+        if self.start is None:
+            return 0
+        return len(output_token_ids) - self.start - self.num_accepted
+
+    def accepted(self, ok: bool) -> None:
+        """Record the outcome of accepting the next token outside ``sync`` (a batched call)."""
+        if ok:
+            self.num_accepted += 1
+        else:
+            logger.warning("a token is not allowed by the sequence's grammar")
+            self.failed = True
+
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token accepted."""
