@@ -206,13 +206,12 @@ class ChatChoiceParser:
         """The whole reply of a finished choice."""
         reasoning, content = None, text
         if self.reasoning_parser is not None:
-            reasoning, content = self.reasoning_parser.extract_reasoning(text)
-            content = content or ""
+            reasoning, content = self.reasoning_parser.extract_reasoning(text)  # content: None
         if not self.include_reasoning:
             reasoning = None
         if self.tool_parser is None:
             return ChatMessage(role="assistant", content=content, reasoning=reasoning)
-        info = self.tool_parser.extract_tool_calls(content)
+        info = self.tool_parser.extract_tool_calls(content or "")
         calls = info.tool_calls[:1] if self.single_call else info.tool_calls
         self.calls_made = bool(calls)
         if self.named or isinstance(self.tool_parser, RequiredToolCalls):

@@ -5,6 +5,7 @@ under the JSON-schema constraint), streamed as they are returned whole."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -258,3 +259,40 @@ def test_streamed_tool_calls_keep_every_tokens_logprobs(tool_client):
         for choice in chunk.choices:
             entries += len(choice.logprobs.content) if choice.logprobs else 0
     assert entries == usage.completion_tokens > 40
+
+
+def _chat_with_reasoning(running, parser: str, **fields):
+    """A chat completion through a handler with ``--reasoning-parser parser`` over the live
+    server's engine core (on its event loop): real output, real parser, no second server."""
+    from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest
+    from jaxpaged.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+    from jaxpaged.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    serving = OpenAIServingChat(
+        running.engine, running.engine.tokenizer, [MODEL_NAME], 256,
+        chat_template=SHORT_TOOL_CHAT_TEMPLATE, reasoning_parser=get_reasoning_parser(parser),
+    )  # fmt: skip
+    request = ChatCompletionRequest(messages=MESSAGES, temperature=0, **fields)
+    coroutine = serving.create_chat_completion(request)
+    return asyncio.run_coroutine_threadsafe(coroutine, running.engine.loop).result(60)
+
+
+def test_reasoning_parsers_split_real_output_and_constraints_wait_for_the_reasoning(tool_client):
+    client, running = tool_client
+    plain = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=12, temperature=0
+    ).choices[0]
+    # stories260k never writes </think>: deepseek_r1 reads it all as reasoning (cut off).
+    (choice,) = _chat_with_reasoning(running, "deepseek_r1", max_tokens=12).choices
+    assert (choice.message.reasoning, choice.message.content) == (plain.message.content, None)
+    # qwen3 with thinking switched off: all content.
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    (choice,) = _chat_with_reasoning(running, "qwen3", max_tokens=12, **off).choices
+    assert (choice.message.reasoning, choice.message.content) == (None, plain.message.content)
+    # A JSON constraint starts only after </think>, which never comes: the text is unchanged.
+    json_object = {"response_format": {"type": "json_object"}, "max_tokens": 12}
+    (choice,) = _chat_with_reasoning(running, "deepseek_r1", **json_object).choices
+    assert choice.message.reasoning == plain.message.content
+    # ... while with thinking off it applies from the first token.
+    (choice,) = _chat_with_reasoning(running, "qwen3", **json_object, **off).choices
+    assert choice.message.content.startswith("{")
