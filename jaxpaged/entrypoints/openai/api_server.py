@@ -313,12 +313,12 @@ def run_server(
     (the API process) unless ``engine_args.skip_tokenizer_init``. ``api_server_count`` > 1:
     that many API processes over one core (``multi_api_server.run_multi_api_server``), whose
     metrics live in ``multiprocess_metrics_dir`` (``PROMETHEUS_MULTIPROC_DIR``, exported by
-    ``jaxpaged serve``).
+    ``jaxpaged serve``). The parser options are ``build_app``'s (every API process gets them).
 
     Raises:
         ValueError: invalid engine arguments (checked before the core starts),
             ``api_server_count`` < 1 or above 1 with data parallelism or without
-            ``multiprocess_metrics_dir``.
+            ``multiprocess_metrics_dir``, an unknown tool or reasoning parser.
         RuntimeError: the engine core failed to start.
     """
     import uvicorn
