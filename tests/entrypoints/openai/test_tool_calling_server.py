@@ -57,6 +57,25 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
             "tools.0.function.parameters",
             "is not a valid JSON schema",
         ),
+        (  # a valid schema the grammar backend cannot compile: refused when added
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"a": {"$ref": "#/$defs/missing"}},
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            "cannot be compiled",
+        ),
     ],
 )
 def test_bad_tool_requests_are_a_400_naming_the_field(client, server, fields, param, message):
