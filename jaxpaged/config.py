@@ -178,7 +178,8 @@ class EngineArgs:
     structured_outputs_config: str | dict | None = _arg(
         None,
         'Constrained decoding settings as JSON, e.g. \'{"backend": "xgrammar"}\' (or a bare '
-        "backend name): backend auto | xgrammar (guidance is refused), disable_any_whitespace, "
+        "backend name): backend auto (xgrammar if installed, else guidance) | xgrammar | guidance "
+        "(llguidance), disable_any_whitespace, "
         "disable_additional_properties. None: backend auto (xgrammar).",
     )
 

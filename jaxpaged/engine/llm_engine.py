@@ -448,16 +448,15 @@ class LLMEngine:
         )
 
     def _update_grammars(self, updated: list[Sequence]) -> None:
-        """Feed just-committed tokens to the grammars; stop a sequence whose grammar has
-        terminated (EOS accepted; only reachable with ignore_eos) and abort one whose token the
-        grammar rejected."""
-        terminated, rejected = self.structured_output.update(updated)
-        for seq in terminated:
-            self.scheduler.finish_sequence(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+        """Feed just-committed tokens to the grammars; abort a sequence whose token the grammar
+        rejected (possible only when every token was masked, e.g. min_tokens forbidding the
+        EOS a complete grammar requires). A complete grammar allows only EOS, so it stops by
+        the usual EOS rule."""
+        rejected = self.structured_output.update(updated)
         for seq in rejected:
             self.scheduler.finish_sequence(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
-        if terminated or rejected:
-            self.structured_output.update(terminated + rejected)  # drops their state
+        if rejected:
+            self.structured_output.update(rejected)  # drops their state
 
     def _step_sync(self, token_deltas: bool) -> list:
         scheduler_output = self.scheduler.schedule()

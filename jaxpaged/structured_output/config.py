@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-# "guidance" (llguidance) is vLLM's other backend; jaxpaged knows its name and refuses it.
+# vLLM's names: xgrammar, guidance (llguidance); auto picks xgrammar when it imports.
 BACKENDS = ("auto", "xgrammar", "guidance")
 
 
@@ -18,8 +18,8 @@ class StructuredOutputsConfig:
     """
 
     backend: str = "auto"
-    """Grammar library: ``auto`` (xgrammar, vLLM's default), ``xgrammar``, or ``guidance``
-    (refused: not implemented)."""
+    """Grammar library: ``xgrammar`` (vLLM's default; imports torch), ``guidance``
+    (llguidance; torch-free) or ``auto`` (xgrammar when it imports, else guidance)."""
     disable_any_whitespace: bool = False
     """Default for every request: JSON output without whitespace between tokens."""
     disable_additional_properties: bool = False
@@ -30,11 +30,6 @@ class StructuredOutputsConfig:
             raise ValueError(
                 f"structured_outputs_config.backend must be one of {list(BACKENDS)}, "
                 f"got {self.backend!r}"
-            )
-        if self.backend == "guidance":
-            raise ValueError(
-                "structured_outputs_config.backend 'guidance' (llguidance) is not supported "
-                "by jaxpaged; use 'xgrammar' or 'auto'"
             )
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):

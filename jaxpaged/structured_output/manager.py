@@ -9,10 +9,10 @@ Life of a constrained request (vLLM v1's ``StructuredOutputManager`` plays the s
 2. ``grammar_bitmask`` (before each step that samples a constrained row): every such row's
    matcher is brought up to date with its committed tokens and fills its row of the packed
    bitmask; other rows allow everything. A grammar still compiling is waited for here.
-3. ``update`` (after each commit): matchers accept the new tokens; a sequence whose grammar
-   terminated without the engine stopping it (``ignore_eos``) is reported to be stopped, and
-   one whose token the grammar rejected is reported to be aborted; finished requests' state is
-   dropped.
+3. ``update`` (after each commit): matchers accept the new tokens; a sequence whose token the
+   grammar rejected is reported to be aborted; finished requests' state is dropped. A complete
+   grammar needs no action: its mask allows only EOS, which stops the request (``stop``) by the
+   engine's usual EOS rule, so the text keeps every grammar token and drops only the EOS.
 4. ``remove_request`` on abort.
 
 The tokenizer is loaded on the first compilation (the engine core process has none), on the
@@ -79,9 +79,7 @@ class StructuredOutputManager:
     def backend(self):
         """The grammar backend, created (and xgrammar imported) on first use."""
         if self._backend is None:
-            from jaxpaged.structured_output.backend import XGrammarBackend
-
-            self._backend = XGrammarBackend(
+            self._backend = _backend_class(self.config.backend)(
                 self._load_tokenizer,
                 vocab_size=self.vocab_size,
                 stop_token_ids=None if self._eos_token_id is None else [self._eos_token_id],
@@ -170,11 +168,19 @@ class StructuredOutputManager:
 
         def fill(out: np.ndarray) -> None:
             states = [(i, self._seq_state(scheduled[i].seq)) for i in rows]
-            live = [
-                (i, s)
-                for i, s in states
-                if s is not None and s.active and not s.failed and not s.is_terminated
-            ]
+            live = []
+            for i, s in states:
+                if s is None or s.failed or not s.active:
+                    continue  # all allowed (``update`` aborts a failed sequence; an inactive
+                    # one is still reasoning)
+                if s.is_terminated:
+                    # Complete (guidance) or past EOS (xgrammar with ignore_eos): only EOS.
+                    out[i] = 0
+                    if self._eos_token_id is not None:
+                        word = np.array([1 << (self._eos_token_id % 32)], np.uint32)
+                        out[i, self._eos_token_id // 32] = word.view(np.int32)[0]
+                else:
+                    live.append((i, s))
             if live:
                 self.backend.fill_bitmask([s.matcher for _, s in live], out, [i for i, _ in live])
 
@@ -187,17 +193,16 @@ class StructuredOutputManager:
             s.do_sample and s.seq.group.request_id in self._requests for s in scheduled
         )
 
-    def update(self, seqs) -> tuple[list, list]:
+    def update(self, seqs) -> list:
         """Advance the matchers of ``seqs`` (just committed) and drop finished requests.
 
         Returns:
-            ``(terminated, rejected)``: unfinished sequences whose grammar has terminated (to
-            stop), and those whose last token the grammar rejected or whose grammar failed to
-            compile (to abort).
+            The unfinished sequences whose last token the grammar rejected or whose grammar
+            failed to compile (the engine aborts them).
         """
-        terminated, rejected, pending = [], [], []
+        rejected, pending = [], []
         if not self._requests:
-            return terminated, rejected
+            return rejected
         # Requests finished outside the commit (stop strings, found by the detokenizer).
         done = [rid for rid, r in self._requests.items() if r.group and r.group.is_finished]
         for request_id in done:
@@ -221,12 +226,8 @@ class StructuredOutputManager:
                 continue  # not sampled under the grammar yet
             pending.append((seq, state))
         self._sync(pending)
-        for seq, state in pending:
-            if state.failed:
-                rejected.append(seq)
-            elif state.is_terminated:
-                terminated.append(seq)
-        return terminated, rejected
+        rejected += [seq for seq, state in pending if state.failed]
+        return rejected
 
     def _sync(self, pending: list) -> None:
         """Bring matchers up to date: one batched call for the usual one new token each."""
@@ -247,3 +248,24 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._compiler is not None:
             self._compiler.shutdown()
+
+
+def _backend_class(name: str):
+    """The backend class of ``structured_outputs_config.backend``; ``auto`` takes xgrammar
+    when it imports (it needs torch), else guidance.
+
+    Raises:
+        ValueError: the chosen backend's package is not installed (naming it).
+    """
+    from jaxpaged.structured_output.backend import XGrammarBackend
+    from jaxpaged.structured_output.backend_guidance import GuidanceBackend
+
+    if name == "xgrammar":
+        return XGrammarBackend
+    if name == "guidance":
+        return GuidanceBackend
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return GuidanceBackend
+    return XGrammarBackend

@@ -42,8 +42,24 @@ def llm():
     return LLM(**ENGINE)
 
 
-def _json_params(schema, temperature: float, seed: int, **kw) -> SamplingParams:
-    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+@pytest.fixture(scope="module")
+def guidance_llm():
+    pytest.importorskip("llguidance")
+    return LLM(**ENGINE, structured_outputs_config={"backend": "guidance"})
+
+
+def _has_number(schema) -> bool:
+    return '"number"' in json.dumps(schema)
+
+
+def _json_params(
+    schema, temperature: float, seed: int, disable_additional_properties=False, **kw
+) -> SamplingParams:
+    so = StructuredOutputsParams(
+        json=schema,
+        disable_any_whitespace=True,
+        disable_additional_properties=disable_additional_properties,
+    )
     return SamplingParams(
         temperature=temperature, seed=seed, max_tokens=MAX_TOKENS, structured_outputs=so, **kw
     )
@@ -54,6 +70,7 @@ def test_every_json_schema_output_parses_and_validates(llm, temperature):
     assert len(SCHEMAS) >= 50
     params = [_json_params(s, temperature, i) for i, s in enumerate(SCHEMAS)]
     outputs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    assert llm.llm_engine.structured_output.backend.name == "xgrammar"
     for schema, out in zip(SCHEMAS, outputs, strict=True):
         completion = out.outputs[0]
         assert completion.finish_reason == "stop", (schema, completion.text)
@@ -61,7 +78,27 @@ def test_every_json_schema_output_parses_and_validates(llm, temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_regex_and_choice_outputs_match(llm, temperature):
+def test_every_json_schema_output_validates_with_the_guidance_backend(guidance_llm, temperature):
+    # llguidance leaves a number's fraction digits unbounded (the tiny model writes zeros
+    # until max_tokens) and allows properties a schema does not name unless told otherwise.
+    schemas = [s for s in SCHEMAS if not _has_number(s)]
+    assert len(schemas) >= 50
+    params = [
+        _json_params(s, temperature, i, disable_additional_properties=True)
+        for i, s in enumerate(schemas)
+    ]
+    outputs = guidance_llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    assert guidance_llm.llm_engine.structured_output.backend.name == "guidance"
+    for schema, out in zip(schemas, outputs, strict=True):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", (schema, completion.text)
+        jsonschema.validate(json.loads(completion.text), schema, format_checker=FORMATS)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_regex_and_choice_outputs_match(request, backend, temperature):
+    llm = request.getfixturevalue("llm" if backend == "xgrammar" else "guidance_llm")
     params = [
         SamplingParams(
             temperature=temperature,
@@ -195,6 +232,7 @@ def test_equal_constraints_compile_once_and_no_step_recompiles_per_schema(llm):
         (dict(regex="(unclosed"), "regex"),
         (dict(grammar="root ::= missing_rule"), "grammar"),
         (dict(json={"type": "string"}, whitespace_pattern=" *"), "whitespace_pattern"),
+        (dict(structural_tag="{not json"), "structural_tag"),
     ],
 )
 def test_a_constraint_the_backend_cannot_compile_is_refused_by_name(llm, fields, name):
@@ -248,3 +286,31 @@ def test_special_tokens_are_never_allowed_by_a_grammar(llm):
     )
     out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
     assert re.fullmatch(r"<[a-z]{1,2}>", out.text), (out.text, out.token_ids)
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        (dict(json={"type": "bogus"}), "json"),
+        (dict(regex="(unclosed"), "regex"),
+        (dict(grammar="start: nowhere"), "grammar"),
+        (dict(structural_tag='{"structures": [], "triggers": []}'), "structural_tag"),
+    ],
+)
+def test_the_guidance_backend_refuses_by_name_too(guidance_llm, fields, name):
+    engine = guidance_llm.llm_engine
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(**fields))
+    with pytest.raises(SamplingParamsError) as info:
+        engine.add_request("bad", PROMPT, params)
+    assert info.value.parameter == name
+    assert not engine.has_unfinished_requests()
+
+
+def test_guidance_whitespace_pattern_is_honoured(guidance_llm):
+    schema = {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 2, "maxItems": 3}
+    so = StructuredOutputsParams(json=schema, whitespace_pattern=" ")
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so)
+    out = guidance_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), schema)
+    assert not set(re.sub(r'"[ab]"', "", out.text)) - set("[], ")
