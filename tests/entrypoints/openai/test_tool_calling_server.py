@@ -315,3 +315,28 @@ def test_reasoning_parsers_split_real_output_and_constraints_wait_for_the_reason
     # ... while with thinking off it applies from the first token.
     (choice,) = _chat_with_reasoning(running, "qwen3", **json_object, **off).choices
     assert choice.message.content.startswith("{")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_of_n_choices_gets_its_own_calls(tool_client, stream):
+    client, _ = tool_client
+    body = dict(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", n=2,
+        parallel_tool_calls=False, max_completion_tokens=200, temperature=1.0, seed=3,
+    )  # fmt: skip
+    if not stream:
+        choices = client.chat.completions.create(**body).choices
+        assert sorted(c.index for c in choices) == [0, 1]
+        for choice in choices:
+            assert choice.finish_reason == "tool_calls"
+            _check_calls(choice.message.tool_calls)
+        return
+    calls = {0: {}, 1: {}}
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            for part in choice.delta.tool_calls or ():
+                entry = calls[choice.index].setdefault(part.index, [part.function.name, ""])
+                entry[1] += part.function.arguments or ""
+    for per_choice in calls.values():
+        ((name, arguments),) = per_choice.values()
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
