@@ -31,7 +31,7 @@ DEFAULT_MODEL_NAME = "stories260k"
 
 _LOAD_FORMATS = ("auto", "safetensors", "dummy", "bitsandbytes")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-_BLOCK_SIZES = (8, 16, 32, 64, 128)
+BLOCK_SIZE_CHOICES = (8, 16, 32, 64, 128)
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
@@ -129,7 +129,8 @@ class EngineArgs:
     linear_backend: str = _arg(
         "auto",
         "Backend of 4-bit quantized linears (awq, gptq, compressed-tensors W4A16): xla "
-        "(dequantize into XLA's dot), pallas (the W4A16 Pallas kernel; one device), or auto (xla).",
+        "(dequantize into XLA's dot), pallas (the W4A16 Pallas kernel; one device), or auto (per "
+        "step's token count from models.linear_backends.AUTO_BACKENDS, on a GPU).",
     )
     preemption_mode: str | None = _arg(
         None,
@@ -313,7 +314,7 @@ class EngineConfig:
         _check_choice("dtype", args.dtype, DTYPE_CHOICES)
         _check_choice("load_format", args.load_format, _LOAD_FORMATS)
         _check_choice("attention_backend", args.attention_backend, ATTENTION_BACKEND_CHOICES)
-        _check_choice("block_size", args.block_size, _BLOCK_SIZES)
+        _check_choice("block_size", args.block_size, BLOCK_SIZE_CHOICES)
         _check_choice("preemption_mode", args.preemption_mode, PREEMPTION_MODES)
         _check_kv_cache_dtype(args)
         if not args.swap_space >= 0:

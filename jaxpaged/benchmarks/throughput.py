@@ -24,19 +24,16 @@ import sys
 import time
 
 from jaxpaged.benchmarks.dataset import DATASET_NAMES, BenchmarkRequest, make_requests
-from jaxpaged.entrypoints.cli import (
-    add_engine_args,
-    engine_args_from,
-    set_jax_memory_fraction,
-)
+from jaxpaged.entrypoints.cli_args import add_engine_args, engine_args_from
+from jaxpaged.entrypoints.env import set_jax_memory_fraction
 from jaxpaged.worker.step_timeline import StepTimeline
 
 # Fragmentation is sampled every this many engine steps.
 _FRAGMENTATION_EVERY = 8
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument(
         "--dataset-name",
         choices=DATASET_NAMES,
@@ -202,8 +199,8 @@ def result_lines(result: dict) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, llm = parse_and_build(build_parser(), argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args, llm = parse_and_build(build_parser(prog), argv)
     engine = llm.llm_engine
     print(f"Compiled step buckets in {engine.worker.compile_seconds:.1f} s", flush=True)
     requests = make_requests(

@@ -57,7 +57,7 @@ from models.quantized_weights import quantized_weight_bytes
 from models.sharded_weights import load_sharded_model
 from models.sharding import kv_cache_sharding, make_mesh
 from models.tp_layout import TPLayout
-from models.weights import load_model, resolve_dtype
+from models.weights import float_weights_checksum, load_model, resolve_dtype
 from pallas_kernels.fp8_kv_cache import kv_cache_fp8_dtype
 
 logger = logging.getLogger(__name__)
@@ -407,6 +407,11 @@ class Worker:
             f"{stored / tp / 2**20:.2f} MiB per device vs {unquantized / tp / 2**20:.2f} MiB in "
             f"{self.dtype.name}, freeing {freed / 2**20:.2f} MiB = {blocks} KV blocks"
         )
+
+    def weights_checksum(self) -> tuple[float, int]:
+        """``(sum of |x|, element count)`` of the loaded model's floating-point weights
+        (``models.weights.float_weights_checksum``): equal for engines holding the same weights."""
+        return float_weights_checksum(self._model)
 
     def set_step_timeline(self, timeline: StepTimeline | None) -> None:
         """Time every dispatched step on the device (benchmarks); None stops."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from jaxpaged.entrypoints.cli import _build_parser, serve_options
+from jaxpaged.entrypoints.cli import _build_parser
+from jaxpaged.entrypoints.cli_args import serve_options
 
 
 def _serve_args(*argv):

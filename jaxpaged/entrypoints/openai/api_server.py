@@ -23,9 +23,11 @@ Starlette's disconnect listener (which cancels the body iterator), whole respons
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import secrets
+import sys
 from collections.abc import Awaitable, Sequence
 
 from fastapi import FastAPI, Request
@@ -37,6 +39,9 @@ import jaxpaged
 from jaxpaged.engine.core import freeze_gc_heap
 from jaxpaged.engine.core_client import EngineCoreClient
 from jaxpaged.engine.dp_client import DPEngineCoreClient
+from jaxpaged.entrypoints.cli_args import add_serve_args, check_api_server_count, serve_options
+from jaxpaged.entrypoints.env import prometheus_multiproc_dir, set_jax_memory_fraction
+from jaxpaged.entrypoints.openai.chat_tools import resolve_parsers
 from jaxpaged.entrypoints.openai.errors import (
     BadRequestError,
     error_response,
@@ -353,6 +358,7 @@ def run_server(
             max_num_queued_requests=max_num_queued_requests,
             uvicorn_log_level=uvicorn_log_level,
             app_options=app_options,
+            build_app=build_app,
         )
     model_config = engine_args.create_engine_config().model_config
     tokenizer = load_tokenizer(model_config)
@@ -369,43 +375,6 @@ def run_server(
     return 0
 
 
-def resolve_parsers(
-    enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None
-) -> dict:
-    """``OpenAIServingChat`` keywords for the parser flags (``tool_parser``,
-    ``reasoning_parser`` classes, None where not asked for).
-
-    Raises:
-        ValueError: an unknown parser name (the message lists the known ones), or
-            --enable-auto-tool-choice without --tool-call-parser.
-    """
-    from jaxpaged.entrypoints.openai.reasoning_parsers import get_reasoning_parser
-    from jaxpaged.entrypoints.openai.tool_parsers import get_tool_parser
-
-    if enable_auto_tool_choice and not tool_call_parser:
-        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
-    return dict(
-        tool_parser=get_tool_parser(tool_call_parser) if tool_call_parser else None,
-        reasoning_parser=get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
-    )
-
-
-def check_api_server_count(api_server_count: int, data_parallel_size: int = 1) -> None:
-    """Refuse an ``--api-server-count`` below 1, or above 1 with ``--data-parallel-size`` > 1
-    (several API processes serve one engine core here).
-
-    Raises:
-        ValueError: naming the flag, the rule and the value.
-    """
-    if api_server_count < 1:
-        raise ValueError(f"--api-server-count must be at least 1, got {api_server_count}")
-    if api_server_count > 1 and data_parallel_size > 1:
-        raise ValueError(
-            f"--api-server-count {api_server_count} needs --data-parallel-size 1 (several API "
-            f"processes share one engine core), got --data-parallel-size {data_parallel_size}"
-        )
-
-
 def load_tokenizer(model_config):
     """The API process's tokenizer for ``model_config`` (``ModelConfig``); None with
     ``skip_tokenizer_init``."""
@@ -416,9 +385,38 @@ def load_tokenizer(model_config):
     return AutoTokenizer.from_pretrained(model_config.tokenizer)
 
 
+def serve(args: argparse.Namespace) -> int:
+    """Run the server for parsed ``jaxpaged serve`` flags (``cli_args.add_serve_args``): size
+    JAX's memory pool for the engine core (a child process that inherits the variable; this
+    process never uses JAX), export ``PROMETHEUS_MULTIPROC_DIR`` for several API processes, and
+    ``run_server``.
+
+    Raises:
+        ValueError: bad flags (``cli_args.serve_options``) or engine arguments.
+    """
+    options = serve_options(args)
+    set_jax_memory_fraction(options["engine_args"].gpu_memory_utilization)
+    if options["api_server_count"] == 1:
+        return run_server(**options)
+    with prometheus_multiproc_dir() as metrics_dir:
+        return run_server(**options, multiprocess_metrics_dir=metrics_dir)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m jaxpaged.entrypoints.openai.api_server [flags]``: ``jaxpaged serve`` without
+    the ``jaxpaged`` command; a bad flag value prints the error and returns 2."""
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxpaged.entrypoints.openai.api_server",
+        description="The OpenAI-compatible HTTP server (same flags as `jaxpaged serve`).",
+    )
+    add_serve_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return serve(args)
+    except ValueError as error:
+        print(f"jaxpaged: error: {error}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    import sys
-
-    from jaxpaged.entrypoints.cli import main
-
-    sys.exit(main(["serve", *sys.argv[1:]]))
+    sys.exit(main())

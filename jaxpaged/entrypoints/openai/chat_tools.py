@@ -30,8 +30,13 @@ from jaxpaged.entrypoints.openai.protocol import (
     ChatMessage,
     DeltaMessage,
 )
-from jaxpaged.entrypoints.openai.reasoning_parsers import ReasoningParser
-from jaxpaged.entrypoints.openai.tool_parsers import ParsedCall, ParsedOutput, ToolParser
+from jaxpaged.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from jaxpaged.entrypoints.openai.tool_parsers import (
+    ParsedCall,
+    ParsedOutput,
+    ToolParser,
+    get_tool_parser,
+)
 from jaxpaged.entrypoints.openai.tool_parsers.json_scan import (
     parsed_calls,
     scan_call_array,
@@ -39,6 +44,24 @@ from jaxpaged.entrypoints.openai.tool_parsers.json_scan import (
 )
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def resolve_parsers(
+    enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None
+) -> dict:
+    """``OpenAIServingChat`` keywords for the parser flags (``tool_parser``,
+    ``reasoning_parser`` classes, None where not asked for).
+
+    Raises:
+        ValueError: an unknown parser name (the message lists the known ones), or
+            --enable-auto-tool-choice without --tool-call-parser.
+    """
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    return dict(
+        tool_parser=get_tool_parser(tool_call_parser) if tool_call_parser else None,
+        reasoning_parser=get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
+    )
 
 
 def check_tool_request(

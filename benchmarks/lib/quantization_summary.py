@@ -1,7 +1,7 @@
-"""The table of ``run.sh``: each configuration's figures, its ratio to bf16 and issue 14's targets.
+"""The table of ``benchmarks/quantization.sh``: each configuration's figures, its ratio to bf16 and issue 14's targets.
 
-    python benchmarks/results/quantization/summarize.py OUT       # reads OUT/<row>/suite.json
-    python benchmarks/results/quantization/summarize.py --smoke-configs DIR   # run.sh --smoke
+    python benchmarks/lib/quantization_summary.py OUT       # reads OUT/<row>/suite.json
+    python benchmarks/lib/quantization_summary.py --smoke-configs DIR   # quantization.sh --smoke
 
 ``--smoke-configs`` writes the CPU smoke run's config-only directories: ``tiny`` (a 2-layer
 Llama, 128 wide, so the W4A16 kernel tiles every layer with groups of 32) and ``tiny-awq`` /
@@ -91,7 +91,7 @@ def summarize(out_dir: pathlib.Path) -> None:
 
 
 def smoke_configs(root: pathlib.Path) -> None:
-    repo = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "configs"
+    repo = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
     tiny = json.loads((repo / "llama-3-8b" / "config.json").read_text())
     tiny.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,

@@ -4,7 +4,7 @@
 # spread round-robin over the requests, vs the base model alone; batch-1 TPOT with one adapter
 # vs the base; an XLA micro-benchmark of the batched LoRA matmul. Two processes (one engine
 # each), then one table of ratios against the targets (>= 0.8x throughput, <= 15% TPOT
-# overhead). Results in $OUT. `bash run.sh --smoke` runs the same logic on CPU in a minute
+# overhead). Results in $OUT. `bash benchmarks/lora.sh --smoke` runs the same logic on CPU in a minute
 # (stories260k, float32, tiny workload).
 set -u
 export PYTHONPATH=.

@@ -1,4 +1,4 @@
-"""Tiny config.json files of the four families (for ``SMOKE=1 bash run.sh`` on CPU), written
+"""Tiny config.json files of the four families (for ``SMOKE=1 bash benchmarks/families.sh`` on CPU), written
 under the directory names of benchmarks/configs/."""
 
 import json

@@ -1,4 +1,4 @@
-"""The table of benchmarks/results/server-split/run.sh: served vs offline and the latency targets
+"""The table of benchmarks/server.sh: served vs offline and the latency targets
 of issue 13. Usage: ``python summarize.py OUT_DIR``."""
 
 from __future__ import annotations

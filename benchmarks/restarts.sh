@@ -10,7 +10,7 @@
 #      files just read (page cache warm: what a notebook restart sees);
 #   3. warm start to the first token from each checkpoint (the whole start a user sees).
 # No XLA_PYTHON_CLIENT_MEM_FRACTION: the engine sizes JAX's pool from gpu_memory_utilization.
-# Prints one table (scripts/benchmark_restarts.py report). `bash run.sh --smoke`: the same steps
+# Prints one table (scripts/benchmark_restarts.py report). `bash benchmarks/restarts.sh --smoke`: the same steps
 # on CPU with a tiny config (seconds). STARTS_ONLY=1: step 1 only;
 # LOADS_ONLY=1: steps 2-3 only.
 set -u

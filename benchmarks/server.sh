@@ -1,13 +1,12 @@
 #!/bin/bash
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.
 # Issue 13's job: the same engine offline and behind `jaxpaged serve` (API processes + engine-core
 # process), on one H200: Llama-3-8B shape, bf16, dummy weights, max_num_seqs 512, async
 # scheduling. The server runs --api-server-count $API_SERVERS (default 4 of the host's 16 CPU
 # cores; one Python API process cannot stream 16k tok/s). Logs and JSON in $OUT; one table at
-# the end (summarize.py).
-#   bash benchmarks/results/server-split/run.sh           # H200 (about 6-8 minutes)
-#   API_SERVERS=1 bash benchmarks/results/server-split/run.sh   # the one-API-process baseline
-#   bash benchmarks/results/server-split/run.sh --smoke   # CPU, stories260k, tiny counts
+# the end (benchmarks/lib/server_summary.py).
+#   bash benchmarks/server.sh           # H200 (about 6-8 minutes)
+#   API_SERVERS=1 bash benchmarks/server.sh   # the one-API-process baseline
+#   bash benchmarks/server.sh --smoke   # CPU, stories260k, tiny counts
 #   SATURATION_ONLY=1 ...   # only the server's warm-up and saturation runs (diagnosis); every
 #   run samples `top` once a second during saturation (which process is busy) into $OUT.
 # The saturation run's load comes from $CLIENTS benchmark processes (default 4;
@@ -16,7 +15,6 @@ set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/server-split}
 mkdir -p "$OUT"
-HERE=benchmarks/results/server-split
 PORT=8011
 if [ "${1:-}" = "--smoke" ]; then
     API_SERVERS=${API_SERVERS:-2}
@@ -81,4 +79,4 @@ bench rate20 --num-prompts $N_RATE --random-input-len $IN_RATE --random-output-l
 bench concurrent16 --num-prompts $N_CONC --random-input-len $IN_CONC \
     --random-output-len $OUT_CONC --request-rate inf --max-concurrency $CONC
 kill -INT $SERVER; wait $SERVER
-python3 $HERE/summarize.py "$OUT" | tee "$OUT/summary.txt"
+python3 benchmarks/lib/server_summary.py "$OUT" | tee "$OUT/summary.txt"

@@ -5,8 +5,8 @@
 # side: bf16 | fp8 online + fp8 KV | INT8 W8A8 (compressed-tensors) | W4A16 AWQ, XLA path |
 # W4A16 AWQ, Pallas kernel (--linear-backend pallas). First the kernels' compiled GPU tests and
 # the one-layer micro-benchmark. One table at the end (summarize.py), against bf16 and targets.
-#   bash benchmarks/results/quantization/run.sh           # H200, about 8 minutes (README below)
-#   bash benchmarks/results/quantization/run.sh --smoke   # CPU, a 2-layer 128-wide config
+#   bash benchmarks/quantization.sh           # H200, about 8 minutes (README below)
+#   bash benchmarks/quantization.sh --smoke   # CPU, a 2-layer 128-wide config
 # Environment: OUT (results, default /tmp/quant_out), ROWS (configurations to run, default all:
 # "bf16 fp8 int8 awq-xla awq-pallas"), SKIP_CHECKS=1 (skip the tests and the micro-benchmark),
 # CACHE (persistent compilation cache, default /tmp/jaxpaged-quant-xla). Each step has its own
@@ -16,12 +16,11 @@ export PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/quant_out}
 CACHE=${CACHE:-/tmp/jaxpaged-quant-xla}
 ROWS=${ROWS:-bf16 fp8 int8 awq-xla awq-pallas}
-HERE=benchmarks/results/quantization
 PY=$(command -v python3 || command -v python)
 mkdir -p "$OUT" "$CACHE"
 if [ "${1:-}" = "--smoke" ]; then
     CONFIGS="$OUT/configs"
-    $PY $HERE/summarize.py --smoke-configs "$CONFIGS" || exit 1
+    $PY benchmarks/lib/quantization_summary.py --smoke-configs "$CONFIGS" || exit 1
     C=$CONFIGS/tiny
     ENGINE="--load-format dummy --skip-tokenizer-init --dtype float32 --max-model-len 128
         --max-num-seqs 8 --max-num-batched-tokens 64 --async-scheduling"
@@ -55,7 +54,7 @@ if [ "${SKIP_CHECKS:-0}" != 1 ]; then
     step kernel_tests 150 $PY -m pytest -q -rs tests/pallas_kernels/test_w4a16_matmul.py \
         tests/pallas_kernels/test_lora_bgmv.py tests/pallas_kernels/test_fp8_attention.py
     tail -4 "$OUT/kernel_tests.log"
-    step microbench 120 $PY $HERE/microbench.py $MICRO --methods bf16,fp8,int8,awq,pallas
+    step microbench 120 $PY scripts/benchmark_quantized_linear.py $MICRO --methods bf16,fp8,int8,awq,pallas
     tail -14 "$OUT/microbench.log"
 fi
 
@@ -74,4 +73,4 @@ for row in $ROWS; do
         --workloads $loads --output-dir "$OUT/$row"
     tail -3 "$OUT/$row.log"
 done
-$PY $HERE/summarize.py "$OUT" | tee "$OUT/summary.txt"
+$PY benchmarks/lib/quantization_summary.py "$OUT" | tee "$OUT/summary.txt"

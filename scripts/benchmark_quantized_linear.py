@@ -1,5 +1,8 @@
 """Quantized linears vs bf16 at Llama-3-8B layer shapes: time per layer and what XLA compiled.
 
+(Issue 14's script, kept for the commands in docs/benchmarks.md. The kernels' sweep against the
+hardware ceilings is ``benchmarks/quant_kernels.py``.)
+
 One decoder layer's four projections (``qkv_proj`` 4096->6144, ``o_proj`` 4096->4096,
 ``gate_up_proj`` 4096->28672, ``down_proj`` 14336->4096), applied for ``LAYERS`` distinct
 layers in one jitted chain (so weights stream from HBM, not L2), per method and token count T:

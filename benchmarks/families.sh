@@ -2,13 +2,13 @@
 # Issue 17's model families on one H200, dummy bf16 weights of the published configs
 # (benchmarks/configs/): per model, 1000 x 128/128 offline throughput and batch-1 TPOT
 # (scripts/benchmark_e2e_suite.py, one engine for both), then one table next to the
-# weight-read floors (scripts/benchmark_families_report.py). run.sh first runs the GPU-only
+# weight-read floors (scripts/benchmark_families_report.py). families.sh first runs the GPU-only
 # tests (tiny HF checkpoints through the compiled Pallas kernels and the Mosaic GPU grouped
 # GEMM against references). Results and logs in $OUT.
 #
-#   bash benchmarks/results/families/run.sh    # Qwen3-8B, Gemma-2-9B                 (~6-8 min)
-#   bash benchmarks/results/families/run2.sh   # MoE layer benchmark, Mixtral-8x7B, Phi-3-mini
-#   SMOKE=1 OUT=/tmp/out bash benchmarks/results/families/run.sh   # tiny configs on CPU
+#   bash benchmarks/families.sh    # Qwen3-8B, Gemma-2-9B                 (~6-8 min)
+#   bash benchmarks/families_moe.sh   # MoE layer benchmark, Mixtral-8x7B, Phi-3-mini
+#   SMOKE=1 OUT=/tmp/out bash benchmarks/families.sh   # tiny configs on CPU
 set -u
 export PYTHONPATH=.
 MODELS=${MODELS:-"qwen3-8b gemma-2-9b"}
@@ -27,7 +27,7 @@ WORK="--num-prompts 1000 --input-len 128 --output-len 128 --latency-input-len 12
 CONFIGS=benchmarks/configs
 if [ "${SMOKE:-0}" = 1 ]; then  # tiny random configs of the same families, on CPU
   CONFIGS=/tmp/families_smoke_configs
-  python3 benchmarks/results/families/smoke_configs.py $CONFIGS
+  python3 benchmarks/lib/families_smoke_configs.py $CONFIGS
   ENGINE="--load-format dummy --skip-tokenizer-init --dtype bfloat16 --max-model-len 64
     --max-num-seqs 8 --max-num-batched-tokens 64 --async-scheduling"
   WORK="--num-prompts 8 --input-len 16 --output-len 8 --latency-input-len 16
