@@ -21,6 +21,16 @@ Resolving N before committing N+1 keeps each placeholder the last token of its s
 is replaced, and keeps placeholders out of prefix-cache hashes (only computed blocks are hashed,
 and a placeholder is never computed before it is resolved). Outputs equal the synchronous
 engine's: the same ids, per-row seeds and ``step`` counters, and stop decisions.
+
+Grammars (structured outputs): the bitmask of step N+1 needs step N's tokens on the host. Such a
+step is split in two executables (``ModelRunner.dispatch_forward`` / ``dispatch_sample``):
+
+    schedule N+1 -> dispatch N+1's forward -> read back and resolve N -> advance the matchers,
+    fill N+1's bitmask -> dispatch N+1's sampling -> commit N+1 with placeholders
+
+so the host's grammar work overlaps the model's forward pass instead of idling the device; the
+bitmask is a second host-to-device transfer of that step. Grammar steps with prompt logprobs
+(which need the hidden states) run whole, after the pipeline drains, as beam-search steps do.
 """
 
 from __future__ import annotations

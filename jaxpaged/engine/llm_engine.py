@@ -397,11 +397,17 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         self.step_history.record(scheduler_output, self.kv_cache_manager.usage)
         in_flight, self._in_flight = self._in_flight, None
-        if scheduler_output.num_beam_candidates or self.structured_output.needs_bitmask(
-            scheduler_output.scheduled
+        scheduled = scheduler_output.scheduled
+        constrained = self.structured_output.needs_bitmask(scheduled)
+        if (
+            constrained
+            and not scheduler_output.num_beam_candidates
+            and not any(s.seq.sampling_params.prompt_logprobs is not None for s in scheduled)
         ):
-            # Beam steps and steps that sample under a grammar need the previous tokens on the
-            # host (beam candidates; the grammar bitmask): finish the pipeline first.
+            return self._step_split(scheduler_output, in_flight, token_deltas)
+        if scheduler_output.num_beam_candidates or constrained:
+            # Beam steps (and grammar steps with prompt logprobs) need the previous tokens on
+            # the host before they launch: finish the pipeline first.
             outputs = [] if in_flight is None else self._resolve(in_flight, token_deltas)
             runner_output = self._run_sync(scheduler_output)
             return outputs + self._commit(scheduler_output, runner_output, token_deltas)
@@ -413,6 +419,18 @@ class LLMEngine:
         self._in_flight = commit_with_placeholders(self.scheduler, scheduler_output, pending)
         if not pending.scheduled and not self._in_flight.updated:
             self._in_flight = None
+        return outputs
+
+    def _step_split(self, scheduler_output, in_flight, token_deltas: bool) -> list:
+        """An async step that samples under a grammar: its forward half runs while the host
+        reads back and resolves the previous step, then fills the bitmask from the resolved
+        tokens; the sample half follows (engine/async_scheduling.py, "Grammars")."""
+        self.worker.execute_block_ops(scheduler_output)
+        forward = self.worker.dispatch_forward(scheduler_output)
+        outputs = [] if in_flight is None else self._resolve(in_flight, token_deltas)
+        fill = self.structured_output.bitmask_filler(scheduler_output.scheduled)
+        pending = self.worker.dispatch_sample(forward, fill or (lambda out: None))
+        self._in_flight = commit_with_placeholders(self.scheduler, scheduler_output, pending)
         return outputs
 
     def _resolve(self, in_flight: InFlightStep, token_deltas: bool) -> list:

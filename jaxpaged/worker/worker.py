@@ -430,6 +430,14 @@ class Worker:
         """Launch one step and return at once (async scheduling; ``ModelRunner.dispatch``)."""
         return self.model_runner.dispatch(scheduler_output)
 
+    def dispatch_forward(self, scheduler_output: SchedulerOutput):
+        """Launch a split step's forward half (``ModelRunner.dispatch_forward``)."""
+        return self.model_runner.dispatch_forward(scheduler_output)
+
+    def dispatch_sample(self, step, fill_bitmask) -> PendingStep:
+        """Launch a split step's sample half (``ModelRunner.dispatch_sample``)."""
+        return self.model_runner.dispatch_sample(step, fill_bitmask)
+
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a dispatched step and read its outputs (``ModelRunner.collect``)."""
         return self.model_runner.collect(pending)

@@ -272,6 +272,9 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm):
     prompts = [PROMPT] * len(params)
     got = async_llm.generate(prompts, params, use_tqdm=False)
     want = llm.generate(prompts, params, use_tqdm=False)
+    # The grammar steps ran split (forward, then sample once the bitmask was filled), not whole.
+    parts = {key.part for key in async_llm.llm_engine.worker.model_runner._executables}
+    assert {"forward", "sample"} <= parts
     for g, w in zip(got, want, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
@@ -314,3 +317,16 @@ def test_guidance_whitespace_pattern_is_honoured(guidance_llm):
     assert out.finish_reason == "stop"
     jsonschema.validate(json.loads(out.text), schema)
     assert not set(re.sub(r'"[ab]"', "", out.text)) - set("[], ")
+
+
+def test_chunked_prefill_masks_only_the_sampling_chunk(llm):
+    # ~150 prompt tokens over a 64-token step budget: three chunks, only the last samples.
+    story = "Lily and Tom went to the park to play with a big red ball in the sun. " * 8
+    prompt_ids = llm.get_tokenizer().encode(story)
+    assert len(prompt_ids) > 2 * ENGINE["max_num_batched_tokens"]
+    params = [_json_params(SCHEMAS[17], 0.0, 0), SamplingParams(temperature=0.0, max_tokens=20)]
+    prompts = [{"prompt_token_ids": prompt_ids}, PROMPT]
+    mixed = llm.generate(prompts, params, use_tqdm=False)
+    jsonschema.validate(json.loads(mixed[0].outputs[0].text), SCHEMAS[17])
+    alone = llm.generate([PROMPT], params[1], use_tqdm=False)[0]
+    assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
