@@ -27,15 +27,25 @@ PROMPT = "Once upon a time"
 COMPACT = dict(disable_any_whitespace=True)
 
 
-def test_grammar_waits_for_the_marker_then_constrains_the_rest(stories_llm):
-    tokenizer = stories_llm.get_tokenizer()
-    (free,) = stories_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))
+@pytest.fixture(scope="module")
+def async_llm():
+    from jaxpaged import LLM
+    from tests.conftest import SMALL_ENGINE
+
+    return LLM(dtype="float32", async_scheduling=True, **SMALL_ENGINE)
+
+
+@pytest.mark.parametrize("engine", ["stories_llm", "async_llm"])
+def test_grammar_waits_for_the_marker_then_constrains_the_rest(request, engine):
+    llm = request.getfixturevalue(engine)  # async: the mask is filled while a step runs
+    tokenizer = llm.get_tokenizer()
+    (free,) = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))
     greedy = free.outputs[0].token_ids
     marker = greedy[3:5]
     end = next(i for i in range(len(greedy)) if greedy[i : i + 2] == marker) + 2
     constraint = StructuredOutputsParams(json=SCHEMA, reasoning_end_token_ids=marker, **COMPACT)
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint)
-    (out,) = stories_llm.generate(PROMPT, params)
+    (out,) = llm.generate(PROMPT, params)
     ids = out.outputs[0].token_ids
     assert ids[:end] == greedy[:end]  # the "reasoning" is unconstrained
     assert out.outputs[0].finish_reason == "stop"
