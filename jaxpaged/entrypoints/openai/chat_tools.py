@@ -182,9 +182,11 @@ class RequiredToolCalls(ToolParser):
 def tool_mode_parser(
     request: ChatCompletionRequest, auto_parser: type[ToolParser] | None, tokenizer
 ) -> ToolParser | None:
-    """The parser that reads this request's reply for calls; None: the reply is content."""
+    """The parser that reads this request's reply for calls; None: the reply is content.
+    ``auto_parser``: the --tool-call-parser class when --enable-auto-tool-choice is on (an
+    explicit ``tool_choice: null`` with tools reads as "auto" then, as in vLLM)."""
     choice = request.tool_choice
-    if not request.tools or choice in (None, "none"):
+    if not request.tools or choice == "none":
         return None
     if isinstance(choice, ChatCompletionNamedToolChoiceParam):
         return NamedToolCall(choice.function.name)

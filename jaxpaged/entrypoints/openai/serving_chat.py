@@ -95,6 +95,8 @@ class OpenAIServingChat(OpenAIServing):
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
+        # "auto" reads calls only with --enable-auto-tool-choice (vLLM's rule).
+        self._auto_tool_parser = tool_parser if enable_auto_tool_choice else None
 
     def render_messages(
         self,
@@ -234,7 +236,7 @@ class OpenAIServingChat(OpenAIServing):
         end_ids = self.reasoning_end_token_ids(request) if constraint is not None else None
         if end_ids is not None and constraint.reasoning_end_token_ids is None:
             constraint.reasoning_end_token_ids = end_ids
-        parser = tool_mode_parser(request, self.tool_parser, self.tokenizer)
+        parser = tool_mode_parser(request, self._auto_tool_parser, self.tokenizer)
         if parser is not None and parser.keeps_special_tokens:
             values["skip_special_tokens"] = False
         return field
@@ -253,7 +255,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def choice_parser(self, request: ChatCompletionRequest) -> ChatChoiceParser | None:
         """A fresh reader of one choice's reply; None when the reply is plain content."""
-        tool_parser = tool_mode_parser(request, self.tool_parser, self.tokenizer)
+        tool_parser = tool_mode_parser(request, self._auto_tool_parser, self.tokenizer)
         reasoning_parser = None
         if self.reasoning_parser is not None:
             reasoning_parser = self.reasoning_parser(

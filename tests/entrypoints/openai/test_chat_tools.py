@@ -405,3 +405,13 @@ def test_with_a_reasoning_parser_a_response_format_also_waits_for_the_reasoning(
     assert constraint.reasoning_end_token_ids == tokenizer.encode(
         "</think>", add_special_tokens=False
     )
+
+
+def test_explicit_null_tool_choice_reads_as_auto_only_with_the_flag(tokenizer):
+    reply = REPLIES["hermes"][0]
+    serving, _ = _chat(tokenizer, reply, tool_parser="hermes")
+    (choice,) = _run(serving, _request(tool_choice=None)).choices
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather", "get_time"]
+    serving, _ = _chat(tokenizer, reply, tool_parser="hermes", auto=False)
+    (choice,) = _run(serving, _request(tool_choice=None)).choices
+    assert choice.message.content == reply and choice.message.tool_calls == []
