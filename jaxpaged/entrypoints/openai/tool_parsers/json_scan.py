@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 _WHITESPACE = " \t\n\r"
 # Characters that end a number or a literal (true / false / null).
 _SCALAR_END = frozenset(_WHITESPACE + ",]}:")
+# What a scan stops at (the regex engine skips the rest in C): inside a value, a string's
+# start or a bracket; inside a string, its end or an escape.
+_STRUCTURAL = re.compile(r'["{}\[\]]')
+_QUOTE_OR_ESCAPE = re.compile(r'["\\]')
 
 
 class MalformedToolCall(ValueError):
@@ -45,7 +50,8 @@ def value_end(text: str, pos: int, *, final: bool) -> int | None:
     if first in "{[":
         closers = []
         i = pos
-        while i < len(text):
+        while (match := _STRUCTURAL.search(text, i)) is not None:
+            i = match.start()
             char = text[i]
             if char == '"':
                 end = _string_end(text, i)
@@ -55,11 +61,10 @@ def value_end(text: str, pos: int, *, final: bool) -> int | None:
                 continue
             if char in "{[":
                 closers.append("}" if char == "{" else "]")
-            elif char in "}]":
-                if not closers or closers.pop() != char:
-                    raise MalformedToolCall(f"unmatched {char!r} at character {i}")
-                if not closers:
-                    return i + 1
+            elif not closers or closers.pop() != char:
+                raise MalformedToolCall(f"unmatched {char!r} at character {i}")
+            elif not closers:
+                return i + 1
             i += 1
         return None
     if first in "-0123456789tfn":
@@ -74,14 +79,10 @@ def value_end(text: str, pos: int, *, final: bool) -> int | None:
 
 def _string_end(text: str, pos: int) -> int | None:
     i = pos + 1
-    while i < len(text):
-        char = text[i]
-        if char == "\\":
-            i += 2
-            continue
-        if char == '"':
-            return i + 1
-        i += 1
+    while (match := _QUOTE_OR_ESCAPE.search(text, i)) is not None:
+        if match.group() == '"':
+            return match.end()
+        i = match.end() + 1  # a backslash escapes the next character
     return None
 
 

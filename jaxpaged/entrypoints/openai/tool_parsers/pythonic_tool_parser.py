@@ -24,6 +24,9 @@ from jaxpaged.entrypoints.openai.tool_parsers.json_scan import MalformedToolCall
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 _JSON_NAMES = {"true": True, "false": False, "null": None}
 _CLOSERS = {"(": ")", "[": "]", "{": "}"}
+# What the argument scan stops at (the regex engine skips the rest in C).
+_ARGUMENT_STRUCTURE = re.compile(r"[\"'()\[\]{},]")
+_QUOTE_OR_ESCAPE = {'"': re.compile(r'["\\]'), "'": re.compile(r"['\\]")}
 
 
 class PythonicToolParser(ToolParser):
@@ -115,7 +118,8 @@ def _segment_end(text: str, pos: int) -> int | None:
     strings and brackets); None when the text ends first."""
     stack: list[str] = []
     i = pos
-    while i < len(text):
+    while (match := _ARGUMENT_STRUCTURE.search(text, i)) is not None:
+        i = match.start()
         char = text[i]
         if char in "\"'":
             end = _python_string_end(text, i)
@@ -139,15 +143,12 @@ def _segment_end(text: str, pos: int) -> int | None:
 
 
 def _python_string_end(text: str, pos: int) -> int | None:
-    quote = text[pos]
+    pattern = _QUOTE_OR_ESCAPE[text[pos]]
     i = pos + 1
-    while i < len(text):
-        if text[i] == "\\":
-            i += 2
-            continue
-        if text[i] == quote:
-            return i + 1
-        i += 1
+    while (match := pattern.search(text, i)) is not None:
+        if match.group() != "\\":
+            return match.end()
+        i = match.end() + 1  # a backslash escapes the next character
     return None
 
 
