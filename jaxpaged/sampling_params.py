@@ -80,6 +80,11 @@ class StructuredOutputsParams:
     structural_tag: str | None = None
     """An xgrammar/vLLM structural tag as JSON text: free text in which each ``begin`` ...
     ``end`` segment opened by one of ``triggers`` follows its schema."""
+    reasoning_end_token_ids: list[int] | None = None
+    """(jaxpaged) The constraint starts after the output contains these token ids, the end of
+    a thinking model's reasoning (``</think>``); tokens up to and including them are not
+    constrained. None: from the first token. The server sets it from --reasoning-parser, as
+    vLLM's engine asks its reasoning parser (``is_reasoning_end``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, tuple):
@@ -115,6 +120,15 @@ class StructuredOutputsParams:
             raise SamplingParamsError("choice", self.choice, "must be a non-empty list of strings")
         if self.json_object is not None and self.json_object is not True:
             raise SamplingParamsError("json_object", self.json_object, "must be True when given")
+        ids = self.reasoning_end_token_ids
+        if ids is not None and not (
+            isinstance(ids, list)
+            and ids
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+        ):
+            raise SamplingParamsError(
+                "reasoning_end_token_ids", ids, "must be a non-empty list of token ids (ints >= 0)"
+            )
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(name, getattr(self, name), "must be a boolean")

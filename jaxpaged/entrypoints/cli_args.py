@@ -144,6 +144,26 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         '{"name": ..., "path": ..., "base_model_name": ...}; clients select one by `model`',
     )
     serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" on /v1/chat/completions: the --tool-call-parser finds '
+        'tool calls in the model\'s text (default: off; "auto" is then a 400)',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="the model family's tool-call format: hermes, llama3_json, mistral or pythonic "
+        "(docs/tool_calling.md)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split the reply's <think>...</think> into the message's reasoning field: "
+        "deepseek_r1 or qwen3 (default: none, all text is content)",
+    )
+    serve.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -159,10 +179,11 @@ def serve_options(args: argparse.Namespace, environ: Mapping[str, str] | None = 
 
     Raises:
         ValueError: MODEL and --model disagree, a bad --max-num-queued-requests,
-            --data-parallel-size or --api-server-count, or bad --lora-modules
-            (``check_lora_modules``).
+            --data-parallel-size or --api-server-count, bad --lora-modules
+            (``check_lora_modules``), or an unknown --tool-call-parser / --reasoning-parser.
     """
     from jaxpaged.config import DEFAULT_MODEL_NAME
+    from jaxpaged.entrypoints.openai.chat_tools import resolve_parsers
     from jaxpaged.entrypoints.openai.serving_models import check_lora_modules, parse_lora_modules
 
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -177,6 +198,8 @@ def serve_options(args: argparse.Namespace, environ: Mapping[str, str] | None = 
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
     check_api_server_count(args.api_server_count, args.data_parallel_size)
+    # Before the engine core loads the model: an unknown parser name fails at once.
+    resolve_parsers(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
     engine_args = engine_args_from(args)
     env_api_key = api_key_from_env() if environ is None else environ.get("JAXPAGED_API_KEY")
     served_model_names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
@@ -199,6 +222,9 @@ def serve_options(args: argparse.Namespace, environ: Mapping[str, str] | None = 
         uvicorn_log_level=args.uvicorn_log_level,
         lora_modules=lora_modules,
         api_server_count=args.api_server_count,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -38,10 +38,11 @@ logger = logging.getLogger(__name__)
 class _RequestGrammar:
     """A request's compiled grammar (a future) and its sequences' matchers."""
 
-    __slots__ = ("future", "seqs", "error", "group")
+    __slots__ = ("future", "seqs", "error", "group", "start_after")
 
-    def __init__(self, future):
+    def __init__(self, future, start_after: list[int] | None = None):
         self.future = future
+        self.start_after = start_after  # StructuredOutputsParams.reasoning_end_token_ids
         self.seqs: dict[str, SequenceGrammar] = {}
         self.error: str | None = None
         self.group = None  # the SequenceGroup, known once one of its sequences samples
@@ -111,7 +112,9 @@ class StructuredOutputManager:
         if so is None:
             return
         grammar = self.backend.check(so)
-        self._requests[request_id] = _RequestGrammar(self._compiler.submit(so.cache_key, grammar))
+        self._requests[request_id] = _RequestGrammar(
+            self._compiler.submit(so.cache_key, grammar), so.reasoning_end_token_ids
+        )
 
     def remove_request(self, request_id: str) -> None:
         """Forget an aborted or finished request's grammar state."""
@@ -130,7 +133,9 @@ class StructuredOutputManager:
                 logger.error("grammar of request %s failed to compile: %s", seq.seq_id, error)
                 request.error = str(error)
                 return None
-            state = request.seqs[seq.seq_id] = SequenceGrammar(self.backend.matcher(compiled))
+            state = request.seqs[seq.seq_id] = SequenceGrammar(
+                self.backend.matcher(compiled), request.start_after
+            )
         state.sync(seq.output_token_ids)
         return state
 
@@ -165,8 +170,9 @@ class StructuredOutputManager:
             states = [(i, self._seq_state(scheduled[i].seq)) for i in rows]
             live = []
             for i, s in states:
-                if s is None or s.failed:
-                    continue  # all allowed; ``update`` aborts the sequence
+                if s is None or s.failed or not s.active:
+                    continue  # all allowed (``update`` aborts a failed sequence; an inactive
+                    # one is still reasoning)
                 if s.is_terminated:
                     # Complete (guidance) or past EOS (xgrammar with ignore_eos): only EOS.
                     out[i] = 0

@@ -22,19 +22,47 @@ class SequenceGrammar:
     ``failed`` is set when a committed token is not one the grammar allows (only possible when
     every token was masked, e.g. ``min_tokens`` forbidding the EOS the grammar requires); the
     engine then ends the sequence.
+
+    ``start_after`` (``StructuredOutputsParams.reasoning_end_token_ids``): the grammar starts
+    after the output first contains these ids (a reasoning model's ``</think>``); until then
+    the sequence is not ``active``: no mask, nothing accepted. ``start`` is the index of the
+    first constrained output token once found.
     """
 
-    __slots__ = ("matcher", "num_accepted", "failed")
+    __slots__ = ("matcher", "num_accepted", "failed", "start_after", "start", "_scanned")
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, start_after: list[int] | None = None):
         self.matcher = matcher
         self.num_accepted = 0
         self.failed = False
+        self.start_after = tuple(start_after) if start_after else None
+        self.start = None if self.start_after else 0
+        self._scanned = 0  # output tokens searched for start_after (each looked at once)
+
+    @property
+    def active(self) -> bool:
+        """The grammar constrains the next token (the reasoning, if any, has ended)."""
+        return self.start is not None
+
+    def _find_start(self, output_token_ids: list[int]) -> None:
+        marker, n = self.start_after, len(self.start_after)
+        end = len(output_token_ids)
+        if PLACEHOLDER_TOKEN_ID in output_token_ids[self._scanned :]:  # not resolved yet
+            end = output_token_ids.index(PLACEHOLDER_TOKEN_ID, self._scanned)
+        for i in range(self._scanned, end - n + 1):
+            if output_token_ids[i] == marker[0] and tuple(output_token_ids[i : i + n]) == marker:
+                self.start = i + n
+                return
+        self._scanned = max(self._scanned, end - n + 1)
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Accept the output tokens not yet accepted (up to a placeholder)."""
-        while self.num_accepted < len(output_token_ids) and not self.failed:
-            token = output_token_ids[self.num_accepted]
+        if self.start is None:
+            self._find_start(output_token_ids)
+            if self.start is None:
+                return
+        while self.start + self.num_accepted < len(output_token_ids) and not self.failed:
+            token = output_token_ids[self.start + self.num_accepted]
             if token == PLACEHOLDER_TOKEN_ID:
                 return
             if self.matcher.is_terminated():
@@ -46,8 +74,10 @@ class SequenceGrammar:
             self.num_accepted += 1
 
     def num_behind(self, output_token_ids: list[int]) -> int:
-        """Output tokens not yet accepted."""
-        return len(output_token_ids) - self.num_accepted
+        """Output tokens not yet accepted (none before the grammar starts)."""
+        if self.start is None:
+            return 0
+        return len(output_token_ids) - self.start - self.num_accepted
 
     def accepted(self, ok: bool) -> None:
         """Record the outcome of accepting the next token outside ``sync`` (a batched call)."""
@@ -60,4 +90,4 @@ class SequenceGrammar:
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token accepted."""
-        return self.matcher.is_terminated()
+        return self.active and self.matcher.is_terminated()

@@ -41,6 +41,7 @@ from jaxpaged.engine.core_client import EngineCoreClient
 from jaxpaged.engine.dp_client import DPEngineCoreClient
 from jaxpaged.entrypoints.cli_args import add_serve_args, check_api_server_count, serve_options
 from jaxpaged.entrypoints.env import prometheus_multiproc_dir, set_jax_memory_fraction
+from jaxpaged.entrypoints.openai.chat_tools import resolve_parsers
 from jaxpaged.entrypoints.openai.errors import (
     BadRequestError,
     error_response,
@@ -78,6 +79,9 @@ def build_app(
     api_server_index: int = 0,
     api_server_count: int = 1,
     multiprocess_metrics_dir: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The server app over ``client`` (a spawned ``EngineCoreClient``, or one connected to a
     core the parent process started); the client's tasks start with the app's lifespan, and a
@@ -101,13 +105,19 @@ def build_app(
         multiprocess_metrics_dir: the ``PROMETHEUS_MULTIPROC_DIR`` of several API processes;
             ``/metrics`` then renders every process's values (``render_multiprocess``). None:
             this process's own registries.
+        enable_auto_tool_choice / tool_call_parser: serve ``tool_choice="auto"``, reading
+            calls with the named parser (``tool_parsers``); the flag needs a parser.
+        reasoning_parser: split ``<think>…</think>`` into ``reasoning``
+            (``reasoning_parsers``); None: replies are all content.
 
     ``app.state.engine`` is the client, ``app.state.metrics`` its ``ServerMetrics``.
 
     Raises:
         ValueError: an empty served name list, a bad chat template or metrics prefix,
-            ``lora_modules`` without LoRA or with a name used twice.
+            ``lora_modules`` without LoRA or with a name used twice, an unknown tool or
+            reasoning parser, --enable-auto-tool-choice without a tool parser.
     """
+    parsers = resolve_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     names = list(served_model_names or [model])
     if not names or not all(names):
         raise ValueError(f"served_model_names must be non-empty names, got {names!r}")
@@ -132,7 +142,12 @@ def build_app(
         max_model_len=max_model_len,
     )
     completion = OpenAIServingCompletion(**common)
-    chat = OpenAIServingChat(**common, chat_template=load_chat_template(chat_template))
+    chat = OpenAIServingChat(
+        **common,
+        chat_template=load_chat_template(chat_template),
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        **parsers,
+    )
     models = OpenAIServingModels(
         engine, names, model, max_model_len, api_server_count=api_server_count
     )
@@ -194,6 +209,9 @@ def build_app(
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs,
+                tools=[t.model_dump(exclude_none=True) for t in request.tools]
+                if request.tools
+                else None,
             )
             add_special = bool(request.add_special_tokens)
         else:
@@ -289,6 +307,9 @@ def run_server(
     lora_modules: Sequence[LoRAModulePath] = (),
     api_server_count: int = 1,
     multiprocess_metrics_dir: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> int:
     """Start the engine core for ``engine_args`` (``EngineArgs``) and serve until interrupted;
     returns the exit status (0, or 1 when an API process of several died).
@@ -297,12 +318,12 @@ def run_server(
     (the API process) unless ``engine_args.skip_tokenizer_init``. ``api_server_count`` > 1:
     that many API processes over one core (``multi_api_server.run_multi_api_server``), whose
     metrics live in ``multiprocess_metrics_dir`` (``PROMETHEUS_MULTIPROC_DIR``, exported by
-    ``jaxpaged serve``).
+    ``jaxpaged serve``). The parser options are ``build_app``'s (every API process gets them).
 
     Raises:
         ValueError: invalid engine arguments (checked before the core starts),
             ``api_server_count`` < 1 or above 1 with data parallelism or without
-            ``multiprocess_metrics_dir``.
+            ``multiprocess_metrics_dir``, an unknown tool or reasoning parser.
         RuntimeError: the engine core failed to start.
     """
     import uvicorn
@@ -313,7 +334,11 @@ def run_server(
         chat_template=chat_template,
         metrics_prefix=metrics_prefix,
         lora_modules=lora_modules,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
+    resolve_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     if api_server_count != 1 or data_parallel_size != 1:
         check_api_server_count(api_server_count, data_parallel_size)
     if api_server_count > 1:

@@ -71,11 +71,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "mm_processor_kwargs": (None, {}),
     "prompt_embeds": (None,),
     "suffix": (None,),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),  # without tools, "auto" calls none
-    "parallel_tool_calls": (None, False),
     "reasoning_effort": (None,),
-    "include_reasoning": (True,),  # no reasoning parser: all output is content
 }
 # Texts longer than this (characters) are tokenized in a worker thread, so that a multi-MB
 # prompt never stalls the event loop (tokenizers releases the GIL while it encodes).

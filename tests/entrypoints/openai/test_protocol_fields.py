@@ -64,9 +64,7 @@ def test_every_vllm_request_field_is_declared(model, fields):
         ("completions", "cache_salt", "salt"),
         ("completions", "prompt_embeds", "AAAA"),
         ("completions", "suffix", "end"),
-        ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("chat/completions", "reasoning_effort", "low"),
-        ("chat/completions", "include_reasoning", False),
         ("chat/completions", "vllm_xargs", {"k": 1}),
     ],
 )
