@@ -15,8 +15,10 @@ draining its input socket and calls ``step`` only at the deadline::
   rarely shorter than all of them, so the device is rarely left idle). A step's device time is
   measured when the host was already waiting for its tokens (``StepTimes.previous_waited``), or
   when the core saw it finish while waiting here (within one poll, about 1 ms).
-- host lead: the longest time, among the last ``history`` steps, from entering ``step`` to
-  launching its step (scheduling, block moves, input packing, dispatch).
+- host lead: the second longest time, among the last ``history`` steps, from entering ``step``
+  to launching its step (scheduling, block moves, input packing, dispatch); the second, so
+  that one hiccup of the host (a garbage collection, another process on the core) does not
+  shrink the window for ``history`` steps.
 - margin: slack for the host's jitter, ``max(margin_s, margin_fraction * predicted duration)``.
 
 While waiting, the core polls the device about once a millisecond: if step N is done before
@@ -37,7 +39,7 @@ from jaxpaged.engine.async_scheduling import StepTimes
 
 DEFAULT_HISTORY = 16
 DEFAULT_MARGIN_S = 0.001
-DEFAULT_MARGIN_FRACTION = 0.1
+DEFAULT_MARGIN_FRACTION = 0.05
 # Never wait longer than this after a step began (a guard against a wrong measurement).
 DEFAULT_MAX_WAIT_S = 0.5
 
@@ -102,7 +104,9 @@ class AdmissionWindow:
             return None
         duration = min(self._durations)
         margin = max(self.margin_s, self.margin_fraction * duration)
-        wait = duration - max(self._leads, default=0.0) - margin
+        leads = sorted(self._leads)
+        lead = leads[-2] if len(leads) > 1 else leads[-1] if leads else 0.0
+        wait = duration - lead - margin
         return self._running_start + min(wait, self.max_wait_s)
 
     def predicted_duration(self) -> float | None:

@@ -64,3 +64,29 @@ class SlowDevice:
     def first_step_of(self, seq_id: str) -> int:
         """Index of the first step that computed tokens of ``seq_id``."""
         return next(i for i, step in enumerate(self.steps) if seq_id in step.seq_ids)
+
+
+SIMULATED_STEP_S = 0.05
+
+
+def _simulated(core_class):
+    """``core_class`` whose engine's device takes ``SIMULATED_STEP_S`` per step."""
+
+    class Simulated(core_class):
+        def __init__(self, engine, **kwargs):
+            engine.worker = SlowDevice(engine.worker, SIMULATED_STEP_S)
+            super().__init__(engine, **kwargs)
+
+    Simulated.__name__ = Simulated.__qualname__ = f"Simulated{core_class.__name__}"
+    return Simulated
+
+
+def _tracing_classes():
+    from jaxpaged.engine.request_trace import EagerTracingEngineCore, TracingEngineCore
+
+    return _simulated(TracingEngineCore), _simulated(EagerTracingEngineCore)
+
+
+# For ``scripts/trace_request_life.py --simulated-device`` (a CPU demonstration; spawned core
+# processes import them by name).
+SimulatedTracingEngineCore, SimulatedEagerTracingEngineCore = _tracing_classes()
