@@ -57,7 +57,7 @@ from jaxpaged.engine.core_messages import (
 )
 from jaxpaged.engine.core_process import start_core_process
 from jaxpaged.engine.request_trace import format_lives, request_lives, summarize
-from jaxpaged.entrypoints.cli import add_engine_args, engine_args_from
+from jaxpaged.entrypoints.cli import add_engine_args, engine_args_from, set_jax_memory_fraction
 
 CORES = {
     "late": "jaxpaged.engine.request_trace:TracingEngineCore",
@@ -232,6 +232,7 @@ def trace_variant(engine_args, args, variant: str) -> dict:
 
 def report(variant: str, result: dict) -> str:
     client, summary = result["client"], result["summary"]
+    dev = summary["device_step_ms"]
     lines = [
         f"== {variant}: {summary['num_requests']} requests, "
         f"{client['output_tok_per_s']:.0f} output tok/s, "
@@ -242,6 +243,10 @@ def report(variant: str, result: dict) -> str:
         f"{summary['device_step_ms']['p99']:.2f} "
         f"({summary['device_step_ms']['num_exact']} measured), "
         f"device idle {100 * summary['device_idle_fraction']:.1f}%",
+        f"device step ms p50/p99/n: decode-only {_triple(dev['decode_only_p50/p99/n'])}, "
+        f"with prefill {_triple(dev['with_prefill_p50/p99/n'])}; prefill tokens per prefill "
+        f"step p50/p99/max {_triple(summary['prefill_tokens_per_prefill_step_p50/p99/max'])} "
+        f"({summary['steps_with_prefill']} of {summary['num_device_steps']} steps)",
         f"{'segment ms':18} {'mean':>8} {'p50':>8} {'p90':>8} {'p99':>8}",
     ]
     for name, values in summary["segments"].items():
@@ -252,6 +257,10 @@ def report(variant: str, result: dict) -> str:
     lines.append("slowest requests (core_ttft):")
     lines.append(format_lives(result["lives"], limit=8))
     return "\n".join(lines)
+
+
+def _triple(values: list) -> str:
+    return "/".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in values)
 
 
 def _fmt(stats: dict) -> str:
@@ -286,6 +295,7 @@ def main(argv=None) -> int:
     if args.request_rate < 0 or args.max_concurrency < 1:
         parser.error("--request-rate must be >= 0 and --max-concurrency >= 1")
     engine_args = engine_args_from(args)
+    set_jax_memory_fraction(engine_args.gpu_memory_utilization)  # inherited by the core
     results = {}
     for variant in ("late", "eager") if args.compare else ("late",):
         results[variant] = trace_variant(engine_args, args, variant)

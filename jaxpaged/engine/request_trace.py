@@ -135,7 +135,7 @@ def request_lives(trace: dict) -> list[dict]:
     Keys: ``request_id``, ``prompt_len``, ``api_to_core_ms`` (arrival -> received), ``add_ms``
     (received -> added), ``to_schedule_ms`` (added -> the scheduling call began),
     ``to_first_token_ms`` (that call began -> first token sent), ``core_ttft_ms`` (received ->
-    first token sent), ``running_step`` (the device step running at its ``arrival``: the API
+    first token sent), ``ttft_ms`` (arrival -> first token sent), ``running_step`` (the device step running at its ``arrival``: the API
     process's arrival time, or the send time of ``scripts/trace_request_life.py``; None: the
     device was idle), ``scheduled_step``, ``lag`` (scheduled - running step),
     ``first_token_call``, and ``prefill_tokens_in_step`` (all prefill tokens of its step).
@@ -162,6 +162,7 @@ def request_lives(trace: dict) -> list[dict]:
                 "to_schedule_ms": 1000 * (started - r["added"]),
                 "to_first_token_ms": 1000 * (r["first_token_sent"] - started),
                 "core_ttft_ms": 1000 * (r["first_token_sent"] - r["received"]),
+                "ttft_ms": 1000 * (r["first_token_sent"] - r["arrival"]),
                 "running_step": running,
                 "scheduled_step": r["scheduled_call"],
                 "lag": None if running is None else r["scheduled_call"] - running,
@@ -172,13 +173,22 @@ def request_lives(trace: dict) -> list[dict]:
     return lives
 
 
-SEGMENTS = ("api_to_core_ms", "add_ms", "to_schedule_ms", "to_first_token_ms", "core_ttft_ms")
+SEGMENTS = (
+    "api_to_core_ms",
+    "add_ms",
+    "to_schedule_ms",
+    "to_first_token_ms",
+    "core_ttft_ms",
+    "ttft_ms",
+)
 
 
 def summarize(trace: dict) -> dict:
     """Percentiles (50, 90, 99) of each segment of ``request_lives``, the count of each lag,
     and device-step statistics: ``{"num_requests", "segments": {name: {"p50", "p90", "p99",
-    "mean"}}, "lags": {lag: count}, "device_step_ms": {...}, "device_idle_fraction"}``. The
+    "mean"}}, "lags": {lag: count}, "device_step_ms": {...} (also split into decode-only steps
+    and steps with prefill tokens), "steps_with_prefill", "num_device_steps",
+    "prefill_tokens_per_prefill_step_p50/p99/max", "device_idle_fraction"}``. The
     idle fraction is a lower bound: a step that finished before the host looked for its tokens
     ends, in the trace, when the host looked."""
     lives = request_lives(trace)
@@ -196,9 +206,11 @@ def summarize(trace: dict) -> dict:
         key = "device idle" if life["lag"] is None else str(life["lag"])
         lags[key] = lags.get(key, 0) + 1
     device = [s for s in trace["steps"] if s.get("device_work") and "device_end" in s]
-    durations = [
-        1000 * (s["device_end"] - s["device_start"]) for s in device if s.get("device_end_exact")
-    ]
+    exact = [s for s in device if s.get("device_end_exact")]
+    durations = [1000 * (s["device_end"] - s["device_start"]) for s in exact]
+    by_kind: dict[str, list[float]] = {"decode_only": [], "with_prefill": []}
+    for step, duration in zip(exact, durations, strict=True):
+        by_kind["with_prefill" if step.get("prefill_tokens") else "decode_only"].append(duration)
     idle = sum(
         max(0.0, b["device_start"] - a["device_end"])
         for a, b in zip(device, device[1:], strict=False)
@@ -212,7 +224,18 @@ def summarize(trace: dict) -> dict:
             "p50": _percentile(durations, 50),
             "p99": _percentile(durations, 99),
             "num_exact": len(durations),
+            **{
+                f"{kind}_p50/p99/n": [_percentile(v, 50), _percentile(v, 99), len(v)]
+                for kind, v in by_kind.items()
+            },
         },
+        "steps_with_prefill": sum(1 for s in device if s.get("prefill_tokens")),
+        "num_device_steps": len(device),
+        "prefill_tokens_per_prefill_step_p50/p99/max": [
+            _percentile(p := [s["prefill_tokens"] for s in device if s.get("prefill_tokens")], 50),
+            _percentile(p, 99),
+            max(p, default=0),
+        ],
         "device_idle_fraction": idle / span if span > 0 else 0.0,
     }
 
