@@ -18,7 +18,8 @@ compiled). Then it fetches the core's trace and prints, per variant:
   for step N + 2; 1: it joined N + 1); device step times and the device's idle fraction;
 - the slowest requests' lives.
 
-``--compare`` runs the core twice, with late scheduling (the default core) and without
+``--load NAME:n=...,in=...,out=...,rate=...,concurrency=...`` (repeatable) traces several loads
+one after the other on the same core process. ``--compare`` runs the core twice, with late scheduling (the default core) and without
 (``EagerTracingEngineCore``: step N + 1 scheduled as soon as N is launched). ``--out`` writes
 everything (every request's life included) as JSON.
 
@@ -38,6 +39,7 @@ everything (every request's life included) as JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -193,48 +195,91 @@ def _stats(values: list[float]) -> dict:
     }
 
 
-def trace_variant(engine_args, args, variant: str) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """One traced load: ``num_prompts`` of ``input_len`` ids and ``output_len`` tokens, sent at
+    ``rate`` per second (Poisson), or by ``concurrency`` closed-loop clients when ``rate`` is 0."""
+
+    name: str
+    num_prompts: int
+    input_len: int
+    output_len: int
+    rate: float
+    concurrency: int
+
+
+LOAD_KEYS = {"n": "num_prompts", "in": "input_len", "out": "output_len", "rate": "rate"}
+LOAD_KEYS["concurrency"] = "concurrency"
+
+
+def parse_load(text: str, defaults: Load) -> Load:
+    """``NAME:key=value,...`` (keys ``n``, ``in``, ``out``, ``rate``, ``concurrency``; the others
+    from ``defaults``).
+
+    Raises:
+        ValueError: no name, an unknown key, or a value out of range.
+    """
+    name, _, spec = text.partition(":")
+    if not name:
+        raise ValueError(f"--load {text!r}: give NAME:key=value,...")
+    items = [item for item in spec.split(",") if item]
+    if any("=" not in item for item in items):
+        raise ValueError(f"--load {text!r}: give NAME:key=value,...")
+    values = dict(item.split("=", 1) for item in items)
+    unknown = sorted(set(values) - set(LOAD_KEYS))
+    if unknown:
+        raise ValueError(f"--load {text!r}: unknown keys {unknown}; known: {sorted(LOAD_KEYS)}")
+    fields = {LOAD_KEYS[key]: value for key, value in values.items()}
+    load = dataclasses.replace(
+        defaults,
+        name=name,
+        **{k: float(v) if k == "rate" else int(v) for k, v in fields.items()},
+    )
+    if min(load.num_prompts, load.input_len, load.output_len, load.concurrency) < 1:
+        raise ValueError(f"--load {text!r}: n, in, out and concurrency must be at least 1")
+    if load.rate < 0:
+        raise ValueError(f"--load {text!r}: rate must be >= 0")
+    return load
+
+
+def trace_variant(engine_args, args, variant: str, loads: list[Load]) -> dict:
+    """Every load on one core process of ``variant``: ``{load name: result}``."""
     cores = SIMULATED_CORES if args.simulated_device else CORES
     session = CoreSession(engine_args, cores[variant])
+    results = {}
     try:
         vocab = session.info["vocab_size"]
         rng = np.random.default_rng(args.seed + 1)
-        prompts = [
-            rng.integers(10, vocab - 10, args.input_len).tolist() for _ in range(args.num_prompts)
-        ]
-        # The same load shapes once untraced: every step shape compiled before the timed run.
-        warm = prompts[: args.warmup_prompts]
-        run_load(
-            session,
-            warm,
-            args.output_len,
-            args.request_rate,
-            args.max_concurrency,
-            args.seed + 2,
-            f"{variant}-warmup",
-        )
-        session.utility("clear_request_trace")
-        client = run_load(
-            session,
-            prompts,
-            args.output_len,
-            args.request_rate,
-            args.max_concurrency,
-            args.seed,
-            variant,
-        )
-        trace = session.utility("request_trace")
+        for load in loads:
+            prompts = [
+                rng.integers(10, vocab - 10, load.input_len).tolist()
+                for _ in range(load.num_prompts + args.warmup_prompts)
+            ]
+            shape = (load.output_len, load.rate, load.concurrency)
+            # The same shapes once untraced (other prompts: no prefix-cache hits later), so that
+            # every step shape is compiled before the timed run.
+            warm, prompts = prompts[: args.warmup_prompts], prompts[args.warmup_prompts :]
+            run_load(session, warm, *shape, args.seed + 2, f"{variant}-{load.name}-warmup")
+            session.utility("clear_request_trace")
+            client = run_load(session, prompts, *shape, args.seed, f"{variant}-{load.name}")
+            trace = session.utility("request_trace")
+            results[load.name] = {
+                "load": dataclasses.asdict(load),
+                "client": client,
+                "summary": summarize(trace),
+                "lives": request_lives(trace),
+                "trace": trace,
+            }
     finally:
         session.close()
-    lives = request_lives(trace)
-    return {"client": client, "summary": summarize(trace), "lives": lives, "trace": trace}
+    return results
 
 
-def report(variant: str, result: dict) -> str:
+def report(variant: str, load: str, result: dict) -> str:
     client, summary = result["client"], result["summary"]
     dev = summary["device_step_ms"]
     lines = [
-        f"== {variant}: {summary['num_requests']} requests, "
+        f"== {variant} {load}: {summary['num_requests']} requests, "
         f"{client['output_tok_per_s']:.0f} output tok/s, "
         f"client TTFT mean/p50/p99 {_fmt(client['ttft_ms'])} ms, "
         f"TPOT mean/p50/p99 {_fmt(client['tpot_ms'])} ms",
@@ -279,6 +324,13 @@ def main(argv=None) -> int:
         "--max-concurrency closed-loop clients"
     )  # fmt: skip
     parser.add_argument("--max-concurrency", type=int, default=16)
+    parser.add_argument(
+        "--load",
+        action="append",
+        default=[],
+        help="NAME:key=value,... (n, in, out, rate, concurrency); repeatable, each traced on "
+        "the same core process; none: one load from the flags above",
+    )
     parser.add_argument("--warmup-prompts", type=int, default=32, help="untraced, first")
     parser.add_argument("--compare", action="store_true", help="also run without late scheduling")
     parser.add_argument(
@@ -290,16 +342,34 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     add_engine_args(parser)
     args = parser.parse_args(argv)
-    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
-        parser.error("--num-prompts, --input-len and --output-len must be at least 1")
+    if min(args.num_prompts, args.input_len, args.output_len) < 1 or args.warmup_prompts < 0:
+        parser.error(
+            "--num-prompts, --input-len and --output-len must be at least 1, "
+            "--warmup-prompts at least 0"
+        )
     if args.request_rate < 0 or args.max_concurrency < 1:
         parser.error("--request-rate must be >= 0 and --max-concurrency >= 1")
+    flat = Load(
+        "load",
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.request_rate,
+        args.max_concurrency,
+    )
+    try:
+        loads = [parse_load(text, flat) for text in args.load] or [flat]
+    except ValueError as error:
+        parser.error(str(error))
+    if len({load.name for load in loads}) < len(loads):
+        parser.error("--load names must differ")
     engine_args = engine_args_from(args)
     set_jax_memory_fraction(engine_args.gpu_memory_utilization)  # inherited by the core
     results = {}
     for variant in ("late", "eager") if args.compare else ("late",):
-        results[variant] = trace_variant(engine_args, args, variant)
-        print(report(variant, results[variant]), flush=True)
+        results[variant] = trace_variant(engine_args, args, variant, loads)
+        for name, result in results[variant].items():
+            print(report(variant, name, result), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": results}, f)

@@ -12,10 +12,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 #   run samples `top` once a second during saturation (which process is busy) into $OUT.
 # The saturation run's load comes from $CLIENTS benchmark processes (default 4;
 # --num-client-processes), so the client is not what it measures (issue 13); CLIENTS=1 for one.
-# After the server: the request-life trace of the 20 req/s load (scripts/trace_request_life.py:
-# the engine-core process alone, driven over its wire; arrival -> add -> first scheduled step ->
-# first token, per request) with late scheduling and, for comparison, without (TRACE_COMPARE=0
-# skips that run; TRACE=0 skips the trace). Then summarize.py's table, also as summary.json.
+# After the server: the request-life trace of the 20 req/s and 16-client loads
+# (scripts/trace_request_life.py: the engine-core process alone, driven over its wire; arrival ->
+# add -> first scheduled step -> first token, per request) with late scheduling and, for
+# comparison, without (TRACE_COMPARE=0 skips that run; TRACE=0 skips the trace). Then
+# summarize.py's table, also as summary.json.
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/server-split}
@@ -87,8 +88,9 @@ bench concurrent16 --num-prompts $N_CONC --random-input-len $IN_CONC \
 kill -INT $SERVER; wait $SERVER
 if [ "${TRACE:-1}" = 1 ]; then
     COMPARE=$([ "${TRACE_COMPARE:-1}" = 1 ] && echo --compare)
-    python3 -m scripts.trace_request_life $ENGINE --num-prompts $N_RATE --request-rate $RATE \
-        --input-len $IN_RATE --output-len $OUT_RATE --warmup-prompts 32 $COMPARE \
+    python3 -m scripts.trace_request_life $ENGINE --warmup-prompts 32 $COMPARE \
+        --load rate20:n=$N_RATE,rate=$RATE,in=$IN_RATE,out=$OUT_RATE \
+        --load concurrent16:n=$N_CONC,rate=0,concurrency=$CONC,in=$IN_CONC,out=$OUT_CONC \
         --out "$OUT/trace.json" > "$OUT/trace.log" 2>&1
     grep -E "^==|^lag|^device|^core_ttft|^ttft_ms" "$OUT/trace.log"
 fi

@@ -48,8 +48,11 @@ def main(out_dir: str) -> int:
         "trace": None
         if trace is None
         else {
-            variant: {"client": result["client"], "summary": result["summary"]}
-            for variant, result in trace["results"].items()
+            variant: {
+                load: {"client": result["client"], "summary": result["summary"]}
+                for load, result in loads.items()
+            }
+            for variant, loads in trace["results"].items()
         },
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -68,20 +71,22 @@ def main(out_dir: str) -> int:
 
 
 def print_trace(trace: dict) -> None:
-    """One row per traced variant (late scheduling, and eager without it)."""
-    print("\nrequest-life trace, engine core alone at the 20 req/s load (trace.json)")
+    """One row per traced variant (late scheduling; eager: without it) and load."""
+    print("\nrequest-life trace, the engine core alone under the same loads (trace.json)")
     print(
-        f"{'variant':8} {'client TTFT p50/p99':>20} {'arrival->out p50/p99':>18} "
-        f"{'TPOT mean':>9} {'device idle':>11}  lag (scheduled - running step at arrival)"
+        f"{'variant load':22} {'client TTFT p50/p99':>20} {'arrival->out p50/p99':>20} "
+        f"{'TPOT mean':>9} {'idle':>6}  lag (scheduled - running step at arrival)"
     )
-    for variant, result in trace.items():
-        client, summary = result["client"], result["summary"]
-        core = summary["segments"]["ttft_ms"]
-        print(
-            f"{variant:8} {client['ttft_ms']['p50']:9.1f}/{client['ttft_ms']['p99']:<10.1f} "
-            f"{core['p50']:8.1f}/{core['p99']:<9.1f} {client['tpot_ms']['mean']:9.2f} "
-            f"{100 * summary['device_idle_fraction']:10.1f}%  {summary['lags']}"
-        )
+    for variant, loads in trace.items():
+        for load, result in loads.items():
+            client, summary = result["client"], result["summary"]
+            core = summary["segments"]["ttft_ms"]
+            print(
+                f"{variant + ' ' + load:22} "
+                f"{client['ttft_ms']['p50']:9.1f}/{client['ttft_ms']['p99']:<10.1f} "
+                f"{core['p50']:9.1f}/{core['p99']:<10.1f} {client['tpot_ms']['mean']:9.2f} "
+                f"{100 * summary['device_idle_fraction']:5.1f}%  {summary['lags']}"
+            )
 
 
 # Server histograms (jaxpaged.metrics, vLLM's names) whose means split the client's TTFT:
