@@ -24,6 +24,9 @@ draining its input socket and calls ``step`` only at the deadline::
 While waiting, the core polls the device about once a millisecond: if step N is done before
 the deadline (a misprediction), it schedules at once, so the device waits at most one poll plus
 the host lead. A request that arrives before the deadline is in step N + 1; after it, in N + 2.
+There is no deadline after a step whose predecessor's tokens were ready before the host looked
+for them: the host, not the device, set the pace then (or the last deadline was late), so the
+device has no time to spare and the next step is scheduled at once.
 
 The core waits only when an arrival could join step N + 1 (``EngineCore.next_step_deadline``):
 nothing waits or is swapped out (an arrival would queue behind them, first come first served)
@@ -79,6 +82,8 @@ class AdmissionWindow:
         self._leads: collections.deque[float] = collections.deque(maxlen=history)
         # Device start (time.monotonic()) of the step in flight; None: none, or already measured.
         self._running_start: float | None = None
+        # Whether the host waited for the last step's tokens (the device set the pace).
+        self._device_bound = False
 
     def observe(self, times: StepTimes | None) -> None:
         """Record one ``LLMEngine.step`` (``engine.step_times``; None: it ran synchronously)."""
@@ -90,6 +95,7 @@ class AdmissionWindow:
             self._durations.append(times.previous_ready - start)
         self._leads.append(times.dispatched - times.started)
         self._running_start = times.device_start if times.has_device_work else None
+        self._device_bound = times.previous_waited
 
     def observe_finished(self, now: float) -> None:
         """The core saw the step in flight finished at ``now`` (an upper bound of its end)."""
@@ -99,8 +105,8 @@ class AdmissionWindow:
 
     def deadline(self) -> float | None:
         """``time.monotonic()`` by which the next step must be scheduled; None: at once (no step
-        in flight, or nothing measured yet)."""
-        if self._running_start is None or not self._durations:
+        in flight, nothing measured yet, or the host did not wait for the last step)."""
+        if self._running_start is None or not self._durations or not self._device_bound:
             return None
         duration = min(self._durations)
         margin = max(self.margin_s, self.margin_fraction * duration)

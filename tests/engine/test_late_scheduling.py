@@ -146,15 +146,20 @@ def test_the_deadline_is_the_step_start_plus_its_shortest_measured_time_less_the
     assert window.predicted_duration() == pytest.approx(0.1)
     # Step 1 began when step 0 ended: 0.103 + 0.100 - 0.003 (second longest lead) - 0.001.
     assert window.deadline() == pytest.approx(0.199)
-    # Step 1's tokens were ready before the host looked (no measurement): step 2 starts at its
-    # dispatch. One 50 ms hiccup of the host is ignored (the second longest lead is 4 ms).
-    window.observe(_times(0.3, 0.35, previous_ready=0.351, waited=False))
-    assert window.predicted_duration() == pytest.approx(0.1)
-    assert window.deadline() == pytest.approx(0.35 + 0.1 - 0.004 - 0.001)
-    # The core saw step 2 end after 60 ms: the shorter time wins.
-    window.observe_finished(0.41)
+    # One 50 ms hiccup of the host is ignored (the second longest lead is 4 ms).
+    window.observe(_times(0.15, 0.2, previous_ready=0.203, waited=True))
+    assert window.deadline() == pytest.approx(0.203 + 0.1 - 0.004 - 0.001)
+    # The core saw step 2 end after 60 ms: the shorter time wins; nothing is in flight now.
+    window.observe_finished(0.263)
     assert window.predicted_duration() == pytest.approx(0.06)
-    assert window.deadline() is None  # nothing in flight now
+    assert window.deadline() is None
+    # Step 3's predecessor was done before the host looked for it: the host set the pace, so
+    # step 4 is scheduled at once (and step 2 gave no second measurement).
+    window.observe(_times(0.3, 0.301, previous_ready=0.302, waited=False))
+    assert window.deadline() is None
+    assert window.predicted_duration() == pytest.approx(0.06)
+    window.observe(_times(0.36, 0.362, previous_ready=0.361, waited=True))
+    assert window.deadline() == pytest.approx(0.362 + 0.06 - 0.004 - 0.001)
 
 
 def test_the_deadline_forgets_old_steps_and_is_capped():
