@@ -40,7 +40,8 @@ class StepTimes:
 
     ``device_start`` is when the step this call dispatched began on the device: when the previous
     step's tokens became ready if the host was already waiting for them (the device runs steps in
-    dispatch order), else at dispatch (the device had nothing left to run then).
+    dispatch order), else at dispatch: a lower bound (the previous step ended before the host
+    looked, perhaps after the dispatch).
     """
 
     started: float  # step() entered; scheduling began
