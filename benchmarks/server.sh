@@ -11,6 +11,11 @@
 #   run samples `top` once a second during saturation (which process is busy) into $OUT.
 # The saturation run's load comes from $CLIENTS benchmark processes (default 4;
 # --num-client-processes), so the client is not what it measures (issue 13); CLIENTS=1 for one.
+# After the server: the request-life trace of the 20 req/s and 16-client loads
+# (scripts/trace_request_life.py: the engine-core process alone, driven over its wire; arrival ->
+# add -> first scheduled step -> first token, per request) with late scheduling and, for
+# comparison, without (TRACE_COMPARE=0 skips that run; TRACE=0 skips the trace). Then
+# summarize.py's table, also as summary.json.
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/server-split}
@@ -79,4 +84,12 @@ bench rate20 --num-prompts $N_RATE --random-input-len $IN_RATE --random-output-l
 bench concurrent16 --num-prompts $N_CONC --random-input-len $IN_CONC \
     --random-output-len $OUT_CONC --request-rate inf --max-concurrency $CONC
 kill -INT $SERVER; wait $SERVER
+if [ "${TRACE:-1}" = 1 ]; then
+    COMPARE=$([ "${TRACE_COMPARE:-1}" = 1 ] && echo --compare)
+    python3 -m scripts.trace_request_life $ENGINE --warmup-prompts 32 $COMPARE \
+        --load rate20:n=$N_RATE,rate=$RATE,in=$IN_RATE,out=$OUT_RATE \
+        --load concurrent16:n=$N_CONC,rate=0,concurrency=$CONC,in=$IN_CONC,out=$OUT_CONC \
+        --out "$OUT/trace.json" > "$OUT/trace.log" 2>&1
+    grep -E "^==|^lag|^device|^core_ttft|^ttft_ms" "$OUT/trace.log"
+fi
 python3 benchmarks/lib/server_summary.py "$OUT" | tee "$OUT/summary.txt"

@@ -1,5 +1,7 @@
 """The table of benchmarks/server.sh: served vs offline and the latency targets
-of issue 13. Usage: ``python summarize.py OUT_DIR``."""
+of issues 13 and 28, the server's own latency split, and the request-life trace
+(``trace.json`` of ``scripts/trace_request_life.py``) when there is one. Prints the table and
+writes it as ``OUT_DIR/summary.json``. Usage: ``python benchmarks/lib/server_summary.py OUT_DIR``."""
 
 from __future__ import annotations
 
@@ -39,14 +41,52 @@ def main(out_dir: str) -> int:
         ratio_s = "" if ratio is None else f"{ratio:.2f}"
         print(f"{measure:42} {value:10.2f} {target_s:>8} {ratio_s:>7}")
     server_side = [(name, server_means(out, name)) for name in ("rate20", "concurrent16")]
+    trace = load("trace")
+    summary = {
+        "rows": [{"measure": m, "value": v, "target": t, "ratio": r} for m, v, t, r in rows],
+        "server_side_ms": {name: means for name, means in server_side},
+        "trace": None
+        if trace is None
+        else {
+            variant: {
+                load: {"client": result["client"], "summary": result["summary"]}
+                for load, result in loads.items()
+            }
+            for variant, loads in trace["results"].items()
+        },
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if trace is not None:
+        print_trace(summary["trace"])
     if any(means for _, means in server_side):
         print("\nserver-side means over each run, ms (the server's histograms, after - before)")
         print(f"{'run':14}" + "".join(f"{label:>14}" for label in SERVER_HISTOGRAMS.values()))
         for name, means in server_side:
             if means:
-                print(f"{name:14}" + "".join(
-                    f"{means.get(h, float('nan')):14.2f}" for h in SERVER_HISTOGRAMS))
+                print(
+                    f"{name:14}"
+                    + "".join(f"{means.get(h, float('nan')):14.2f}" for h in SERVER_HISTOGRAMS)
+                )
     return 0
+
+
+def print_trace(trace: dict) -> None:
+    """One row per traced variant (late scheduling; eager: without it) and load."""
+    print("\nrequest-life trace, the engine core alone under the same loads (trace.json)")
+    print(
+        f"{'variant load':22} {'client TTFT p50/p99':>20} {'arrival->out p50/p99':>20} "
+        f"{'TPOT mean':>9} {'idle':>6}  lag (scheduled - running step at arrival)"
+    )
+    for variant, loads in trace.items():
+        for load, result in loads.items():
+            client, summary = result["client"], result["summary"]
+            core = summary["segments"]["ttft_ms"]
+            print(
+                f"{variant + ' ' + load:22} "
+                f"{client['ttft_ms']['p50']:9.1f}/{client['ttft_ms']['p99']:<10.1f} "
+                f"{core['p50']:9.1f}/{core['p99']:<10.1f} {client['tpot_ms']['mean']:9.2f} "
+                f"{100 * summary['device_idle_fraction']:5.1f}%  {summary['lags']}"
+            )
 
 
 # Server histograms (jaxpaged.metrics, vLLM's names) whose means split the client's TTFT:

@@ -44,6 +44,30 @@ from jaxpaged.worker.model_runner import PendingStep
 
 
 @dataclasses.dataclass
+class StepTimes:
+    """When one async ``LLMEngine.step`` did what (``time.monotonic()`` seconds), for the engine
+    core's choice of when to schedule the next step (``engine/admission.py``) and its traces.
+
+    ``device_start`` is when the step this call dispatched began on the device: when the previous
+    step's tokens became ready if the host was already waiting for them (the device runs steps in
+    dispatch order), else at dispatch: a lower bound (the previous step ended before the host
+    looked, perhaps after the dispatch).
+    """
+
+    started: float  # step() entered; scheduling began
+    dispatched: float  # the step it scheduled was launched (or found empty)
+    has_device_work: bool  # that step runs something on the device
+    previous_ready: float | None = None  # the previous step's tokens were ready (None: none)
+    previous_waited: bool = False  # the host waited for them, so previous_ready is their finish
+
+    @property
+    def device_start(self) -> float:
+        if self.previous_waited and self.previous_ready is not None:
+            return max(self.dispatched, self.previous_ready)
+        return self.dispatched
+
+
+@dataclasses.dataclass
 class InFlightStep:
     """A dispatched step committed with placeholders, waiting for its tokens."""
 

@@ -19,7 +19,12 @@ from jaxpaged.core.kv_cache_snapshot import KVCacheSnapshot, take_snapshot
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.core.step_history import StepHistory
-from jaxpaged.engine.async_scheduling import InFlightStep, commit_with_placeholders, resolve
+from jaxpaged.engine.async_scheduling import (
+    InFlightStep,
+    StepTimes,
+    commit_with_placeholders,
+    resolve,
+)
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.startup import StartupTimer, prefetch_transformers
 from jaxpaged.lora.request import LoRARequest
@@ -135,6 +140,8 @@ class LLMEngine:
         # may be switched between runs (benchmarks compare both); a step in flight drains first.
         self._in_flight: InFlightStep | None = None
         self.async_scheduling = config.async_scheduling
+        # Host-clock marks of the last async step (None after a synchronous one).
+        self.step_times: StepTimes | None = None
         self._seed_counter = itertools.count()
         self.startup.log()
 
@@ -393,7 +400,16 @@ class LLMEngine:
             return self._step_async(token_deltas)
         return self._step_sync(token_deltas)
 
+    def step_in_flight_done(self) -> bool | None:
+        """Async scheduling: whether the step on the device has computed its tokens (never
+        blocks); None when no step is in flight."""
+        if self._in_flight is None:
+            return None
+        return self.worker.is_ready(self._in_flight.pending)
+
     def _step_async(self, token_deltas: bool) -> list:
+        started = time.monotonic()
+        self.step_times = None
         scheduler_output = self.scheduler.schedule()
         self.step_history.record(scheduler_output, self.kv_cache_manager.usage)
         in_flight, self._in_flight = self._in_flight, None
@@ -415,10 +431,12 @@ class LLMEngine:
         if not scheduler_output.is_empty:
             self.worker.execute_block_ops(scheduler_output)
             pending = self.worker.dispatch(scheduler_output)
-        outputs = [] if in_flight is None else self._resolve(in_flight, token_deltas)
+        times = StepTimes(started, time.monotonic(), has_device_work=pending.out is not None)
+        outputs = [] if in_flight is None else self._resolve(in_flight, token_deltas, times)
         self._in_flight = commit_with_placeholders(self.scheduler, scheduler_output, pending)
         if not pending.scheduled and not self._in_flight.updated:
             self._in_flight = None
+        self.step_times = times
         return outputs
 
     def _step_split(self, scheduler_output, in_flight, token_deltas: bool) -> list:
@@ -433,7 +451,13 @@ class LLMEngine:
         self._in_flight = commit_with_placeholders(self.scheduler, scheduler_output, pending)
         return outputs
 
-    def _resolve(self, in_flight: InFlightStep, token_deltas: bool) -> list:
+    def _resolve(
+        self, in_flight: InFlightStep, token_deltas: bool, times: StepTimes | None = None
+    ) -> list:
+        if times is not None:  # when the step's tokens were ready, and whether we waited
+            times.previous_waited = not self.worker.is_ready(in_flight.pending)
+            self.worker.wait(in_flight.pending)
+            times.previous_ready = time.monotonic()
         runner_output = self.worker.collect(in_flight.pending)
         updated = resolve(self.scheduler, in_flight, runner_output)
         self._update_grammars(updated)
@@ -477,6 +501,7 @@ class LLMEngine:
             self.structured_output.update(rejected)  # drops their state
 
     def _step_sync(self, token_deltas: bool) -> list:
+        self.step_times = None
         scheduler_output = self.scheduler.schedule()
         self.step_history.record(scheduler_output, self.kv_cache_manager.usage)
         runner_output = self._run_sync(scheduler_output)

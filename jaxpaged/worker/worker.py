@@ -438,6 +438,16 @@ class Worker:
         """Launch a split step's sample half (``ModelRunner.dispatch_sample``)."""
         return self.model_runner.dispatch_sample(step, fill_bitmask)
 
+    def is_ready(self, pending: PendingStep) -> bool:
+        """Whether a dispatched step's sampled tokens are computed (never blocks; True for an
+        empty step). The engine core polls it to know when the step on the device is done."""
+        return pending.out is None or pending.out["token_ids"].is_ready()
+
+    def wait(self, pending: PendingStep) -> None:
+        """Block until a dispatched step's sampled tokens are computed (not yet read back)."""
+        if pending.out is not None:
+            pending.out["token_ids"].block_until_ready()
+
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a dispatched step and read its outputs (``ModelRunner.collect``)."""
         return self.model_runner.collect(pending)
