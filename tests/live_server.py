@@ -154,6 +154,9 @@ def start_server(
     api_key=None,
     chat_template=None,
     lora_modules=(),
+    enable_auto_tool_choice=False,
+    tool_call_parser=None,
+    reasoning_parser=None,
     enable_dev_endpoints=False,
     **kw,
 ):
@@ -170,6 +173,9 @@ def start_server(
         api_key=api_key,
         chat_template=chat_template,
         lora_modules=lora_modules,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
         enable_dev_endpoints=enable_dev_endpoints,
     )
     return RunningServer(app)

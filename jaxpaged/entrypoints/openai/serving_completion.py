@@ -34,6 +34,7 @@ from jaxpaged.entrypoints.openai.serving_engine import (
     stable_text,
     usage_of,
 )
+from jaxpaged.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from jaxpaged.outputs import RequestOutput
 
 
@@ -73,7 +74,14 @@ class OpenAIServingCompletion(OpenAIServing):
             values["prompt_logprobs"] = prompt_logprobs
             params.append(self.sampling_params(values))
         request_id = self.response_id("cmpl", request)
-        streams = await self.add_requests(request_id, prompts, params, arrival_time, lora_request)
+        streams = await self.add_requests(
+            request_id,
+            prompts,
+            params,
+            arrival_time,
+            lora_request,
+            structured_field=structured_outputs_from_request(request)[1],
+        )
         model = self.response_model(lora_request)
         if request.stream:
             return StreamingResponse(
