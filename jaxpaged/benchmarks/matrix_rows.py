@@ -254,6 +254,9 @@ ROWS: tuple[MatrixRow, ...] = (
 # EngineArgs fields that select no kernel or code path of the step (or cannot run on one
 # device), with the reason; every other field must be a domain of ``option_domains``.
 NOT_CODE_PATHS: dict[str, str] = {
+    "structured_outputs_config": "the grammar backend runs on the host; every backend feeds the "
+    "same bitmask input of the step (the structured-outputs row), tests/structured_output runs "
+    "both backends",
     **dict.fromkeys(("model", "revision", "download_dir", "tokenizer", "skip_tokenizer_init"),
                     "which files are read (host only)"),
     **dict.fromkeys(("max_model_len", "gpu_memory_utilization", "kv_cache_memory_bytes",
