@@ -110,6 +110,7 @@ class RunResult:
     first_pass_s: float
     second_pass_s: float
     checksum: tuple[float, int] | None
+    preemptions: int = 0  # both passes
 
 
 # ---------------------------------------------------------------------------------- models
@@ -292,7 +293,8 @@ def run_engine(row: MatrixRow, args: dict, workdir: str, golden: dict | None) ->
         second, steps = run_requests(engine, row, prompt_ids, late, loras, "second")
         t2 = time.perf_counter()
         same = [[c.tokens for c in r] for r in first] == [[c.tokens for c in r] for r in second]
-        result = RunResult(first, same, steps, t1 - t0, t2 - t1, checksum)
+        preemptions = engine.get_stats().num_preemptions
+        result = RunResult(first, same, steps, t1 - t0, t2 - t1, checksum, preemptions)
         return result, startup, engine.worker.compile_seconds
     finally:
         del engine, llm
@@ -393,7 +395,8 @@ class Matrix:
         record = dict(name=row.name, model=row.model, engine=dict(row.engine),
                       workload=row.workload, reference=row.reference, patches=dict(row.patches),
                       compiled=None, matches=None, max_abs_dlogprob=None, tolerance=None,
-                      startup_s=None, compile_s=None, step_ms=None, note="")  # fmt: skip
+                      startup_s=None, compile_s=None, step_ms=None, preemptions=None,
+                      note="")  # fmt: skip
         if row.workload == "structured_outputs" and structured_outputs_params() is None:
             record.update(compiled="skipped", note="not built yet (no StructuredOutputsParams)")
             return record
@@ -411,6 +414,7 @@ class Matrix:
             startup_s=round(startup, 2),
             compile_s=round(compile_s + max(0.0, result.first_pass_s - result.second_pass_s), 2),
             step_ms=round(1000 * statistics.median(result.step_seconds), 2),
+            preemptions=result.preemptions,
         )
         dtype = self._dtype(row, model_dir)
         tolerance = row.tolerance if row.tolerance is not None else TOLERANCE[dtype]
@@ -432,6 +436,8 @@ class Matrix:
                 False,
                 f"weights differ from the reference's: {result.checksum} vs {reference.checksum}",
             )
+        if "preemption_mode" in row.engine and not result.preemptions:
+            matches, note = False, "no request was preempted: the row tests nothing; " + note
         if math.isinf(worst) or golden is not None:  # golden.json holds tokens only
             worst = None
         record.update(matches=matches, max_abs_dlogprob=worst, note=note)
