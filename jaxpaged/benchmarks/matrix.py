@@ -572,6 +572,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 f"{row.name:<30} {row.model:<28} {row.workload:<18} {json.dumps(dict(row.engine))}"
             )
         return 0
+    import jax
     from tqdm.auto import tqdm
 
     report = dict(environment(), shrink=args.shrink, rows=[])
@@ -590,6 +591,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             bar.set_postfix_str(row.name)
             row_start = time.perf_counter()
             record = matrix.run_row(row)
+            gc.collect()
+            jax.clear_caches()  # the row's jitted helpers; its engines are gone already
             record["row_s"] = round(time.perf_counter() - row_start, 2)
             report["rows"].append(record)
             tqdm.write(format_row(record), file=sys.stderr)

@@ -116,3 +116,24 @@ def test_resume_keeps_the_rows_done_and_runs_the_others(tmp_path, monkeypatch):
     names = [r["name"] for r in json.loads(out.read_text())["rows"]]
     assert names == ["done", "left"]
     assert matrix.main(["--out", str(tmp_path / "none.json"), "--resume"]) == 2
+
+
+def test_weights_checksum_sees_the_weights_not_their_layout(monkeypatch):
+    import models.lora
+    from jaxpaged import LLM
+
+    small = dict(dtype="float32", max_model_len=64, max_num_seqs=2, num_gpu_blocks_override=8,
+                 enable_compilation_cache=False, skip_tokenizer_init=True)  # fmt: skip
+    lora = dict(small, enable_lora=True, max_loras=2, max_lora_rank=8)
+
+    def checksum(**kwargs):
+        return LLM(**kwargs).llm_engine.worker.weights_checksum()
+
+    base = checksum(**small)
+    assert checksum(**lora) == base  # empty LoRA slots add nothing
+    monkeypatch.setattr(models.lora, "LORA_FOLD", True)  # kernels move into the slots
+    folded = checksum(**lora)
+    assert folded[1] == base[1] and folded[0] == pytest.approx(base[0], rel=1e-6)
+    assert checksum(**small, load_format="dummy", seed=1) != checksum(
+        **small, load_format="dummy", seed=2
+    )
