@@ -48,6 +48,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from jaxpaged.benchmarks.matrix_compare import Completion, compare, same_checksum
 from jaxpaged.benchmarks.matrix_rows import MODELS, ROWS, TOLERANCE, MatrixRow, ModelSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -88,16 +89,6 @@ STRUCTURED_CHOICES = ("yes", "no", "maybe")
 SHRINK = dict(hidden_size=256, n_embd=256, intermediate_size=512, num_attention_heads=4, n_head=4,
               num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64, vocab_size=512,
               num_local_experts=4)  # fmt: skip
-
-
-@dataclasses.dataclass
-class Completion:
-    """One completion of a request: tokens, per-token ``{token_id: logprob}`` (None for beam
-    search and golden tokens) and the cumulative logprob (None without logprobs)."""
-
-    tokens: list[int]
-    logprobs: list[dict[int, float]] | None
-    cumulative: float | None
 
 
 @dataclasses.dataclass
@@ -301,56 +292,6 @@ def run_engine(row: MatrixRow, args: dict, workdir: str, golden: dict | None) ->
         gc.collect()
 
 
-# ----------------------------------------------------------------------------- comparison
-def compare(
-    test: list, ref: list, tolerance: float, *, beam: bool = False
-) -> tuple[bool, float, str]:
-    """``(matches, max |delta logprob|, note)`` of ``test`` against ``ref`` (per request, per
-    completion); see the module docstring for the rule."""
-    worst, notes = 0.0, []
-    for r, (test_req, ref_req) in enumerate(zip(test, ref, strict=True)):
-        if len(test_req) != len(ref_req):
-            return False, math.inf, f"request {r}: {len(test_req)} completions vs {len(ref_req)}"
-        for c, (a, b) in enumerate(zip(test_req, ref_req, strict=True)):
-            if beam:
-                if a.tokens != b.tokens:
-                    return False, worst, f"request {r} beam {c}: tokens differ"
-                if a.cumulative is not None and b.cumulative is not None:
-                    worst = max(worst, abs(a.cumulative - b.cumulative) / max(len(a.tokens), 1))
-                continue
-            diverged = next(
-                (i for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)) if x != y),
-                None,
-            )
-            if len(a.tokens) != len(b.tokens) and diverged is None:
-                return False, worst, f"request {r}: {len(a.tokens)} tokens vs {len(b.tokens)}"
-            end = len(a.tokens) if diverged is None else diverged
-            if a.logprobs is not None and b.logprobs is not None:
-                for i in range(end):
-                    token = a.tokens[i]
-                    delta = abs(a.logprobs[i][token] - b.logprobs[i][token])
-                    if math.isnan(delta):  # max() would drop a NaN
-                        return False, math.inf, f"request {r}.{c}: NaN logprob at token {i}"
-                    worst = max(worst, delta)
-            if diverged is None:
-                continue
-            i = diverged
-            x, y = a.tokens[i], b.tokens[i]
-            if a.logprobs is None or b.logprobs is None:
-                return False, worst, f"request {r}.{c}: token {i} is {x}, reference {y}"
-            near_tie = (
-                x in b.logprobs[i]
-                and y in a.logprobs[i]
-                and abs(b.logprobs[i][x] - b.logprobs[i][y]) <= tolerance
-            )
-            if not near_tie:
-                return False, worst, f"request {r}.{c}: token {i} is {x}, reference {y}"
-            notes.append(f"near-tie at request {r}.{c} token {i}")
-    if not worst <= tolerance:
-        return False, worst, f"max |delta logprob| {worst:.3g} > {tolerance:g}"
-    return True, worst, "; ".join(notes)
-
-
 def golden_completions(golden: dict) -> list[list[Completion]]:
     cases = [case for case in golden["cases"] if case["prompt"]][:4]
     return [[Completion(case["greedy_new_ids"][:MAX_TOKENS], None, None)] for case in cases]
@@ -429,7 +370,7 @@ class Matrix:
         )
         if not result.repeat_equal:
             matches, note = False, "the second pass gave other tokens than the first; " + note
-        if reference.checksum is not None and not _same_checksum(
+        if reference.checksum is not None and not same_checksum(
             result.checksum, reference.checksum
         ):
             matches, note = (
@@ -469,10 +410,6 @@ class Matrix:
             config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
             dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
         return DTYPES.get(dtype, "float32")
-
-
-def _same_checksum(a, b) -> bool:
-    return a[1] == b[1] and abs(a[0] - b[0]) <= 1e-4 * max(abs(b[0]), 1e-30)
 
 
 def _first_line(error: BaseException) -> str:

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from jaxpaged.benchmarks import matrix
-from jaxpaged.benchmarks.matrix import Completion, compare
+from jaxpaged.benchmarks.matrix_compare import Completion, compare
 from jaxpaged.entrypoints import cli
 
 
@@ -41,6 +41,18 @@ def test_compare_refuses_a_token_outside_the_other_top_k():
     assert not ok
     ok, worst, _ = compare([[_c([1]), _c([2])]], [[_c([1])]], 1.0)
     assert not ok and math.isinf(worst)
+
+
+def test_compare_beams_by_score():
+    ref = [[Completion([1, 2], None, -2.0), Completion([1, 3], None, -2.01)]]
+    same = [[Completion([1, 2], None, -2.02), Completion([1, 3], None, -2.03)]]
+    swapped = [[Completion([1, 3], None, -2.0), Completion([1, 2], None, -2.01)]]
+    worse = [[Completion([1, 2], None, -3.0), Completion([1, 3], None, -2.01)]]
+    assert compare(same, ref, 0.05, beam=True)[0]
+    ok, _, note = compare(swapped, ref, 0.05, beam=True)
+    assert ok and "near-tie at request 0 beam 0" in note
+    ok, _, note = compare(worse, ref, 0.05, beam=True)
+    assert not ok and "score differs" in note
 
 
 def test_compare_refuses_a_nan_logprob():
