@@ -5,18 +5,14 @@ small engine (2 layers of the real config's shapes with dummy weights, or storie
 few steps on the device (four prompts of 7 to 60 tokens, one of them arriving two steps late
 and sharing a 32-token prefix with another, so steps mix chunked prefill, cached-prefix prefill
 and decodes; 8 new tokens each, greedy with top-5 logprobs unless the row's workload says
-otherwise), runs the same
-requests a second time (the timed pass; the prefix cache reset first), and compares them with
-the row's reference (``matrix_rows`` module docstring).
+otherwise), runs the same requests a second time (the timed pass; the prefix cache reset
+first), and compares them with the row's reference (``matrix_rows`` module docstring).
 
 A row matches when (1) the engine and its reference hold the same weights (checksum), (2) the
-two passes give the same tokens, and (3) against the reference, per completion, the tokens are
-equal up to the first position where they differ, that position (if any) is a near-tie (each
-side's token is in the other's top-5 and the reference's logprobs of the two differ by at most
-the tolerance; later positions follow different prefixes and are not compared), and the
-sampled tokens' logprobs before it differ by at most the tolerance (``TOLERANCE`` per dtype).
-Beam search compares the beams' tokens and cumulative logprobs; ``golden`` rows compare tokens
-with HF transformers' greedy tokens.
+two passes give the same tokens, (3) the outputs agree with the reference's within the
+tolerance of the row's dtype (``matrix_rows.TOLERANCE``; the rule: ``matrix_compare``), and (4)
+a row with a ``preemption_mode`` did preempt. ``golden`` rows compare tokens with HF
+transformers' greedy tokens.
 
 Each row is isolated: an exception is recorded (with the first line of its message) and the
 walk goes on; engines are dropped and garbage-collected between rows. Output: a table on
