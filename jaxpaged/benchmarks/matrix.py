@@ -254,7 +254,10 @@ def run_requests(engine, row, prompt_ids, late, loras, tag) -> tuple[list, list[
 def _completion(output) -> Completion:
     logprobs = None
     if output.logprobs is not None:
-        logprobs = [{t: lp.logprob for t, lp in position.items()} for position in output.logprobs]
+        logprobs = [  # beam search's are plain floats (its candidates' logprobs)
+            {t: getattr(lp, "logprob", lp) for t, lp in position.items()}
+            for position in output.logprobs
+        ]
     return Completion(list(output.token_ids), logprobs, output.cumulative_logprob)
 
 
@@ -351,7 +354,7 @@ class Matrix:
             startup_s=round(startup, 2),
             compile_s=round(compile_s + max(0.0, result.first_pass_s - result.second_pass_s), 2),
             step_ms=round(1000 * statistics.median(result.step_seconds), 2),
-            preemptions=result.preemptions,
+            preemptions=int(result.preemptions),
         )
         dtype = self._dtype(row, model_dir)
         tolerance = row.tolerance if row.tolerance is not None else TOLERANCE[dtype]
@@ -377,7 +380,11 @@ class Matrix:
             matches, note = False, "no request was preempted: the row tests nothing; " + note
         if math.isinf(worst) or golden is not None:  # golden.json holds tokens only
             worst = None
-        record.update(matches=matches, max_abs_dlogprob=worst, note=note)
+        record.update(
+            matches=bool(matches),
+            max_abs_dlogprob=None if worst is None else float(worst),  # not a numpy scalar
+            note=note,
+        )
         return record
 
     def _reference(self, row: MatrixRow, model_dir: str, golden: dict | None) -> RunResult:
@@ -531,7 +538,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             tqdm.write(format_row(record), file=sys.stderr)
             if args.out:
                 report["total_s"] = round(time.perf_counter() - start, 2)
-                pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+                pathlib.Path(args.out).write_text(json.dumps(report, indent=1, default=float))
     print(header())
     for record in report["rows"]:
         print(format_row(record))
