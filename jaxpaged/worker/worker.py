@@ -409,9 +409,11 @@ class Worker:
         )
 
     def weights_checksum(self) -> tuple[float, int]:
-        """``(sum of |x|, element count)`` of the loaded model's floating-point weights
-        (``models.weights.float_weights_checksum``): equal for engines holding the same weights."""
-        return float_weights_checksum(self._model)
+        """``(sum of |x|, non-zero count)`` of the loaded model's floating-point weights and
+        LoRA slots (``models.weights.float_weights_checksum``): equal for engines holding the
+        same weights, whatever their layout."""
+        slots = () if self.lora_manager is None else (self.lora_manager.slots.weights,)
+        return float_weights_checksum(self._model, *slots)
 
     def set_step_timeline(self, timeline: StepTimeline | None) -> None:
         """Time every dispatched step on the device (benchmarks); None stops."""
