@@ -9,8 +9,10 @@
 #   bash benchmarks/matrix.sh                          # every row, one H200
 #   ONLY="kv-fp8 awq" bash benchmarks/matrix.sh        # rows whose name contains one of these
 #   SMOKE=1 ONLY=llama3-bf16 bash benchmarks/matrix.sh # tiny shapes (--shrink), on CPU
+#   RESUME=1 bash benchmarks/matrix.sh                 # keep $OUT/matrix.json's rows, run the rest
 # CACHE: the persistent compilation cache the rows share (default $OUT/xla-cache; identical
 # programs compile once, and a re-run compiles nothing: delete it to time compiles again).
+# LIMIT: seconds before the walk is stopped (default: none); its rows so far stay in the JSON.
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/matrix_out}
@@ -22,6 +24,7 @@ EXTRA=""
 [ "${SMOKE:-0}" = 1 ] && EXTRA="--shrink"
 PY=$(command -v python3 || command -v python)
 # shellcheck disable=SC2086
-$PY -m jaxpaged.entrypoints.cli bench matrix --out "$OUT/matrix.json" \
+[ "${RESUME:-0}" = 1 ] && EXTRA="$EXTRA --resume"
+${LIMIT:+timeout $LIMIT} $PY -m jaxpaged.entrypoints.cli bench matrix --out "$OUT/matrix.json" \
     --compilation-cache-dir "$CACHE" $EXTRA ${ONLY:+--only $ONLY} 2> "$OUT/matrix.log" \
     | tee "$OUT/table.txt"

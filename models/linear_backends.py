@@ -27,13 +27,18 @@ W4A16_KERNEL_METHODS: tuple[str, ...] = ("awq", "gptq", "compressed-tensors")
 # W4A16; ``pallas`` is ``pallas_kernels.w4a16_matmul``) and ``w8`` (8-bit weights: FP8, INT8
 # W8A8, bitsandbytes; ``pallas`` is the weight-only ``pallas_kernels.w8_gemv``, read by
 # ``models.quantization.w8a8.W8_GEMV_MAX_TOKENS``).
-# UNMEASURED: best guesses. benchmarks/quant_kernels.py on the H200 prints the fastest backend
-# per (kernel, T); copy its "auto table" line here and set AUTO_BACKENDS_MEASURED to its run.
+# From benchmarks/quant_kernels.py on one H100 (no H200 could be had that session), µs per
+# Llama-3-8B layer / bf16's: w4a16 kernel 0.79 at T = 16 and 32 (XLA's AWQ 2.6-2.7), XLA better
+# from T = 256 (1.4-2.8 against the kernel's 3.6-4.0); 8-bit GEMV (weight-only) 0.58-0.63 at
+# T = 1 and 0.64-0.70 at T = 16 against W8A8's 0.61-0.73 and 0.67-0.70, slower at T = 32.
+# T between 32 and 256 was not measured. Re-run the sweep on new hardware and update both.
 AUTO_BACKENDS: dict[str, tuple[tuple[int | None, str], ...]] = {
     "w4a16": ((32, "pallas"), (None, "xla")),
-    "w8": ((0, "pallas"), (None, "xla")),
+    "w8": ((16, "pallas"), (None, "xla")),
 }
-AUTO_BACKENDS_MEASURED: str | None = None  # e.g. "H200, tree abc1234, docs/benchmarks.md"
+AUTO_BACKENDS_MEASURED: str | None = (
+    "H100 80GB HBM3, tree f94aa64, 2026-12-05, docs/benchmarks.md 'Quantized kernels (issue 25)'"
+)
 
 
 def backend_for_tokens(family: str, backend: str, tokens: int) -> str:

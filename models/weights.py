@@ -617,20 +617,23 @@ def load_model(
     return model, hf_config
 
 
-def float_weights_checksum(model: nnx.Module | Any) -> tuple[float, int]:
-    """``(sum of |x|, element count)`` over every floating-point array of ``model``'s state, or
-    of ``model`` itself when it is a pytree of arrays such as ``Worker.get_weights()``
-    (float32 accumulation per array, float64 across arrays).
+def float_weights_checksum(model: nnx.Module | Any, *extra: Any) -> tuple[float, int]:
+    """``(sum of |x|, count of non-zero elements)`` over every floating-point array of
+    ``model``'s state (or of ``model`` itself when it is a pytree of arrays, such as
+    ``Worker.get_weights()``) and of the pytrees ``extra`` (float32 accumulation per array,
+    float64 across arrays).
 
     Two engines built from the same checkpoint (or the same ``load_format="dummy"`` seed) give
-    the same pair up to summation order, whatever layout their quantized linears were repacked
-    to (a sum is permutation-invariant; packed integer words are left out): ``jaxpaged bench
-    matrix`` checks with it that an engine and its reference hold the same weights.
+    the same pair up to summation order, whatever layout their weights were moved or repacked
+    to (a sum is permutation-invariant, zero padding counts for nothing; packed integer words
+    are left out), e.g. the LoRA fold layout, which moves each kernel into the LoRA slots
+    (passed as ``extra``). ``jaxpaged bench matrix`` checks with it that an engine and its
+    reference hold the same weights.
     """
     total, count = 0.0, 0
     tree = nnx.state(model) if isinstance(model, nnx.Module) else model
-    for leaf in jax.tree.leaves(tree):
+    for leaf in jax.tree.leaves((tree, extra)):
         if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
             total += float(jnp.sum(jnp.abs(leaf.astype(jnp.float32))))
-            count += int(leaf.size)
+            count += int(jnp.count_nonzero(leaf))
     return total, count

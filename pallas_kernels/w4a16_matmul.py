@@ -126,10 +126,13 @@ class W4A16Tiling:
     defer: bool = False
 
 
-# Defaults by token count, (largest T, tiling), first match wins. NOT MEASURED: best guesses
-# until benchmarks/quant_kernels.py's sweep on the H200 fills them in.
+# Defaults by token count, (largest T, tiling), first match wins. Measured on an H100 (tree
+# f94aa64, docs/benchmarks.md "Quantized kernels (issue 25)"; the sweep's first pass only): at
+# T = 16 and 32 the dot tiling runs Llama-3-8B's layer in 0.79x bf16's time, at T = 1 the
+# elementwise fold in 1.08x; T = 1 therefore takes the dot tiling too (its 16-row tile does the
+# same work as T = 16). The T > 32 tiling is 3.6-4.0x bf16's time: ``auto`` sends those steps
+# to XLA (models.linear_backends.AUTO_BACKENDS).
 DEFAULT_TILINGS: tuple[tuple[int | None, W4A16Tiling], ...] = (
-    (1, W4A16Tiling(block_t=1, block_n=64, block_k=32, dot=False, fold=True, defer=True)),
     (32, W4A16Tiling(block_t=32, block_n=64, block_k=32)),
     (None, W4A16Tiling(block_t=128, block_n=128, block_k=16, split_k=1, num_warps=8)),
 )

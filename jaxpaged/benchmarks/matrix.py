@@ -5,18 +5,14 @@ small engine (2 layers of the real config's shapes with dummy weights, or storie
 few steps on the device (four prompts of 7 to 60 tokens, one of them arriving two steps late
 and sharing a 32-token prefix with another, so steps mix chunked prefill, cached-prefix prefill
 and decodes; 8 new tokens each, greedy with top-5 logprobs unless the row's workload says
-otherwise), runs the same
-requests a second time (the timed pass; the prefix cache reset first), and compares them with
-the row's reference (``matrix_rows`` module docstring).
+otherwise), runs the same requests a second time (the timed pass; the prefix cache reset
+first), and compares them with the row's reference (``matrix_rows`` module docstring).
 
 A row matches when (1) the engine and its reference hold the same weights (checksum), (2) the
-two passes give the same tokens, and (3) against the reference, per completion, the tokens are
-equal up to the first position where they differ, that position (if any) is a near-tie (each
-side's token is in the other's top-5 and the reference's logprobs of the two differ by at most
-the tolerance; later positions follow different prefixes and are not compared), and the
-sampled tokens' logprobs before it differ by at most the tolerance (``TOLERANCE`` per dtype).
-Beam search compares the beams' tokens and cumulative logprobs; ``golden`` rows compare tokens
-with HF transformers' greedy tokens.
+two passes give the same tokens, (3) the outputs agree with the reference's within the
+tolerance of the row's dtype (``matrix_rows.TOLERANCE``; the rule: ``matrix_compare``), and (4)
+a row with a ``preemption_mode`` did preempt. ``golden`` rows compare tokens with HF
+transformers' greedy tokens.
 
 Each row is isolated: an exception is recorded (with the first line of its message) and the
 walk goes on; engines are dropped and garbage-collected between rows. Output: a table on
@@ -48,6 +44,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from jaxpaged.benchmarks.matrix_compare import Completion, compare, same_checksum
 from jaxpaged.benchmarks.matrix_rows import MODELS, ROWS, TOLERANCE, MatrixRow, ModelSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -91,16 +88,6 @@ SHRINK = dict(hidden_size=256, n_embd=256, intermediate_size=512, num_attention_
 
 
 @dataclasses.dataclass
-class Completion:
-    """One completion of a request: tokens, per-token ``{token_id: logprob}`` (None for beam
-    search and golden tokens) and the cumulative logprob (None without logprobs)."""
-
-    tokens: list[int]
-    logprobs: list[dict[int, float]] | None
-    cumulative: float | None
-
-
-@dataclasses.dataclass
 class RunResult:
     """Both passes of one engine over a row's requests."""
 
@@ -110,6 +97,7 @@ class RunResult:
     first_pass_s: float
     second_pass_s: float
     checksum: tuple[float, int] | None
+    preemptions: int = 0  # both passes
 
 
 # ---------------------------------------------------------------------------------- models
@@ -266,7 +254,10 @@ def run_requests(engine, row, prompt_ids, late, loras, tag) -> tuple[list, list[
 def _completion(output) -> Completion:
     logprobs = None
     if output.logprobs is not None:
-        logprobs = [{t: lp.logprob for t, lp in position.items()} for position in output.logprobs]
+        logprobs = [  # beam search's are plain floats (its candidates' logprobs)
+            {t: getattr(lp, "logprob", lp) for t, lp in position.items()}
+            for position in output.logprobs
+        ]
     return Completion(list(output.token_ids), logprobs, output.cumulative_logprob)
 
 
@@ -292,61 +283,12 @@ def run_engine(row: MatrixRow, args: dict, workdir: str, golden: dict | None) ->
         second, steps = run_requests(engine, row, prompt_ids, late, loras, "second")
         t2 = time.perf_counter()
         same = [[c.tokens for c in r] for r in first] == [[c.tokens for c in r] for r in second]
-        result = RunResult(first, same, steps, t1 - t0, t2 - t1, checksum)
+        preemptions = engine.get_stats().num_preemptions
+        result = RunResult(first, same, steps, t1 - t0, t2 - t1, checksum, preemptions)
         return result, startup, engine.worker.compile_seconds
     finally:
         del engine, llm
         gc.collect()
-
-
-# ----------------------------------------------------------------------------- comparison
-def compare(
-    test: list, ref: list, tolerance: float, *, beam: bool = False
-) -> tuple[bool, float, str]:
-    """``(matches, max |delta logprob|, note)`` of ``test`` against ``ref`` (per request, per
-    completion); see the module docstring for the rule."""
-    worst, notes = 0.0, []
-    for r, (test_req, ref_req) in enumerate(zip(test, ref, strict=True)):
-        if len(test_req) != len(ref_req):
-            return False, math.inf, f"request {r}: {len(test_req)} completions vs {len(ref_req)}"
-        for c, (a, b) in enumerate(zip(test_req, ref_req, strict=True)):
-            if beam:
-                if a.tokens != b.tokens:
-                    return False, worst, f"request {r} beam {c}: tokens differ"
-                if a.cumulative is not None and b.cumulative is not None:
-                    worst = max(worst, abs(a.cumulative - b.cumulative) / max(len(a.tokens), 1))
-                continue
-            diverged = next(
-                (i for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)) if x != y),
-                None,
-            )
-            if len(a.tokens) != len(b.tokens) and diverged is None:
-                return False, worst, f"request {r}: {len(a.tokens)} tokens vs {len(b.tokens)}"
-            end = len(a.tokens) if diverged is None else diverged
-            if a.logprobs is not None and b.logprobs is not None:
-                for i in range(end):
-                    token = a.tokens[i]
-                    delta = abs(a.logprobs[i][token] - b.logprobs[i][token])
-                    if math.isnan(delta):  # max() would drop a NaN
-                        return False, math.inf, f"request {r}.{c}: NaN logprob at token {i}"
-                    worst = max(worst, delta)
-            if diverged is None:
-                continue
-            i = diverged
-            x, y = a.tokens[i], b.tokens[i]
-            if a.logprobs is None or b.logprobs is None:
-                return False, worst, f"request {r}.{c}: token {i} is {x}, reference {y}"
-            near_tie = (
-                x in b.logprobs[i]
-                and y in a.logprobs[i]
-                and abs(b.logprobs[i][x] - b.logprobs[i][y]) <= tolerance
-            )
-            if not near_tie:
-                return False, worst, f"request {r}.{c}: token {i} is {x}, reference {y}"
-            notes.append(f"near-tie at request {r}.{c} token {i}")
-    if not worst <= tolerance:
-        return False, worst, f"max |delta logprob| {worst:.3g} > {tolerance:g}"
-    return True, worst, "; ".join(notes)
 
 
 def golden_completions(golden: dict) -> list[list[Completion]]:
@@ -393,7 +335,8 @@ class Matrix:
         record = dict(name=row.name, model=row.model, engine=dict(row.engine),
                       workload=row.workload, reference=row.reference, patches=dict(row.patches),
                       compiled=None, matches=None, max_abs_dlogprob=None, tolerance=None,
-                      startup_s=None, compile_s=None, step_ms=None, note="")  # fmt: skip
+                      startup_s=None, compile_s=None, step_ms=None, preemptions=None,
+                      note="")  # fmt: skip
         if row.workload == "structured_outputs" and structured_outputs_params() is None:
             record.update(compiled="skipped", note="not built yet (no StructuredOutputsParams)")
             return record
@@ -411,6 +354,7 @@ class Matrix:
             startup_s=round(startup, 2),
             compile_s=round(compile_s + max(0.0, result.first_pass_s - result.second_pass_s), 2),
             step_ms=round(1000 * statistics.median(result.step_seconds), 2),
+            preemptions=int(result.preemptions),
         )
         dtype = self._dtype(row, model_dir)
         tolerance = row.tolerance if row.tolerance is not None else TOLERANCE[dtype]
@@ -425,16 +369,22 @@ class Matrix:
         )
         if not result.repeat_equal:
             matches, note = False, "the second pass gave other tokens than the first; " + note
-        if reference.checksum is not None and not _same_checksum(
+        if reference.checksum is not None and not same_checksum(
             result.checksum, reference.checksum
         ):
             matches, note = (
                 False,
                 f"weights differ from the reference's: {result.checksum} vs {reference.checksum}",
             )
+        if "preemption_mode" in row.engine and not result.preemptions:
+            matches, note = False, "no request was preempted: the row tests nothing; " + note
         if math.isinf(worst) or golden is not None:  # golden.json holds tokens only
             worst = None
-        record.update(matches=matches, max_abs_dlogprob=worst, note=note)
+        record.update(
+            matches=bool(matches),
+            max_abs_dlogprob=None if worst is None else float(worst),  # not a numpy scalar
+            note=note,
+        )
         return record
 
     def _reference(self, row: MatrixRow, model_dir: str, golden: dict | None) -> RunResult:
@@ -463,10 +413,6 @@ class Matrix:
             config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
             dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
         return DTYPES.get(dtype, "float32")
-
-
-def _same_checksum(a, b) -> bool:
-    return a[1] == b[1] and abs(a[0] - b[0]) <= 1e-4 * max(abs(b[0]), 1e-30)
 
 
 def _first_line(error: BaseException) -> str:
@@ -566,6 +512,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 f"{row.name:<30} {row.model:<28} {row.workload:<18} {json.dumps(dict(row.engine))}"
             )
         return 0
+    import jax
     from tqdm.auto import tqdm
 
     report = dict(environment(), shrink=args.shrink, rows=[])
@@ -584,12 +531,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             bar.set_postfix_str(row.name)
             row_start = time.perf_counter()
             record = matrix.run_row(row)
+            gc.collect()
+            jax.clear_caches()  # the row's jitted helpers; its engines are gone already
             record["row_s"] = round(time.perf_counter() - row_start, 2)
             report["rows"].append(record)
             tqdm.write(format_row(record), file=sys.stderr)
             if args.out:
                 report["total_s"] = round(time.perf_counter() - start, 2)
-                pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+                pathlib.Path(args.out).write_text(json.dumps(report, indent=1, default=float))
     print(header())
     for record in report["rows"]:
         print(format_row(record))

@@ -411,14 +411,17 @@ class Worker:
         )
 
     def weights_checksum(self) -> tuple[float, int]:
-        """``(sum of |x|, element count)`` of the floating-point weights the steps run on
-        (``models.weights.float_weights_checksum``): equal for engines holding the same weights.
-        Read from the runner's arrays, so it follows ``update_weights``.
+        """``(sum of |x|, non-zero count)`` of the floating-point weights and LoRA slots
+        (``models.weights.float_weights_checksum``): equal for engines holding the same
+        weights, whatever their layout. After ``update_weights`` (which releases the loaded
+        module) it reads the runner's arrays.
 
         Raises:
             RuntimeError: the weights were released by ``sleep(level=2)``.
         """
-        return float_weights_checksum(self.get_weights())
+        slots = () if self.lora_manager is None else (self.lora_manager.slots.weights,)
+        model = self._model if self._model is not None else self.get_weights()
+        return float_weights_checksum(model, *slots)
 
     # ------------------------------------------------------- weights from memory, sleep mode
     def get_weights(self) -> dict:

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from jaxpaged.benchmarks import matrix
-from jaxpaged.benchmarks.matrix import Completion, compare
+from jaxpaged.benchmarks.matrix_compare import Completion, compare
 from jaxpaged.entrypoints import cli
 
 
@@ -41,6 +41,18 @@ def test_compare_refuses_a_token_outside_the_other_top_k():
     assert not ok
     ok, worst, _ = compare([[_c([1]), _c([2])]], [[_c([1])]], 1.0)
     assert not ok and math.isinf(worst)
+
+
+def test_compare_beams_by_score():
+    ref = [[Completion([1, 2], None, -2.0), Completion([1, 3], None, -2.01)]]
+    same = [[Completion([1, 2], None, -2.02), Completion([1, 3], None, -2.03)]]
+    swapped = [[Completion([1, 3], None, -2.0), Completion([1, 2], None, -2.01)]]
+    worse = [[Completion([1, 2], None, -3.0), Completion([1, 3], None, -2.01)]]
+    assert compare(same, ref, 0.05, beam=True)[0]
+    ok, _, note = compare(swapped, ref, 0.05, beam=True)
+    assert ok and "near-tie at request 0 beam 0" in note
+    ok, _, note = compare(worse, ref, 0.05, beam=True)
+    assert not ok and "score differs" in note
 
 
 def test_compare_refuses_a_nan_logprob():
@@ -116,3 +128,24 @@ def test_resume_keeps_the_rows_done_and_runs_the_others(tmp_path, monkeypatch):
     names = [r["name"] for r in json.loads(out.read_text())["rows"]]
     assert names == ["done", "left"]
     assert matrix.main(["--out", str(tmp_path / "none.json"), "--resume"]) == 2
+
+
+def test_weights_checksum_sees_the_weights_not_their_layout(monkeypatch):
+    import models.lora
+    from jaxpaged import LLM
+
+    small = dict(dtype="float32", max_model_len=64, max_num_seqs=2, num_gpu_blocks_override=8,
+                 enable_compilation_cache=False, skip_tokenizer_init=True)  # fmt: skip
+    lora = dict(small, enable_lora=True, max_loras=2, max_lora_rank=8)
+
+    def checksum(**kwargs):
+        return LLM(**kwargs).llm_engine.worker.weights_checksum()
+
+    base = checksum(**small)
+    assert checksum(**lora) == base  # empty LoRA slots add nothing
+    monkeypatch.setattr(models.lora, "LORA_FOLD", True)  # kernels move into the slots
+    folded = checksum(**lora)
+    assert folded[1] == base[1] and folded[0] == pytest.approx(base[0], rel=1e-6)
+    assert checksum(**small, load_format="dummy", seed=1) != checksum(
+        **small, load_format="dummy", seed=2
+    )
