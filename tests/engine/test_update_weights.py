@@ -174,3 +174,17 @@ def test_update_while_requests_run_is_refused_and_they_finish(llm, hf_weights, g
 def test_from_params_builds_an_engine_with_weights_from_memory(stories_dir, hf_weights, golden):
     llm = LLM.from_params(stories_dir, hf_weights, dtype="float32", **SMALL_ENGINE)
     assert _greedy(llm, golden) == _expected(golden)
+
+
+def test_weights_checksum_follows_an_update(llm, hf_weights):
+    """``Worker.weights_checksum`` (``jaxpaged bench matrix``) reads the weights the steps run
+    on after ``update_weights``: the sum of |x| and the non-zero count of the HF tensors, which
+    any layout of them keeps."""
+    llm.update_weights(hf_weights)
+    total, count = llm.llm_engine.worker.weights_checksum()
+    floats = [t for t in hf_weights.values() if np.issubdtype(t.dtype, np.floating)]
+    assert count == sum(int(np.count_nonzero(t)) for t in floats)
+    assert total == pytest.approx(sum(float(np.abs(t.astype(np.float64)).sum()) for t in floats))
+    llm.update_weights(jax.tree.map(lambda x: x * 2.0, llm.get_weights()))
+    assert llm.llm_engine.worker.weights_checksum() == pytest.approx((2 * total, count))
+    llm.update_weights(hf_weights)

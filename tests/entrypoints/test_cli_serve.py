@@ -68,6 +68,27 @@ def test_api_server_count_defaults_to_one_and_refuses_zero_negative_and_data_par
         serve_options(_serve_args("--api-server-count", "2", "-dp", "2"), environ={})
 
 
+def test_dev_endpoints_from_the_flag_or_vllm_server_dev_mode(monkeypatch):
+    assert serve_options(_serve_args(), environ={})["enable_dev_endpoints"] is False
+    assert serve_options(_serve_args("--enable-dev-endpoints"), environ={})["enable_dev_endpoints"]
+    for value, on in (("1", True), ("0", False), ("", False)):
+        env = {"VLLM_SERVER_DEV_MODE": value}
+        assert serve_options(_serve_args(), environ=env)["enable_dev_endpoints"] is on
+    # environ=None reads this process's environment (entrypoints/env.py).
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    assert serve_options(_serve_args())["enable_dev_endpoints"] is True
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE")
+    assert serve_options(_serve_args())["enable_dev_endpoints"] is False
+
+
+def test_dev_endpoints_refused_with_data_parallelism_before_any_core_starts():
+    from jaxpaged.config import EngineArgs
+    from jaxpaged.entrypoints.openai.api_server import run_server
+
+    with pytest.raises(ValueError, match="--enable-dev-endpoints needs --data-parallel-size 1"):
+        run_server(EngineArgs(), data_parallel_size=2, enable_dev_endpoints=True)
+
+
 def test_jaxpaged_serve_without_a_tokenizer_serves_token_ids_and_refuses_text(monkeypatch):
     """``main(["serve", ..., "--skip-tokenizer-init"])`` end to end (engine core process
     included), with uvicorn's blocking ``run`` replaced by a recorder whose app is then served
