@@ -62,7 +62,10 @@ def check_prompt_vocab(ids: list[int], vocab_size: int) -> None:
         return
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        raise PromptError(  # "out of vocabulary": vLLM's words, which clients match
+            f"prompt token id {bad[0]} is out of vocabulary: outside the vocabulary "
+            f"[0, {vocab_size})"
+        )
 
 
 class SequenceStatus(enum.Enum):

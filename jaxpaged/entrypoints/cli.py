@@ -229,6 +229,8 @@ def _add_serve_parser(sub) -> None:
         help="LoRA adapters served at start-up (with --enable-lora): name=path, or JSON "
         '{"name": ..., "path": ..., "base_model_name": ...}; clients select one by `model`',
     )
+    for flag, help_text in _SERVE_SWITCHES.items():
+        serve.add_argument(flag, action="store_true", help=help_text)
     serve.add_argument(
         "--uvicorn-log-level",
         default="info",
@@ -236,6 +238,19 @@ def _add_serve_parser(sub) -> None:
         help="uvicorn's log level (default: info)",
     )
     add_engine_args(serve)
+
+
+# vLLM's on/off serving flags (all off by default) -> their help; each is a build_app keyword.
+_SERVE_SWITCHES = {
+    "--return-tokens-as-token-ids": "write logprob tokens as 'token_id:<id>' unless a request "
+    "sets return_tokens_as_token_ids (for tokens JSON cannot carry)",
+    "--enable-prompt-tokens-details": "add usage.prompt_tokens_details.cached_tokens (prompt "
+    "tokens read from the prefix cache) to responses",
+    "--enable-tokenizer-info-endpoint": "serve GET /tokenizer_info (the tokenizer's "
+    "configuration and chat template; off because it reveals the template)",
+    "--enable-server-load-tracking": "count generation requests in flight for GET /load "
+    "(otherwise it reports 0)",
+}
 
 
 def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
@@ -283,6 +298,12 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
         uvicorn_log_level=args.uvicorn_log_level,
         lora_modules=lora_modules,
         api_server_count=args.api_server_count,
+        **{
+            flag.removeprefix("--").replace("-", "_"): getattr(
+                args, flag.removeprefix("--").replace("-", "_")
+            )
+            for flag in _SERVE_SWITCHES
+        },
     )
 
 

@@ -288,7 +288,7 @@ def test_step_never_copies_the_logits_state(stories_llm, num_seqs, decode_only):
         (SamplingParams(n=2, best_of=9), "needs 9 sequences at once .* max_num_seqs is 8"),
         (
             SamplingParams(allowed_token_ids=[3, 512]),
-            "allowed_token_ids .* below the vocabulary size",
+            "allowed_token_ids has token ids out of vocabulary",
         ),
         (SamplingParams(logit_bias={9999: 1.0}), "logit_bias"),
         (SamplingParams(stop_token_ids=[600]), "stop_token_ids"),

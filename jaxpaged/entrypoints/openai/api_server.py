@@ -8,7 +8,8 @@ takes the same flags as ``jaxpaged serve``.
 Routes (vLLM's, ``reference/vllm_surface.md`` section 2.2): ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (200, or 503 once the engine
 core has died), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
-(Prometheus text). With an API key, only ``/v1/*`` paths require
+(Prometheus text), ``POST /invocations`` (SageMaker), ``GET /load`` and, with its flag,
+``GET /tokenizer_info`` (``optional_routes.py``). With an API key, only ``/v1/*`` paths require
 ``Authorization: Bearer <key>`` (401 otherwise), as in vLLM. With ``--skip-tokenizer-init``
 there is no tokenizer: prompts must be token ids and outputs carry no text.
 
@@ -42,6 +43,7 @@ from jaxpaged.entrypoints.openai.errors import (
     error_response,
     install_error_handlers,
 )
+from jaxpaged.entrypoints.openai.optional_routes import ServerLoad, add_optional_routes
 from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -74,6 +76,10 @@ def build_app(
     api_server_index: int = 0,
     api_server_count: int = 1,
     multiprocess_metrics_dir: str | None = None,
+    return_tokens_as_token_ids: bool = False,
+    enable_prompt_tokens_details: bool = False,
+    enable_tokenizer_info_endpoint: bool = False,
+    enable_server_load_tracking: bool = False,
 ) -> FastAPI:
     """The server app over ``client`` (a spawned ``EngineCoreClient``, or one connected to a
     core the parent process started); the client's tasks start with the app's lifespan, and a
@@ -97,6 +103,11 @@ def build_app(
         multiprocess_metrics_dir: the ``PROMETHEUS_MULTIPROC_DIR`` of several API processes;
             ``/metrics`` then renders every process's values (``render_multiprocess``). None:
             this process's own registries.
+        return_tokens_as_token_ids: logprob tokens written ``token_id:<id>`` unless a request
+            sets ``return_tokens_as_token_ids`` (vLLM's ``--return-tokens-as-token-ids``).
+        enable_prompt_tokens_details: usage carries ``prompt_tokens_details.cached_tokens``.
+        enable_tokenizer_info_endpoint: serve ``GET /tokenizer_info``.
+        enable_server_load_tracking: ``GET /load`` counts the generation requests in flight.
 
     ``app.state.engine`` is the client, ``app.state.metrics`` its ``ServerMetrics``.
 
@@ -126,9 +137,13 @@ def build_app(
         tokenizer=tokenizer,
         served_model_names=names,
         max_model_len=max_model_len,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
     )
+    chat_template = load_chat_template(chat_template)
     completion = OpenAIServingCompletion(**common)
-    chat = OpenAIServingChat(**common, chat_template=load_chat_template(chat_template))
+    chat = OpenAIServingChat(**common, chat_template=chat_template)
+    load = ServerLoad(enable_server_load_tracking)
     models = OpenAIServingModels(
         engine, names, model, max_model_len, api_server_count=api_server_count
     )
@@ -173,11 +188,24 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return await _cancel_on_disconnect(raw_request, completion.create_completion(request))
+        return await load.call(
+            _cancel_on_disconnect(raw_request, completion.create_completion(request))
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await _cancel_on_disconnect(raw_request, chat.create_chat_completion(request))
+        return await load.call(
+            _cancel_on_disconnect(raw_request, chat.create_chat_completion(request))
+        )
+
+    add_optional_routes(
+        app,
+        load=load,
+        handlers={ChatCompletionRequest: chat_completions, CompletionRequest: completions},
+        tokenizer=tokenizer,
+        chat_template=chat_template,
+        enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
+    )
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
@@ -208,7 +236,8 @@ def build_app(
         bad = [t for t in request.tokens if not 0 <= t < len(tokenizer)]
         if bad:
             raise BadRequestError(
-                f"token id {bad[0]} is outside the vocabulary [0, {len(tokenizer)})",
+                f"token id {bad[0]} is out of vocabulary: outside the vocabulary "
+                f"[0, {len(tokenizer)})",
                 param="tokens",
             )
         return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
@@ -285,6 +314,7 @@ def run_server(
     lora_modules: Sequence[LoRAModulePath] = (),
     api_server_count: int = 1,
     multiprocess_metrics_dir: str | None = None,
+    **response_options,
 ) -> int:
     """Start the engine core for ``engine_args`` (``EngineArgs``) and serve until interrupted;
     returns the exit status (0, or 1 when an API process of several died).
@@ -293,7 +323,9 @@ def run_server(
     (the API process) unless ``engine_args.skip_tokenizer_init``. ``api_server_count`` > 1:
     that many API processes over one core (``multi_api_server.run_multi_api_server``), whose
     metrics live in ``multiprocess_metrics_dir`` (``PROMETHEUS_MULTIPROC_DIR``, exported by
-    ``jaxpaged serve``).
+    ``jaxpaged serve``). ``response_options``: ``build_app``'s ``return_tokens_as_token_ids``,
+    ``enable_prompt_tokens_details``, ``enable_tokenizer_info_endpoint`` and
+    ``enable_server_load_tracking``.
 
     Raises:
         ValueError: invalid engine arguments (checked before the core starts),
@@ -309,6 +341,7 @@ def run_server(
         chat_template=chat_template,
         metrics_prefix=metrics_prefix,
         lora_modules=lora_modules,
+        **response_options,
     )
     if api_server_count != 1 or data_parallel_size != 1:
         check_api_server_count(api_server_count, data_parallel_size)

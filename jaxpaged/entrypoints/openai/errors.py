@@ -91,6 +91,11 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
         ctx = first.get("ctx") or {}
         return f"the request body is not valid JSON: {ctx.get('error', first.get('msg'))}", None
     message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    field_error = getattr((first.get("ctx") or {}).get("error"), "parameter", None)
+    if param is None and field_error is not None:
+        # A body-level validator's FieldValueError: its message names the value already (the
+        # input would be the whole body).
+        return message, field_error
     if "input" in first and first.get("type") != "missing":
         got = repr(first["input"])
         message = f"{message} (got {got[:100]}{'...' if len(got) > 100 else ''})"

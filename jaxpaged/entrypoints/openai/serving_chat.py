@@ -29,6 +29,7 @@ from jaxpaged.entrypoints.openai.protocol import (
     ChatMessage,
     ChatMessageParam,
     DeltaMessage,
+    UsageInfo,
 )
 from jaxpaged.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -36,7 +37,6 @@ from jaxpaged.entrypoints.openai.serving_engine import (
     sse,
     sse_error,
     stable_text,
-    usage_of,
 )
 
 
@@ -136,7 +136,7 @@ class OpenAIServingChat(OpenAIServing):
                 prompt_text,
                 await self.encode(prompt_text, add_special_tokens=request.add_special_tokens),
             ),
-            request.truncate_prompt_tokens,
+            request,
         )
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
@@ -146,7 +146,11 @@ class OpenAIServingChat(OpenAIServing):
         values["max_tokens"] = (
             max_tokens if max_tokens is not None else self.max_model_len - len(ids)
         )
-        values["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
+        values["logprobs"] = (
+            (request.top_logprobs or 0)
+            if request.logprobs and not request.logprob_token_ids
+            else None
+        )
         if request.echo and request.prompt_logprobs is None and request.logprobs:
             values["prompt_logprobs"] = request.top_logprobs or 0  # vLLM's rule
         params = self.sampling_params(values)
@@ -164,11 +168,13 @@ class OpenAIServingChat(OpenAIServing):
     def _logprobs(self, request, completion, start: int):
         if not request.logprobs or completion.logprobs is None:
             return None
+        # logprob_token_ids: every requested id is an alternative (vLLM's return_all).
+        num_top = None if request.logprob_token_ids else request.top_logprobs or 0
         return self.chat_logprobs(
             completion.token_ids[start:],
             completion.logprobs[start:],
-            request.top_logprobs or 0,
-            bool(request.return_tokens_as_token_ids),
+            num_top,
+            self.as_token_ids(request),
         )
 
     @staticmethod
@@ -199,6 +205,7 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=self._logprobs(request, completion, 0),
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
+                token_ids=list(completion.token_ids) if request.return_token_ids else None,
             )
             for completion in final.outputs
         ]
@@ -206,8 +213,9 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id,
             model=model,
             choices=choices,
-            usage=usage_of([final]),
+            usage=self.usage([final]),
             prompt_logprobs=self.prompt_logprobs(final),
+            prompt_token_ids=list(final.prompt_token_ids) if request.return_token_ids else None,
         )
 
     async def _stream(
@@ -221,8 +229,10 @@ class OpenAIServingChat(OpenAIServing):
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = include_usage and bool(options.continuous_usage_stats)
+        return_ids = bool(request.return_token_ids)
+        plain = not (continuous_usage or return_ids)  # the fast chunk path
 
-        def chunk(choices, usage=None) -> str:
+        def chunk(choices, usage=None, prompt_token_ids=None) -> str:
             response = ChatCompletionStreamResponse(
                 id=request_id, created=created, model=model, choices=choices
             )
@@ -230,11 +240,25 @@ class OpenAIServingChat(OpenAIServing):
             for choice in data["choices"]:
                 # A delta carries only what it adds (role first, then content), as OpenAI's do.
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+                if not return_ids:
+                    del choice["token_ids"]
             if usage is None:
                 del data["usage"]
             else:
-                data["usage"] = usage.model_dump()
+                data["usage"] = usage.model_dump(exclude_none=True)
+            if prompt_token_ids is None:
+                del data["prompt_token_ids"]
+            else:
+                data["prompt_token_ids"] = list(prompt_token_ids)
             return sse(json.dumps(data))
+
+        def running_usage(output, completion_tokens: int) -> UsageInfo:
+            prompt_tokens = len(output.prompt_token_ids)
+            return UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            )
 
         sent_text: dict[int, str] = {}
         sent_tokens: dict[int, int] = {}
@@ -243,15 +267,35 @@ class OpenAIServingChat(OpenAIServing):
         final = None
         head = content_chunk_head(request_id, created, model)
         try:
+            first_output = None
+            if continuous_usage or return_ids:
+                # The first chunk carries the prompt's usage / ids: wait for the core's first
+                # output, which knows them.
+                async for output in stream:
+                    first_output = output
+                    break
             for index in range(request.n):
                 yield chunk(
                     [
                         ChatCompletionResponseStreamChoice(
-                            index=index, delta=DeltaMessage(role="assistant", content="")
+                            index=index,
+                            delta=DeltaMessage(role="assistant", content=""),
+                            token_ids=[] if return_ids else None,
                         )
-                    ]
+                    ],
+                    usage=(
+                        running_usage(first_output, 0)
+                        if continuous_usage and first_output is not None
+                        else None
+                    ),
+                    prompt_token_ids=(
+                        first_output.prompt_token_ids
+                        if return_ids and index == 0 and first_output is not None
+                        else None
+                    ),
                 )
-            async for output in stream:
+            outputs = stream if first_output is None else _prepend(first_output, stream)
+            async for output in outputs:
                 final = output
                 for completion in output.outputs:
                     index = completion.index
@@ -266,11 +310,13 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     logprobs = self._logprobs(request, completion, sent_tokens.get(index, 0))
                     sent_text[index] = text
-                    sent_tokens[index] = len(completion.token_ids)
                     if finished:
                         done.add(index)
                     content = (echo if first else "") + delta
-                    if logprobs is None and not continuous_usage:  # the per-token common case
+                    start = sent_tokens.get(index, 0)
+                    new_ids = list(completion.token_ids[start:]) if return_ids else None
+                    sent_tokens[index] = len(completion.token_ids)
+                    if logprobs is None and plain:  # the per-token common case
                         yield content_chunk_sse(
                             head, index, content, completion.finish_reason,
                             completion.stop_reason,
@@ -282,15 +328,24 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
+                        token_ids=new_ids,
                     )
-                    yield chunk([choice], usage_of([output]) if continuous_usage else None)
+                    usage = running_usage(output, len(completion.token_ids))
+                    yield chunk([choice], usage if continuous_usage else None)
             if include_usage:
-                yield chunk([], usage_of([final]))
+                yield chunk([], self.usage([final]))
         except Exception as error:  # headers are sent: report in-band, as vLLM does
             yield sse_error(error_from_exception(error))
         finally:
             stream.close()
         yield SSE_DONE
+
+
+async def _prepend(first, stream) -> AsyncIterator:
+    """``first``, then the rest of ``stream``."""
+    yield first
+    async for output in stream:
+        yield output
 
 
 def _message_dict(message: ChatMessageParam, position: int) -> dict:

@@ -34,6 +34,7 @@ from jaxpaged.entrypoints.openai.protocol import (
     CompletionLogProbs,
     ErrorResponse,
     PromptLogprob,
+    PromptTokenUsageInfo,
     UsageInfo,
 )
 from jaxpaged.outputs import RequestOutput
@@ -116,6 +117,10 @@ class OpenAIServing:
         tokenizer: the API process's tokenizer; None with ``--skip-tokenizer-init``.
         served_model_names: accepted ``model`` values; the first is echoed in responses.
         max_model_len: the engine's context limit in tokens.
+        return_tokens_as_token_ids: ``--return-tokens-as-token-ids``: logprob tokens are
+            written ``token_id:<id>`` unless a request says otherwise.
+        enable_prompt_tokens_details: ``--enable-prompt-tokens-details``: usage carries
+            ``prompt_tokens_details.cached_tokens`` (prompt tokens read from the prefix cache).
     """
 
     def __init__(
@@ -124,11 +129,16 @@ class OpenAIServing:
         tokenizer,
         served_model_names: Sequence[str],
         max_model_len: int,
+        *,
+        return_tokens_as_token_ids: bool = False,
+        enable_prompt_tokens_details: bool = False,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.served_model_names = list(served_model_names)
         self.max_model_len = max_model_len
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self._sampling_fields = set(inspect.signature(SamplingParams).parameters)
         # Base names and LoRA adapters (``serving_models``); set by the app, None: base only.
         self.models = None
@@ -230,16 +240,37 @@ class OpenAIServing:
             return f"{prefix}-{request.request_id}"
         return random_id(prefix)
 
-    @staticmethod
     def truncate(
-        prompt: tuple[str | None, list[int]], truncate_prompt_tokens: int | None
+        self, prompt: tuple[str | None, list[int]], request
     ) -> tuple[str | None, list[int]]:
-        """Keep the last ``truncate_prompt_tokens`` ids (vLLM's left truncation); a truncated
-        prompt loses its text (echo and outputs decode the ids kept)."""
+        """Keep ``request.truncate_prompt_tokens`` ids (-1: ``max_model_len``): the last ones
+        (``truncation_side`` "left", the default) or the first ones ("right"), as vLLM does; a
+        truncated prompt loses its text (echo and outputs decode the ids kept)."""
         text, ids = prompt
-        if truncate_prompt_tokens is None or len(ids) <= truncate_prompt_tokens:
+        keep = request.truncate_prompt_tokens
+        if keep == -1:
+            keep = self.max_model_len
+        if keep is None or len(ids) <= keep:
             return text, ids
-        return None, ids[-truncate_prompt_tokens:]
+        if request.truncation_side == "right":
+            return None, ids[:keep]
+        return None, ids[-keep:]
+
+    def as_token_ids(self, request) -> bool:
+        """Whether logprob tokens are written ``token_id:<id>``: the request's
+        ``return_tokens_as_token_ids``, else the server's flag."""
+        if request.return_tokens_as_token_ids is not None:
+            return bool(request.return_tokens_as_token_ids)
+        return self.return_tokens_as_token_ids
+
+    def usage(self, outputs: Sequence[RequestOutput | None]) -> UsageInfo:
+        """``usage_of(outputs)``, with ``prompt_tokens_details`` under
+        ``--enable-prompt-tokens-details``."""
+        usage = usage_of(outputs)
+        if self.enable_prompt_tokens_details:
+            cached = sum(o.num_cached_tokens or 0 for o in outputs if o is not None)
+            usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached)
+        return usage
 
     def sampling_params(self, values: dict) -> SamplingParams:
         """``SamplingParams`` from request fields; None values take the engine's defaults.
@@ -294,6 +325,7 @@ class OpenAIServing:
             allowed_token_ids=request.allowed_token_ids,
             bad_words=request.bad_words or None,
             prompt_logprobs=request.prompt_logprobs,
+            logprob_token_ids=request.logprob_token_ids,
         )
 
     async def add_requests(
@@ -359,11 +391,13 @@ class OpenAIServing:
         steps: Sequence[dict | None],
         text_offset: int,
         as_token_ids: bool = False,
+        num_top: int | None = None,
     ) -> CompletionLogProbs:
         """OpenAI completions ``logprobs`` for ``token_ids``; ``steps[i]`` maps token id ->
-        ``Logprob`` (vLLM's shape; the sampled token and the top-k), None where there are none
-        (the first prompt token). ``text_offset``: where the first token starts in the text.
-        ``as_token_ids``: tokens written ``token_id:<id>``."""
+        ``Logprob`` (vLLM's shape: the sampled token first, then the top-k), None where there
+        are none (the first prompt token). ``text_offset``: where the first token starts in the
+        text. ``as_token_ids``: tokens written ``token_id:<id>``. ``top_logprobs`` keeps each
+        step's order and its first ``num_top + 1`` entries (vLLM's; None: all of them)."""
         out = CompletionLogProbs()
         for token_id, step in zip(token_ids, steps, strict=True):
             token = self._token_text(token_id, step.get(token_id) if step else None, as_token_ids)
@@ -376,11 +410,11 @@ class OpenAIServing:
                 continue
             sampled = step.get(token_id)
             out.token_logprobs.append(None if sampled is None else _logprob_value(sampled))
+            entries = list(step.items())
+            if num_top is not None:
+                entries = entries[: num_top + 1]
             out.top_logprobs.append(
-                {
-                    self._token_text(t, lp, as_token_ids): _logprob_value(lp)
-                    for t, lp in _ranked(step)
-                }
+                {self._token_text(t, lp, as_token_ids): _logprob_value(lp) for t, lp in entries}
             )
         return out
 
@@ -391,8 +425,10 @@ class OpenAIServing:
         num_top: int,
         as_token_ids: bool = False,
     ) -> ChatCompletionLogProbs:
-        """OpenAI chat ``logprobs.content`` for ``token_ids`` with ``num_top`` alternatives;
-        ``as_token_ids``: tokens written ``token_id:<id>``."""
+        """OpenAI chat ``logprobs.content`` for ``token_ids`` with the first ``num_top``
+        entries of each step as alternatives, in the step's order (the sampled token first, as
+        vLLM lists them; -1 or None: all of them); ``as_token_ids``: tokens written
+        ``token_id:<id>``."""
         content = []
         for token_id, step in zip(token_ids, steps, strict=True):
             step = step or {}
@@ -403,7 +439,9 @@ class OpenAIServing:
                     logprob=_logprob_value(lp),
                     bytes=list(text.encode("utf-8", errors="replace")),
                 )
-                for t, lp in _ranked(step)[:num_top]
+                for t, lp in (
+                    list(step.items()) if num_top in (None, -1) else list(step.items())[:num_top]
+                )
             ]
             sampled = step.get(token_id)
             content.append(
@@ -425,16 +463,6 @@ def _short(value) -> str:
 def _logprob_value(logprob) -> float:
     value = float(getattr(logprob, "logprob", logprob))
     return max(value, _MIN_LOGPROB)
-
-
-def _ranked(step: dict) -> list:
-    """(token id, Logprob) pairs by rank (or by descending logprob when there is no rank)."""
-
-    def key(item):
-        rank = getattr(item[1], "rank", None)
-        return (rank if rank is not None else 0, -_logprob_value(item[1]))
-
-    return sorted(step.items(), key=key)
 
 
 def usage_of(outputs: Sequence[RequestOutput | None]) -> UsageInfo:
