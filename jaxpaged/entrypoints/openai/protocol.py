@@ -4,13 +4,14 @@ Field names, defaults and shapes follow the OpenAI API and vLLM's
 ``vllm/entrypoints/openai/protocol.py``: vLLM-only sampling knobs (``top_k``, ``min_p``,
 ``ignore_eos``, ``stop_token_ids``, ...) ride in the request body. Every field of vLLM's
 completion and chat requests is declared here; the handlers honour it or, for a value other
-than its neutral one, answer 400 naming it (``serving_engine.UNSUPPORTED_FIELDS``). Fields vLLM
-does not know are accepted and logged as ignored (``extra="allow"``), as vLLM does.
+than its neutral one, answer 400 naming it (``serving_engine.UNSUPPORTED_FIELDS``). A top-level
+field this protocol does not declare is a 400 naming it as well: where vLLM logs and ignores
+it, nothing a client sends is silently dropped here. (Messages keep their extra keys, such as
+``tool_calls``: the chat template reads them.)
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Annotated, Any, Literal
 
@@ -18,16 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 from jaxpaged.sequence import is_token_id_list
 
-logger = logging.getLogger(__name__)
-
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
 class OpenAIRequest(OpenAIBaseModel):
-    """A request body: its strings must be valid Unicode, and fields this protocol does not
-    declare are logged as ignored (vLLM's behaviour)."""
+    """A request body: its strings must be valid Unicode, and a field this protocol does not
+    declare is refused by name (``FieldValueError``; vLLM logs and ignores it)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -37,9 +36,14 @@ class OpenAIRequest(OpenAIBaseModel):
         _check_unicode(data, "")
         if isinstance(data, dict):
             fields = cls.model_fields  # a descriptor: read once, not once per key
-            unknown = sorted(k for k in data if k not in fields)
+            unknown = [k for k in data if k not in fields]
             if unknown:
-                logger.warning("request fields ignored (not in the protocol): %s", unknown)
+                raise FieldValueError(
+                    f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: not "
+                    "part of this endpoint's protocol (vLLM's), and this server refuses what "
+                    "it would otherwise ignore",
+                    parameter=unknown[0],
+                )
         return data
 
 
@@ -198,6 +202,16 @@ class _SamplingFields(OpenAIRequest):
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    # Later vLLM releases' fields, refused unless neutral as well:
+    watermarking: bool | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    stream_interval: int | None = None
+    session_id: str | None = None
+    routed_experts_prompt_start: int = 0
+    return_token_offsets: bool | None = False
+    return_mm_kwargs: bool = True
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -389,6 +403,8 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    return_prompt_text: bool | None = None  # refused unless neutral (UNSUPPORTED_FIELDS)
+    media_io_kwargs: dict[str, Any] | None = None  # no multimodal inputs
 
     @model_validator(mode="after")
     def _check_chat_fields(self):

@@ -73,6 +73,17 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "kv_transfer_params": (None, {}),
     "vllm_xargs": (None, {}),
     "mm_processor_kwargs": (None, {}),
+    "watermarking": (None, False),
+    "ec_transfer_params": (None, {}),
+    "repetition_detection": (None,),
+    "thinking_token_budget": (None, -1),  # -1: unlimited (vLLM's "unset")
+    "stream_interval": (None, 1),  # every token is streamed as it comes
+    "session_id": (None,),  # no session-aware routing or caching here
+    "routed_experts_prompt_start": (0,),
+    "return_token_offsets": (None, False),  # render endpoints only, in vLLM
+    "return_mm_kwargs": (True,),
+    "return_prompt_text": (None, False),
+    "media_io_kwargs": (None, {}),
     "prompt_embeds": (None,),
     "suffix": (None,),
     "tools": (None, []),

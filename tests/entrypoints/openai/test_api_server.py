@@ -173,7 +173,7 @@ def _value(samples, name, **labels):
 def test_metrics_parse_and_move_across_a_request(http, server, stories_llm):
     before = _metrics(http)
     prompt = "Once upon a time"
-    response = _complete(http, prompt=prompt, max_tokens=5, temperature=0, extra_body=None)
+    response = _complete(http, prompt=prompt, max_tokens=5, temperature=0)
     assert response.status_code == 200
     server.wait_idle()
     after = _metrics(http)

@@ -60,8 +60,8 @@ def test_unsupported_fields_are_refused_only_when_set_to_a_non_neutral_value():
     serving.check_supported(CompletionRequest(**body))
     with pytest.raises(BadRequestError, match="priority"):
         serving.check_supported(CompletionRequest(**body | {"priority": 3}))
-    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], suffix="s")
-    serving.check_supported(chat)  # not a chat field: an ignored extra, as before
+    with pytest.raises(ValueError, match="unknown field suffix"):  # not a chat field
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], suffix="s")
 
 
 def test_completion_logprobs_follow_openai_shape():
