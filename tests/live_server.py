@@ -154,9 +154,11 @@ def start_server(
     api_key=None,
     chat_template=None,
     lora_modules=(),
+    app_options=None,
     **kw,
 ):
-    """A ``RunningServer`` over a freshly spawned core (``spawn_client(**kw)``)."""
+    """A ``RunningServer`` over a freshly spawned core (``spawn_client(**kw)``);
+    ``app_options``: more ``build_app`` keywords (its on/off serving flags)."""
     from jaxpaged.config import default_model_path
     from jaxpaged.entrypoints.openai.api_server import build_app
 
@@ -169,6 +171,7 @@ def start_server(
         api_key=api_key,
         chat_template=chat_template,
         lora_modules=lora_modules,
+        **(app_options or {}),
     )
     return RunningServer(app)
 
