@@ -157,6 +157,7 @@ def build_app(
             await models.init_static_loras(lora_modules)
             yield
         finally:
+            chat.close()
             await engine.shutdown()
 
     app = FastAPI(title="jaxpaged OpenAI-compatible server", lifespan=lifespan)
@@ -212,7 +213,7 @@ def build_app(
         completion.check_model(request.model)
         completion.require_tokenizer("/tokenize")
         if request.messages is not None:
-            text = chat.render_messages(
+            text = await chat.render_messages(
                 request.messages,
                 chat_template=request.chat_template,
                 add_generation_prompt=request.add_generation_prompt,

@@ -6,10 +6,16 @@ the messages are rendered to text with the request's ``chat_template``, else the
 tokens (the template writes them). Text content parts are joined with newlines. When streaming,
 each choice first gets a chunk whose delta is ``{"role": "assistant", "content": ""}``, then
 content deltas, the last with ``finish_reason``.
+
+A request's own ``chat_template`` is a client's program: it is rendered in a sandboxed worker
+process with limits on time, memory, output and ``range`` (``template_sandbox.py``); a failure
+is a 400. The server's and the tokenizer's templates are the operator's and render in process
+(transformers' ``apply_chat_template``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -38,6 +44,7 @@ from jaxpaged.entrypoints.openai.serving_engine import (
     sse_error,
     stable_text,
 )
+from jaxpaged.entrypoints.openai.template_sandbox import TemplateLimitError, TemplateSandbox
 
 
 def load_chat_template(chat_template: str | None) -> str | None:
@@ -65,8 +72,13 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, chat_template: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
+        self.template_sandbox = TemplateSandbox()  # its worker starts on first use
 
-    def render_messages(
+    def close(self) -> None:
+        """Stop the template sandbox's worker process (if it runs)."""
+        self.template_sandbox.close()
+
+    async def render_messages(
         self,
         messages: Sequence[ChatMessageParam],
         *,
@@ -79,7 +91,8 @@ class OpenAIServingChat(OpenAIServing):
         """The prompt text for ``messages``.
 
         Raises:
-            BadRequestError: no template anywhere, a non-text content part, or a template error.
+            BadRequestError: no template anywhere, a non-text content part, a template error,
+                or a request's template breaking a sandbox limit.
         """
         self.require_tokenizer("a chat request")
         # A request's template is inline Jinja only: reading a path a client names would let
@@ -94,6 +107,19 @@ class OpenAIServingChat(OpenAIServing):
                 param="messages",
             )
         conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+        if chat_template:  # the client's own program: sandboxed, in a worker process
+            try:
+                return await asyncio.to_thread(
+                    self._render_sandboxed,
+                    chat_template,
+                    conversation,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    documents=documents,
+                    chat_template_kwargs=chat_template_kwargs or {},
+                )
+            except TemplateLimitError as error:
+                raise BadRequestError(str(error), param="chat_template") from error
         try:
             return self.tokenizer.apply_chat_template(
                 conversation,
@@ -104,10 +130,58 @@ class OpenAIServingChat(OpenAIServing):
                 tokenize=False,
                 **(chat_template_kwargs or {}),
             )
-        except (jinja2.TemplateError, ValueError) as error:
+        except (jinja2.TemplateError, ValueError, TypeError, OverflowError) as error:
             raise BadRequestError(
                 f"the chat template failed on these messages: {error}", param="messages"
             ) from error
+
+    def _render_sandboxed(
+        self,
+        template: str,
+        conversation: list[dict],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        documents,
+        chat_template_kwargs: dict,
+    ) -> str:
+        """What ``apply_chat_template(tokenize=False)`` gives, rendered by the sandbox: the
+        template sees the tokenizer's special tokens, ``chat_template_kwargs``, ``messages``,
+        ``tools``, ``documents`` and ``add_generation_prompt``; ``continue_final_message``
+        cuts the text after the last message, as transformers does (a marker after it).
+
+        Raises:
+            TemplateLimitError: the sandbox's, or the final message lost by the template.
+        """
+        if continue_final_message:
+            conversation = [dict(m) for m in conversation]
+            final = conversation[-1]["content"]
+            conversation[-1]["content"] = final + _CONTINUE_MARK
+        special = {
+            key: value
+            for key, value in getattr(self.tokenizer, "special_tokens_map", {}).items()
+            if isinstance(value, (str, list))
+        }
+        context = {
+            **special,
+            **chat_template_kwargs,
+            "messages": conversation,
+            "tools": None,
+            "documents": documents,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        text = self.template_sandbox.render(template, context)
+        if continue_final_message:
+            where = text.rfind(_CONTINUE_MARK.strip())
+            if where < 0 or final.strip() not in text:
+                raise TemplateLimitError(
+                    "continue_final_message is set but the chat template dropped the final message"
+                )
+            if text[where : where + len(_CONTINUE_MARK)] == _CONTINUE_MARK:
+                text = text[:where]
+            else:  # the template trimmed the spacing after the message
+                text = text[:where].rstrip()
+        return text
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -122,7 +196,7 @@ class OpenAIServingChat(OpenAIServing):
         arrival_time = time.monotonic()
         lora_request = self.check_model(request.model)
         self.check_supported(request)
-        prompt_text = self.render_messages(
+        prompt_text = await self.render_messages(
             request.messages,
             chat_template=request.chat_template,
             add_generation_prompt=request.add_generation_prompt,
@@ -339,6 +413,10 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             stream.close()
         yield SSE_DONE
+
+
+# transformers' marker (``render_jinja_template``) for the end of the message to continue.
+_CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 async def _prepend(first, stream) -> AsyncIterator:
