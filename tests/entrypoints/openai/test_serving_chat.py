@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.live_server import MODEL_NAME
@@ -111,7 +113,7 @@ def test_model_without_any_chat_template_is_a_400(server):
     assert not getattr(tokenizer, "chat_template", None)
     chat = OpenAIServingChat(server.engine, tokenizer, [MODEL_NAME], 128, chat_template=None)
     with pytest.raises(BadRequestError, match="no chat template"):
-        chat.render_messages([ChatMessageParam(role="user", content="hi")])
+        asyncio.run(chat.render_messages([ChatMessageParam(role="user", content="hi")]))
 
 
 def test_chat_template_flag_accepts_a_file_or_inline_jinja(tmp_path):
