@@ -73,9 +73,7 @@ def resolve_dtype(dtype: str | Any, hf_config: Any) -> jnp.dtype:
         return jnp.dtype(_DTYPES[name])
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
-            raise ValueError(
-                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}"
-            )
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
         return jnp.dtype(_DTYPES[dtype])
     try:
         resolved = jnp.dtype(dtype)
@@ -114,9 +112,7 @@ def expert_hf_names(path: tuple, num_experts: int) -> tuple[tuple[str, ...], ...
     ``('model.layers.0.block_sparse_moe.experts.e.w1.weight', '....experts.e.w3.weight')``."""
     prefix = ".".join(str(p) for p in path[:-1])
     parts = EXPERT_PARAMS[str(path[-1])]
-    return tuple(
-        tuple(f"{prefix}.{e}.{part}.weight" for part in parts) for e in range(num_experts)
-    )
+    return tuple(tuple(f"{prefix}.{e}.{part}.weight" for part in parts) for e in range(num_experts))
 
 
 def hf_names(path: tuple) -> tuple[tuple[str, ...], bool]:
@@ -157,8 +153,9 @@ def merged_output_sizes(model: nnx.Module) -> dict[tuple[str, ...], tuple[int, .
     }
 
 
-def check_tensor(reader: _TensorReader, path: tuple, name: str, expected: tuple[int, ...],
-                 model_dir: str) -> None:
+def check_tensor(
+    reader: _TensorReader, path: tuple, name: str, expected: tuple[int, ...], model_dir: str
+) -> None:
     """Check that the checkpoint holds tensor ``name`` of shape ``expected`` (HF layout, e.g.
     ``[out, in]`` for a linear weight) for the parameter ``path``.
 
@@ -182,18 +179,37 @@ def _path_str(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
+def safe_open(file: str, framework: str):
+    """``safetensors.safe_open``, with a file it cannot read (truncated: its header names
+    bytes past the end; a corrupt header) refused by name.
+
+    Raises:
+        ValueError: naming the file and safetensors' reason.
+    """
+    try:
+        return safetensors.safe_open(file, framework=framework)
+    except (safetensors.SafetensorError, OSError) as error:
+        raise ValueError(
+            f"weight file {file} is not a readable safetensors file (truncated or corrupt?): "
+            f"{error}"
+        ) from None
+
+
 def _weight_files(model_dir: str) -> dict[str, str]:
     """HF tensor name -> safetensors file path, from the index or the single file."""
     index_path = os.path.join(model_dir, _INDEX_FILE)
     single_path = os.path.join(model_dir, _SINGLE_FILE)
     if os.path.isfile(index_path):
         with open(index_path) as f:
-            weight_map = json.load(f).get("weight_map")
+            try:
+                weight_map = json.load(f).get("weight_map")
+            except (ValueError, AttributeError) as error:
+                raise ValueError(f"{index_path} is not a JSON object: {error}") from None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index_path} has no 'weight_map' object")
         return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
     if os.path.isfile(single_path):
-        with safetensors.safe_open(single_path, framework="numpy") as f:
+        with safe_open(single_path, "numpy") as f:
             return {name: single_path for name in f.keys()}
     raise ValueError(
         f"no weights in {model_dir}: expected {_SINGLE_FILE} or {_INDEX_FILE} "
@@ -245,8 +261,12 @@ class _TensorReader:
     add names that read a block of rows of another tensor.
     """
 
-    def __init__(self, files: dict[str, str], stack: ExitStack,
-                 views: dict[str, tuple[str, int, int]] | None = None):
+    def __init__(
+        self,
+        files: dict[str, str],
+        stack: ExitStack,
+        views: dict[str, tuple[str, int, int]] | None = None,
+    ):
         self._files = files
         self._stack = stack
         self._views = views or {}
@@ -257,9 +277,7 @@ class _TensorReader:
         if key not in self._handles:
             if not os.path.isfile(file):
                 raise ValueError(f"weight file {file} named by the index does not exist")
-            self._handles[key] = self._stack.enter_context(
-                safetensors.safe_open(file, framework=framework)
-            )
+            self._handles[key] = self._stack.enter_context(safe_open(file, framework))
         return self._handles[key]
 
     def __contains__(self, name: str) -> bool:
@@ -363,8 +381,9 @@ def _load_state(
         # Check everything before reading anything big.
         for path, _, grid, transposed in plans:
             for name, expected in itertools.chain.from_iterable(grid):
-                check_tensor(reader, path, name, expected[::-1] if transposed else expected,
-                             model_dir)
+                check_tensor(
+                    reader, path, name, expected[::-1] if transposed else expected, model_dir
+                )
         filled = []
         for path, variable, grid, transposed in plans:
             blocks = []
@@ -406,7 +425,9 @@ def load_config(model_dir: str, cache_dir: str | None = None) -> Any:
     with transformers is then stored for the next start.
 
     Raises:
-        ValueError: the directory or its ``config.json`` does not exist.
+        ValueError: the directory or its ``config.json`` does not exist, or the config cannot be
+            read or holds impossible shapes (``check_config_shapes``); the message names the
+            file and the field.
     """
     if not os.path.isdir(model_dir):
         raise ValueError(f"model directory {model_dir} does not exist")
@@ -416,13 +437,59 @@ def load_config(model_dir: str, cache_dir: str | None = None) -> Any:
     if cache_dir is not None:
         cached = read_cached_config(model_dir, cache_dir)
         if cached is not None:
+            check_config_shapes(cached, config_path)
             return cached
     import transformers  # seconds (it imports PyTorch when installed): only when needed
 
-    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception as error:  # transformers' own checks: one line naming the file
+        raise ValueError(f"{config_path}: {' '.join(str(error).split())}") from None
+    check_config_shapes(config, config_path)
     if cache_dir is not None:
         write_cached_config(model_dir, cache_dir, config)
     return config
+
+
+# Config fields that size the model: each must be a positive integer when present.
+_SIZE_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+)  # fmt: skip
+
+
+def check_config_shapes(hf_config: Any, config_path: str) -> None:
+    """Refuse impossible shapes before any array is built: a size that is not a positive
+    integer, query heads that KV heads do not divide, and (without ``head_dim``) a hidden size
+    the heads do not divide. Nested text configs (``text_config``) are checked too.
+
+    Raises:
+        ValueError: naming ``config_path``, the field, the rule and the value.
+    """
+    configs = [hf_config]
+    text_config = getattr(hf_config, "text_config", None)
+    if text_config is not None and text_config is not hf_config:
+        configs.append(text_config)
+    for config in configs:
+        for name in _SIZE_FIELDS:
+            value = getattr(config, name, None)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{config_path}: {name} must be a positive integer, got {value!r}")
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None)
+        if heads and kv_heads and heads % kv_heads:
+            raise ValueError(
+                f"{config_path}: num_attention_heads ({heads}) must be a multiple of "
+                f"num_key_value_heads ({kv_heads})"
+            )
+        hidden = getattr(config, "hidden_size", None)
+        if heads and hidden and getattr(config, "head_dim", None) is None and hidden % heads:
+            raise ValueError(
+                f"{config_path}: num_attention_heads ({heads}) must divide hidden_size "
+                f"({hidden}) when head_dim is not given"
+            )
 
 
 def abstract_model(
@@ -465,6 +532,7 @@ def abstract_model(
             **kwargs,
         )
     )
+
 
 def model_quantization(
     hf_config: Any, quant_config: QuantizationConfig | None, load_format: str

@@ -320,7 +320,10 @@ def run_engine_core(
             num_clients=len(output_addresses),
         )
     except BaseException as error:
-        logger.exception("engine core failed to start")
+        if isinstance(error, ValueError):  # the user's arguments or model: the message says it
+            logger.error("engine core failed to start: %s", error)
+        else:
+            logger.exception("engine core failed to start")
         ready_pipe.send_bytes(encode(Kind.DEAD, f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from error
     context = zmq.Context()
