@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from jaxpaged.beam_search import BeamSearchParams
 from jaxpaged.engine.core_client import RequestStream
 from jaxpaged.entrypoints.openai.errors import BadRequestError, error_from_exception
 from jaxpaged.entrypoints.openai.protocol import (
@@ -59,7 +60,11 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         arrival_time = time.monotonic()
         lora_request = self.check_model(request.model)
-        self.check_supported(request)
+        if request.use_beam_search:
+            self.check_supported(request, allowed=("use_beam_search", "length_penalty"))
+            _check_beam_search_fields(request)
+        else:
+            self.check_supported(request)
         prompts = [
             self.truncate(p, request)
             for p in await self._prompts(request.prompt, request.add_special_tokens)
@@ -67,6 +72,10 @@ class OpenAIServingCompletion(OpenAIServing):
         scoring = _is_scoring(request)
         params = []
         for _, ids in prompts:
+            if request.use_beam_search:
+                self.check_length(len(ids), request.max_tokens, "prompt")
+                params.append(self._beam_search_params(request, len(ids)))
+                continue
             # Scoring computes one token (vLLM's way), which must fit too.
             self.check_length(len(ids), 1 if scoring else request.max_tokens, "prompt")
             values = self.common_sampling_values(request)
@@ -92,6 +101,24 @@ class OpenAIServingCompletion(OpenAIServing):
                 media_type="text/event-stream",
             )
         return await self._full(request, request_id, model, streams)
+
+    def _beam_search_params(self, request: CompletionRequest, num_prompt_tokens: int):
+        """vLLM's beam search of a completion request: ``n`` beams, ``temperature`` (default
+        1: beams ranked by the model's log-probabilities), ``length_penalty``."""
+        max_tokens = request.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt_tokens
+        try:
+            return BeamSearchParams(
+                beam_width=request.n,
+                max_tokens=max_tokens,
+                ignore_eos=request.ignore_eos,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                length_penalty=request.length_penalty,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+            )
+        except ValueError as error:  # SamplingParamsError names its field
+            raise BadRequestError(str(error), param=getattr(error, "parameter", None)) from None
 
     async def _prompts(
         self, prompt, add_special_tokens: bool
@@ -161,10 +188,12 @@ class OpenAIServingCompletion(OpenAIServing):
         scoring = _is_scoring(request)
         for prompt_index, output in enumerate(finals):
             prompt_text = self._echo_text(request, output)
-            for completion in output.outputs:
+            for rank, completion in enumerate(output.outputs):
+                # Beams come ranked, best first: their rank is the choice's index.
+                position = rank if request.use_beam_search else completion.index
                 choices.append(
                     CompletionResponseChoice(
-                        index=prompt_index * request.n + completion.index,
+                        index=prompt_index * request.n + position,
                         text=prompt_text + ("" if scoring else completion.text),
                         logprobs=self._logprobs(request, output, completion, 0, 0, request.echo),
                         finish_reason=completion.finish_reason,
@@ -299,6 +328,49 @@ def text_chunk_sse(head: str, index: int, text: str, finish_reason, stop_reason)
         f'"finish_reason":{_encode(finish_reason)},"stop_reason":{_encode(stop_reason)},'
         '"prompt_token_ids":null,"token_ids":null}],"usage":null}\n\n'
     )
+
+
+# Completion fields beam search does not read -> their neutral values (anything else: a 400).
+_BEAM_SEARCH_UNUSED = {
+    "best_of": (None,),
+    "stream": (False,),
+    "echo": (False,),
+    "logprobs": (None,),
+    "prompt_logprobs": (None,),
+    "logprob_token_ids": (None,),
+    "top_p": (None, 1.0),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0.0),
+    "seed": (None,),
+    "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0),
+    "repetition_penalty": (None, 1.0),
+    "stop": (None, [], ""),
+    "stop_token_ids": (None, []),
+    "min_tokens": (0,),
+    "logit_bias": (None, {}),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "skip_special_tokens": (True,),
+}
+
+
+def _check_beam_search_fields(request: CompletionRequest) -> None:
+    """Refuse what beam search would ignore (vLLM ignores it; streaming it refuses too).
+
+    Raises:
+        BadRequestError: naming the field.
+    """
+    for name, neutral in _BEAM_SEARCH_UNUSED.items():
+        if name not in request.model_fields_set:
+            continue
+        value = getattr(request, name)
+        if not any(value == n and type(value) is type(n) for n in neutral) and value is not None:
+            what = "streaming is" if name == "stream" else f"{name} is"
+            raise BadRequestError(
+                f"{what} not supported with beam search (use_beam_search), got {value!r}",
+                param=name,
+            )
 
 
 def _is_scoring(request: CompletionRequest) -> bool:

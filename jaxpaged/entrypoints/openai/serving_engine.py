@@ -58,7 +58,7 @@ _NEUTRAL_VALUES = {
 # vLLM request fields this server does not implement -> the values that mean "not used".
 # Anything else is refused by name (check_supported).
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "use_beam_search": (False,),  # LLM.beam_search serves beam search offline
+    "use_beam_search": (False,),  # completions serve it (serving_completion), chat does not
     "length_penalty": (1.0,),  # only beam search reads it
     "guided_json": (None,),
     "guided_regex": (None,),
@@ -215,9 +215,10 @@ class OpenAIServing:
                 param=input_name,
             )
 
-    def check_supported(self, request) -> None:
-        """Refuse every field of ``UNSUPPORTED_FIELDS`` the request sets to a value other than
-        a neutral one, and a ``response_format`` other than text.
+    def check_supported(self, request, allowed: tuple[str, ...] = ()) -> None:
+        """Refuse every field of ``UNSUPPORTED_FIELDS`` (but ``allowed``, which the caller
+        serves) the request sets to a value other than a neutral one, and a
+        ``response_format`` other than text.
 
         Raises:
             BadRequestError: naming the field and the value.
@@ -226,7 +227,7 @@ class OpenAIServing:
         # neutral (tests/entrypoints/openai/test_serving_engine.py checks that).
         given = request.model_fields_set & type(request).model_fields.keys()  # no extras
         for name, neutral in UNSUPPORTED_FIELDS.items():
-            if name not in given:
+            if name not in given or name in allowed:
                 continue
             value = getattr(request, name)
             if any(value == n and type(value) is type(n) for n in neutral) or value is None:

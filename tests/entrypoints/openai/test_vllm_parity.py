@@ -360,3 +360,22 @@ def test_an_undeclared_field_is_a_400_naming_it(http):
     _error(http.post("/v1/completions", json=_body(frobnicate=1)), "frobnicate", "unknown field")
     _error(http.post("/v1/chat/completions", json=_chat(session_id="s")), "session_id")
     assert http.post("/v1/completions", json=_body(max_tokens=1)).status_code == 200
+
+
+# ------------------------------------------------------------------------- use_beam_search
+def test_completion_beam_search_returns_the_offline_beams_best_first(http, stories_llm):
+    from jaxpaged import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=3, max_tokens=8, temperature=1.0)
+    (offline,) = stories_llm.beam_search([PROMPT], params)
+    body = _body(max_tokens=8, n=3, use_beam_search=True, temperature=1.0)
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert [c["text"] for c in choices] == [beam.text for beam in offline.sequences]
+    _error(http.post("/v1/completions", json=body | {"stream": True}), "stream", "beam search")
+    _error(http.post("/v1/completions", json=body | {"top_p": 0.5}), "top_p", "beam search")
+    _error(http.post("/v1/completions", json=_body(length_penalty=0.5)), "length_penalty")
+    chat = _chat(max_tokens=2, use_beam_search=True)
+    _error(http.post("/v1/chat/completions", json=chat), "use_beam_search")
