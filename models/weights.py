@@ -73,7 +73,9 @@ def resolve_dtype(dtype: str | Any, hf_config: Any) -> jnp.dtype:
         return jnp.dtype(_DTYPES[name])
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+            raise ValueError(
+                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}"
+            )
         return jnp.dtype(_DTYPES[dtype])
     try:
         resolved = jnp.dtype(dtype)
@@ -112,7 +114,9 @@ def expert_hf_names(path: tuple, num_experts: int) -> tuple[tuple[str, ...], ...
     ``('model.layers.0.block_sparse_moe.experts.e.w1.weight', '....experts.e.w3.weight')``."""
     prefix = ".".join(str(p) for p in path[:-1])
     parts = EXPERT_PARAMS[str(path[-1])]
-    return tuple(tuple(f"{prefix}.{e}.{part}.weight" for part in parts) for e in range(num_experts))
+    return tuple(
+        tuple(f"{prefix}.{e}.{part}.weight" for part in parts) for e in range(num_experts)
+    )
 
 
 def hf_names(path: tuple) -> tuple[tuple[str, ...], bool]:
@@ -153,9 +157,8 @@ def merged_output_sizes(model: nnx.Module) -> dict[tuple[str, ...], tuple[int, .
     }
 
 
-def check_tensor(
-    reader: _TensorReader, path: tuple, name: str, expected: tuple[int, ...], model_dir: str
-) -> None:
+def check_tensor(reader: _TensorReader, path: tuple, name: str, expected: tuple[int, ...],
+                 model_dir: str) -> None:
     """Check that the checkpoint holds tensor ``name`` of shape ``expected`` (HF layout, e.g.
     ``[out, in]`` for a linear weight) for the parameter ``path``.
 
@@ -261,12 +264,8 @@ class _TensorReader:
     add names that read a block of rows of another tensor.
     """
 
-    def __init__(
-        self,
-        files: dict[str, str],
-        stack: ExitStack,
-        views: dict[str, tuple[str, int, int]] | None = None,
-    ):
+    def __init__(self, files: dict[str, str], stack: ExitStack,
+                 views: dict[str, tuple[str, int, int]] | None = None):
         self._files = files
         self._stack = stack
         self._views = views or {}
@@ -381,9 +380,8 @@ def _load_state(
         # Check everything before reading anything big.
         for path, _, grid, transposed in plans:
             for name, expected in itertools.chain.from_iterable(grid):
-                check_tensor(
-                    reader, path, name, expected[::-1] if transposed else expected, model_dir
-                )
+                check_tensor(reader, path, name, expected[::-1] if transposed else expected,
+                             model_dir)
         filled = []
         for path, variable, grid, transposed in plans:
             blocks = []
@@ -532,7 +530,6 @@ def abstract_model(
             **kwargs,
         )
     )
-
 
 def model_quantization(
     hf_config: Any, quant_config: QuantizationConfig | None, load_format: str
