@@ -99,6 +99,10 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     if "input" in first and first.get("type") != "missing":
         got = repr(first["input"])
         message = f"{message} (got {got[:100]}{'...' if len(got) > 100 else ''})"
+    if first.get("type") not in (None, "value_error"):
+        # pydantic's error type, as pydantic (and so vLLM's 400) writes it: clients match on
+        # it ("greater_than_equal", "int_parsing", ...).
+        message = f"{message} [type={first['type']}]"
     if param is None:  # a body-level validator names its field on its error (FieldValueError)
         return message, getattr((first.get("ctx") or {}).get("error"), "parameter", None)
     return f"{param}: {message}", param

@@ -346,6 +346,7 @@ def test_seed_takes_any_64_bit_integer_and_range_errors_read_as_pydantics(http):
         http.post("/v1/completions", json=_body(truncate_prompt_tokens=-2)),
         "truncate_prompt_tokens",
         "greater than or equal to -1",
+        "[type=greater_than_equal]",
     )
 
 
