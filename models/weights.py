@@ -27,6 +27,7 @@ import safetensors
 from flax import nnx
 
 from models.config_cache import read_cached_config, write_cached_config
+from models.config_checks import check_config_shapes
 from models.dtypes import DTYPES as _DTYPES
 from models.dummy_init import dummy_normal
 from models.merged_linear import MergedColumnParallelLinear
@@ -447,47 +448,6 @@ def load_config(model_dir: str, cache_dir: str | None = None) -> Any:
     if cache_dir is not None:
         write_cached_config(model_dir, cache_dir, config)
     return config
-
-
-# Config fields that size the model: each must be a positive integer when present.
-_SIZE_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-)  # fmt: skip
-
-
-def check_config_shapes(hf_config: Any, config_path: str) -> None:
-    """Refuse impossible shapes before any array is built: a size that is not a positive
-    integer, query heads that KV heads do not divide, and (without ``head_dim``) a hidden size
-    the heads do not divide. Nested text configs (``text_config``) are checked too.
-
-    Raises:
-        ValueError: naming ``config_path``, the field, the rule and the value.
-    """
-    configs = [hf_config]
-    text_config = getattr(hf_config, "text_config", None)
-    if text_config is not None and text_config is not hf_config:
-        configs.append(text_config)
-    for config in configs:
-        for name in _SIZE_FIELDS:
-            value = getattr(config, name, None)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{config_path}: {name} must be a positive integer, got {value!r}")
-        heads = getattr(config, "num_attention_heads", None)
-        kv_heads = getattr(config, "num_key_value_heads", None)
-        if heads and kv_heads and heads % kv_heads:
-            raise ValueError(
-                f"{config_path}: num_attention_heads ({heads}) must be a multiple of "
-                f"num_key_value_heads ({kv_heads})"
-            )
-        hidden = getattr(config, "hidden_size", None)
-        if heads and hidden and getattr(config, "head_dim", None) is None and hidden % heads:
-            raise ValueError(
-                f"{config_path}: num_attention_heads ({heads}) must divide hidden_size "
-                f"({hidden}) when head_dim is not given"
-            )
 
 
 def abstract_model(
