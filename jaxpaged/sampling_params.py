@@ -336,14 +336,21 @@ def _check_token_ids(name: str, ids: list) -> None:
 def _normalize_logit_bias(logit_bias) -> dict[int, float]:
     if not isinstance(logit_bias, dict):
         raise SamplingParamsError("logit_bias", logit_bias, "must be a dict {token_id: bias}")
+    bad_keys = []
+    for key in logit_bias:
+        try:
+            int(key)
+        except (TypeError, ValueError):
+            bad_keys.append(key)
+    if bad_keys:  # every bad key named, not only the first
+        raise SamplingParamsError(
+            "logit_bias",
+            bad_keys if len(bad_keys) > 1 else bad_keys[0],
+            "keys must be integer token ids (or int-like strings)",
+        )
     out = {}
     for key, bias in logit_bias.items():
-        try:
-            token_id = int(key)
-        except (TypeError, ValueError):
-            raise SamplingParamsError(
-                "logit_bias", key, "keys must be integer token ids (or int-like strings)"
-            ) from None
+        token_id = int(key)
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
             raise SamplingParamsError("logit_bias", {key: bias}, "values must be numbers")
         out[token_id] = min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, float(bias)))

@@ -288,16 +288,15 @@ class OpenAIServingCompletion(OpenAIServing):
                             total_tokens=prompt_tokens + len(completion.token_ids),
                         )
                     yield sse(chunk)
-            if include_usage:
-                yield sse(
-                    CompletionStreamResponse(
-                        id=request_id,
-                        created=created,
-                        model=model,
-                        choices=[],
-                        usage=self.usage(latest),
-                    )
+            if include_usage:  # without null keys, as vLLM sends it
+                final_chunk = CompletionStreamResponse(
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=self.usage(latest),
                 )
+                yield sse(final_chunk.model_dump_json(exclude_none=True))
         except Exception as error:  # headers are sent: report in-band, as vLLM does
             yield sse_error(error_from_exception(error))
         finally:

@@ -350,11 +350,13 @@ def test_seed_takes_any_64_bit_integer_and_range_errors_read_as_pydantics(http):
     )
 
 
-def test_every_out_of_vocabulary_logit_bias_key_is_named(http):
+def test_every_bad_logit_bias_key_is_named(http):
     body = _body(logit_bias={"5": 1.0, "600": 1.0, "9000": -1.0})
     _error(
         http.post("/v1/completions", json=body), "logit_bias", "out of vocabulary", "600", "9000"
     )
+    body = _body(logit_bias={"x": 1.0, "5": 1.0, "y": 2.0})
+    _error(http.post("/v1/completions", json=body), "logit_bias", "'x'", "'y'")
 
 
 def test_an_undeclared_field_is_a_400_naming_it(http):
