@@ -109,6 +109,8 @@ class ErrorResponse(OpenAIBaseModel):
 
 # ---------------------------------------------------------------------------- shared pieces
 class StreamOptions(OpenAIBaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown option is a 400 naming it
+
     include_usage: bool | None = False
     """With ``stream``: one extra chunk with empty ``choices`` and the usage, before [DONE]
     (vLLM's default: false, so ``{}`` sends no usage)."""

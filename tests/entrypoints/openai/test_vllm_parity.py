@@ -362,6 +362,8 @@ def test_every_bad_logit_bias_key_is_named(http):
 def test_an_undeclared_field_is_a_400_naming_it(http):
     _error(http.post("/v1/completions", json=_body(frobnicate=1)), "frobnicate", "unknown field")
     _error(http.post("/v1/chat/completions", json=_chat(session_id="s")), "session_id")
+    options = {"stream": True, "stream_options": {"include_usage": True, "every_chunk": True}}
+    _error(http.post("/v1/completions", json=_body(**options)), "stream_options.every_chunk")
     assert http.post("/v1/completions", json=_body(max_tokens=1)).status_code == 200
 
 
