@@ -103,8 +103,10 @@ class OpenAIServingCompletion(OpenAIServing):
         return await self._full(request, request_id, model, streams)
 
     def _beam_search_params(self, request: CompletionRequest, num_prompt_tokens: int):
-        """vLLM's beam search of a completion request: ``n`` beams, ``temperature`` (default
-        1: beams ranked by the model's log-probabilities), ``length_penalty``."""
+        """vLLM's beam search of a completion request: ``n`` beams ranked by
+        ``log_softmax(logits / temperature)``, where an unset or 0 temperature is 1 (the
+        model's own log-probabilities, which vLLM's beam search ranks by), and
+        ``length_penalty``."""
         max_tokens = request.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - num_prompt_tokens
@@ -113,7 +115,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 beam_width=request.n,
                 max_tokens=max_tokens,
                 ignore_eos=request.ignore_eos,
-                temperature=1.0 if request.temperature is None else request.temperature,
+                temperature=request.temperature or 1.0,
                 length_penalty=request.length_penalty,
                 include_stop_str_in_output=request.include_stop_str_in_output,
             )

@@ -379,6 +379,12 @@ def test_completion_beam_search_returns_the_offline_beams_best_first(http, stori
     choices = response.json()["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2]
     assert [c["text"] for c in choices] == [beam.text for beam in offline.sequences]
+    # Temperature 0 ranks by the model's log-probabilities too (vLLM's beam search does).
+    greedy = http.post("/v1/completions", json=body | {"temperature": 0.0}).json()["choices"]
+    assert [c["text"] for c in greedy] == [c["text"] for c in choices]
+    # Several prompts: each its own beams, indices prompt_index * n + rank.
+    two = http.post("/v1/completions", json=body | {"prompt": [PROMPT, PROMPT]}).json()
+    assert [c["text"] for c in two["choices"]] == [c["text"] for c in choices] * 2
     _error(http.post("/v1/completions", json=body | {"stream": True}), "stream", "beam search")
     _error(http.post("/v1/completions", json=body | {"top_p": 0.5}), "top_p", "beam search")
     _error(http.post("/v1/completions", json=_body(length_penalty=0.5)), "length_penalty")
