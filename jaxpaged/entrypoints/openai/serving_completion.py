@@ -141,11 +141,13 @@ class OpenAIServingCompletion(OpenAIServing):
         ]
 
     def _prompt_text(self, output: RequestOutput) -> str:
+        """The prompt as given, or a token-id prompt decoded with its special tokens (vLLM
+        echoes ``tokenizer.decode(ids)``: ``[1, 365]`` comes back as ``"<s> ..."``)."""
         if output.prompt is not None:
             return output.prompt
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(output.prompt_token_ids)
 
     def _logprobs(self, request, output, completion, start: int, text_offset: int, echo: bool):
         """Logprobs of output tokens ``start:`` (none when scoring) and of the prompt when
