@@ -12,6 +12,7 @@ import os
 from importlib import resources
 
 from jaxpaged.core.scheduler import PREEMPTION_MODES
+from jaxpaged.structured_output.config import StructuredOutputsConfig
 from models.attention_backends import ATTENTION_BACKEND_CHOICES
 from models.dtypes import DTYPE_CHOICES
 from models.hub import resolve_model_path
@@ -30,7 +31,7 @@ DEFAULT_MODEL_NAME = "stories260k"
 
 _LOAD_FORMATS = ("auto", "safetensors", "dummy", "bitsandbytes")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-_BLOCK_SIZES = (8, 16, 32, 64, 128)
+BLOCK_SIZE_CHOICES = (8, 16, 32, 64, 128)
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
@@ -128,7 +129,8 @@ class EngineArgs:
     linear_backend: str = _arg(
         "auto",
         "Backend of 4-bit quantized linears (awq, gptq, compressed-tensors W4A16): xla "
-        "(dequantize into XLA's dot), pallas (the W4A16 Pallas kernel; one device), or auto (xla).",
+        "(dequantize into XLA's dot), pallas (the W4A16 Pallas kernel; one device), or auto (per "
+        "step's token count from models.linear_backends.AUTO_BACKENDS, on a GPU).",
     )
     preemption_mode: str | None = _arg(
         None,
@@ -175,6 +177,13 @@ class EngineArgs:
         20,
         "Most logprobs / prompt_logprobs a request may ask for per token, >= 0 (vLLM's cap); "
         "-1 means the whole vocabulary (then requests may ask for -1 and logprob_token_ids).",
+    )
+    structured_outputs_config: str | dict | None = _arg(
+        None,
+        'Constrained decoding settings as JSON, e.g. \'{"backend": "xgrammar"}\' (or a bare '
+        "backend name): backend auto (xgrammar if installed, else guidance) | xgrammar | guidance "
+        "(llguidance), disable_any_whitespace, "
+        "disable_additional_properties. None: backend auto (xgrammar).",
     )
 
     enable_lora: bool = _arg(
@@ -282,6 +291,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = None  # None: compilation_cache.DEFAULT_CACHE_ROOT
     # Multi-LoRA limits; None without enable_lora.
     lora_config: LoRAConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig = dataclasses.field(
+        default_factory=StructuredOutputsConfig
+    )
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -304,7 +316,7 @@ class EngineConfig:
         _check_choice("dtype", args.dtype, DTYPE_CHOICES)
         _check_choice("load_format", args.load_format, _LOAD_FORMATS)
         _check_choice("attention_backend", args.attention_backend, ATTENTION_BACKEND_CHOICES)
-        _check_choice("block_size", args.block_size, _BLOCK_SIZES)
+        _check_choice("block_size", args.block_size, BLOCK_SIZE_CHOICES)
         _check_choice("preemption_mode", args.preemption_mode, PREEMPTION_MODES)
         _check_kv_cache_dtype(args)
         if not args.swap_space >= 0:
@@ -412,6 +424,7 @@ class EngineConfig:
             enable_compilation_cache=bool(args.enable_compilation_cache),
             compilation_cache_dir=args.compilation_cache_dir,
             lora_config=_lora_config(args),
+            structured_outputs_config=StructuredOutputsConfig.parse(args.structured_outputs_config),
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json as _json
 import math
 
 # vLLM raises temperatures in (0, 0.01) to 0.01 because smaller ones overflow the logits/T in
@@ -34,6 +35,140 @@ class SamplingParamsError(ValueError):
         self.parameter = parameter
         self.value = value
         super().__init__(f"{parameter} {rule}, got {value!r}")
+
+
+# The constraint fields of StructuredOutputsParams, in vLLM's order; exactly one is set.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """Constrained decoding for one request: exactly one constraint field is set (vLLM's
+    ``vllm.sampling_params.StructuredOutputsParams``).
+
+    The engine compiles the constraint with its grammar backend (``structured_outputs_config``)
+    and masks, at every sampled position, the tokens the grammar does not allow; the request
+    finishes with ``stop`` when the grammar is complete (only EOS remains), and with
+    ``length`` when ``max_tokens`` ends it mid-structure.
+
+    Raises:
+        SamplingParamsError: (a ``ValueError``) naming the field: no constraint or more than
+            one, or a field of the wrong type. A constraint the backend cannot compile (a bad
+            schema, regex or grammar) is refused by the engine when the request is added,
+            naming the field.
+    """
+
+    json: str | dict | None = None
+    """A JSON schema (a dict, or its JSON text) the output must validate against."""
+    regex: str | None = None
+    """A regular expression the whole output must match."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings (non-empty list)."""
+    grammar: str | None = None
+    """A context-free grammar in the backend's EBNF dialect (xgrammar: GBNF-style
+    ``root ::= ...``; guidance: Lark or GBNF)."""
+    json_object: bool | None = None
+    """Any JSON object (OpenAI's ``response_format={"type": "json_object"}``); set to True."""
+    disable_any_whitespace: bool = False
+    """JSON output without whitespace between tokens (compact JSON)."""
+    disable_additional_properties: bool = False
+    """JSON objects get no properties beyond those a schema names (treats every object as
+    ``"additionalProperties": false`` unless the schema says otherwise)."""
+    whitespace_pattern: str | None = None
+    """A regex for the whitespace allowed between JSON tokens; None: the backend's default.
+    Only the guidance backend honours it; xgrammar refuses it by name."""
+    structural_tag: str | None = None
+    """An xgrammar/vLLM structural tag as JSON text: free text in which each ``begin`` ...
+    ``end`` segment opened by one of ``triggers`` follows its schema."""
+    reasoning_end_token_ids: list[int] | None = None
+    """(jaxpaged) The constraint starts after the output contains these token ids, the end of
+    a thinking model's reasoning (``</think>``); tokens up to and including them are not
+    constrained. None: from the first token. The server sets it from --reasoning-parser, as
+    vLLM's engine asks its reasoning parser (``is_reasoning_end``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        given = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) is not None]
+        if not given:
+            raise SamplingParamsError(
+                "structured_outputs",
+                None,
+                f"must set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}",
+            )
+        if len(given) > 1:
+            raise SamplingParamsError(
+                given[1],
+                getattr(self, given[1]),
+                f"cannot be combined with {given[0]}: structured_outputs takes exactly one "
+                f"constraint",
+            )
+        self._check_types()
+
+    def _check_types(self) -> None:
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise SamplingParamsError("json", self.json, "must be a JSON schema (dict or str)")
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise SamplingParamsError(name, value, "must be a non-empty string")
+        if self.choice is not None and not (
+            isinstance(self.choice, list)
+            and self.choice
+            and all(isinstance(c, str) for c in self.choice)
+        ):
+            raise SamplingParamsError("choice", self.choice, "must be a non-empty list of strings")
+        if self.json_object is not None and self.json_object is not True:
+            raise SamplingParamsError("json_object", self.json_object, "must be True when given")
+        ids = self.reasoning_end_token_ids
+        if ids is not None and not (
+            isinstance(ids, list)
+            and ids
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+        ):
+            raise SamplingParamsError(
+                "reasoning_end_token_ids", ids, "must be a non-empty list of token ids (ints >= 0)"
+            )
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(name, getattr(self, name), "must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        """The constraint's field name: one of ``STRUCTURED_OUTPUT_KINDS``."""
+        return next(n for n in STRUCTURED_OUTPUT_KINDS if getattr(self, n) is not None)
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text (a schema is serialized as JSON, key order kept: it is the
+        order the output's properties take)."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, dict):
+            return _json.dumps(value, ensure_ascii=False)
+        if self.kind == "choice":
+            return _json.dumps(value, ensure_ascii=False)
+        if self.kind == "json_object":
+            return ""
+        return value
+
+    @property
+    def cache_key(self) -> tuple:
+        """What a compiled grammar is cached by: the kind, its text and the JSON options."""
+        return (
+            self.kind,
+            self.spec,
+            self.disable_any_whitespace,
+            self.disable_additional_properties,
+            self.whitespace_pattern,
+        )
+
+    def to_wire(self) -> dict:
+        """The set fields as a plain dict (for msgpack between processes)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default
+        }
 
 
 class RequestOutputKind(enum.Enum):
@@ -126,6 +261,9 @@ class SamplingParams:
     the others); the engine resolves them with its tokenizer (``update_from_tokenizer``)."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """What each RequestOutput carries: CUMULATIVE, DELTA (new text/tokens only) or FINAL_ONLY."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrained decoding (JSON schema, regex, choice, grammar, JSON object or structural
+    tag); None means unconstrained. A dict is converted to ``StructuredOutputsParams``."""
     bad_words_token_ids: list[int] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
@@ -160,6 +298,16 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise SamplingParamsError(
+                "structured_outputs",
+                self.structured_outputs,
+                "must be a StructuredOutputsParams (or a dict of its fields)",
+            )
         if self.logprobs_mode not in _LOGPROBS_MODES:
             raise SamplingParamsError(
                 "logprobs_mode", self.logprobs_mode, f"must be one of {sorted(_LOGPROBS_MODES)}"

@@ -1,13 +1,14 @@
 """The backends a quantized linear layer can run on, and which one ``auto`` picks; imports no JAX.
 
 ``"xla"`` dequantizes in the dot's operand and lets XLA fuse it (``models.quantization``);
-``"pallas"`` runs the 4-bit layers (AWQ, GPTQ 4-bit without act-order, compressed-tensors
-W4A16) through the W4A16 kernel ``pallas_kernels.w4a16_matmul`` (Pallas Triton on GPU,
+``"pallas"`` runs the 4-bit layers (AWQ, 4-bit GPTQ incl. act-order, compressed-tensors W4A16)
+through the W4A16 kernel ``pallas_kernels.w4a16_matmul`` (Pallas Triton on GPU,
 ``interpret=True`` elsewhere), their tensors repacked to its layout once at load
-(``LinearMethod.repack``). ``auto`` is ``xla`` until the H200 figures say otherwise
-(``benchmarks/results/quantization/run.sh``). The engine's configuration validates the choice
-with :func:`with_linear_backend` and records it on the quantization config, which every layer's
-``LinearMethod`` holds.
+(``LinearMethod.repack``). ``"auto"`` (the default) picks per step from :data:`AUTO_BACKENDS`,
+the one table of which backend is fastest for how many tokens: the quantized linears dispatch
+while tracing, on the static token count of the step's bucket, so the choice costs nothing at
+run time. The engine's configuration validates the choice with :func:`with_linear_backend` and
+records it on the quantization config, which every layer's ``LinearMethod`` holds.
 """
 
 from __future__ import annotations
@@ -16,63 +17,105 @@ import dataclasses
 from typing import Any
 
 LINEAR_BACKENDS: tuple[str, ...] = ("xla", "pallas")
-# What ``--linear-backend`` accepts: ``auto`` resolves with ``resolve_linear_backend``.
+# What ``--linear-backend`` accepts: ``auto`` resolves per step through ``AUTO_BACKENDS``.
 LINEAR_BACKEND_CHOICES: tuple[str, ...] = ("auto", *LINEAR_BACKENDS)
 # The quantization methods with 4-bit layers the W4A16 kernel takes.
 W4A16_KERNEL_METHODS: tuple[str, ...] = ("awq", "gptq", "compressed-tensors")
 
+# ``auto``'s choice per kernel family: ``(largest T, backend)`` pairs, the first whose T bound
+# holds wins (None: any T). Families: ``w4a16`` (4-bit weights: AWQ, GPTQ, compressed-tensors
+# W4A16; ``pallas`` is ``pallas_kernels.w4a16_matmul``) and ``w8`` (8-bit weights: FP8, INT8
+# W8A8, bitsandbytes; ``pallas`` is the weight-only ``pallas_kernels.w8_gemv``, read by
+# ``models.quantization.w8a8.W8_GEMV_MAX_TOKENS``).
+# UNMEASURED: best guesses. benchmarks/quant_kernels.py on the H200 prints the fastest backend
+# per (kernel, T); copy its "auto table" line here and set AUTO_BACKENDS_MEASURED to its run.
+AUTO_BACKENDS: dict[str, tuple[tuple[int | None, str], ...]] = {
+    "w4a16": ((32, "pallas"), (None, "xla")),
+    "w8": ((0, "pallas"), (None, "xla")),
+}
+AUTO_BACKENDS_MEASURED: str | None = None  # e.g. "H200, tree abc1234, docs/benchmarks.md"
+
+
+def backend_for_tokens(family: str, backend: str, tokens: int) -> str:
+    """The backend a step of ``tokens`` tokens runs: ``backend`` itself unless it is ``auto``,
+    then :data:`AUTO_BACKENDS`' entry for ``family`` (``xla`` past its last bound)."""
+    if backend != "auto":
+        return backend
+    for max_tokens, choice in AUTO_BACKENDS[family]:
+        if max_tokens is None or tokens <= max_tokens:
+            return choice
+    return "xla"
+
+
+def auto_max_tokens(family: str, backend: str) -> int:
+    """The largest token count for which ``auto`` picks ``backend`` in ``family``, counting
+    from T = 1 (0: never; a large number for an unbounded entry)."""
+    largest = 0
+    for max_tokens, choice in AUTO_BACKENDS[family]:
+        if choice != backend:
+            break
+        largest = 1 << 30 if max_tokens is None else max_tokens
+    return largest
+
+
+def _uses(family: str, backend: str) -> bool:
+    return any(choice == backend for _, choice in AUTO_BACKENDS[family])
+
 
 def resolve_linear_backend(backend: str) -> str:
-    """The backend to run: ``auto`` is ``xla`` (the kernel is not yet measured on a GPU).
+    """``backend`` checked (``auto`` stays ``auto``: it resolves per step).
 
     Raises:
         ValueError: a name outside :data:`LINEAR_BACKEND_CHOICES`.
     """
-    if backend == "auto":
-        return "xla"
-    if backend not in LINEAR_BACKENDS:
+    if backend not in LINEAR_BACKEND_CHOICES:
         raise ValueError(
             f"linear_backend must be one of {list(LINEAR_BACKEND_CHOICES)}, got {backend!r}"
         )
     return backend
 
 
+def _kernel_refusal(config: Any, tensor_parallel_size: int) -> str | None:
+    """Why the W4A16 kernel cannot run ``config``'s layers (None: it can)."""
+    method = None if config is None else config.method
+    if method not in W4A16_KERNEL_METHODS:
+        return f"it runs 4-bit weights ({', '.join(W4A16_KERNEL_METHODS)}); the model's " \
+            f"quantization is {method!r}"  # fmt: skip
+    if tensor_parallel_size > 1:
+        return f"it needs tensor_parallel_size 1, got {tensor_parallel_size}"
+    if method == "gptq" and config.weight_bits != 4:
+        return f"it takes 4-bit GPTQ; got bits={config.weight_bits}"
+    if method == "compressed-tensors" and not any(
+        s.kind == "wna16" and s.weights.num_bits == 4 for _, s in config.groups
+    ):
+        return "it needs a compressed-tensors W4A16 scheme (pack-quantized 4-bit); the " \
+            "checkpoint has none"  # fmt: skip
+    return None
+
+
 def with_linear_backend(config: Any, backend: str, *, tensor_parallel_size: int = 1) -> Any:
     """``config`` (a resolved quantization config or None) with its 4-bit layers on ``backend``.
 
-    ``xla`` (and ``auto``) return ``config`` unchanged. ``pallas`` needs a method of
-    :data:`W4A16_KERNEL_METHODS` with 4-bit layers; layers the kernel cannot tile (``out`` not a
-    multiple of 16, or ``in / 8`` and the group size without a common power-of-two factor of 16)
-    and a compressed-tensors model's other schemes keep the XLA path.
+    ``xla`` returns ``config`` unchanged. ``auto`` records ``auto`` where the W4A16 kernel can
+    run the model and the table uses it for some T (its layers are then repacked at load and
+    pick per step), and otherwise returns ``config`` unchanged. ``pallas`` needs a method of
+    :data:`W4A16_KERNEL_METHODS` with 4-bit layers. Layers the kernel cannot tile (``in / 8``
+    and the group size without a common power-of-two factor of 16) and a compressed-tensors
+    model's other schemes keep the XLA path either way. 8-bit layers follow the table's ``w8``
+    row under every choice (``models.quantization.w8a8``).
 
     Raises:
-        ValueError: ``pallas`` without such a method, with GPTQ of another width or with
-            ``desc_act``, or with ``tensor_parallel_size > 1`` (the kernel's packed planes run
-            along ``in``, which a row-parallel split cuts), naming the reason.
+        ValueError: ``pallas`` without such a method, with GPTQ of another width, or with
+            ``tensor_parallel_size > 1`` (the kernel's packed planes run along ``in``, which a
+            row-parallel split cuts), naming the reason.
     """
     backend = resolve_linear_backend(backend)
     if backend == "xla":
         return config
-    method = None if config is None else config.method
-    if method not in W4A16_KERNEL_METHODS:
-        raise ValueError(
-            f"linear_backend {backend!r} runs 4-bit weights ({', '.join(W4A16_KERNEL_METHODS)}); "
-            f"the model's quantization is {method!r}"
-        )
-    if tensor_parallel_size > 1:
-        raise ValueError(
-            f"linear_backend {backend!r} needs tensor_parallel_size 1, got {tensor_parallel_size}"
-        )
-    if method == "gptq" and (config.weight_bits != 4 or config.desc_act):
-        raise ValueError(
-            f"linear_backend {backend!r} takes 4-bit GPTQ without desc_act; got "
-            f"bits={config.weight_bits}, desc_act={config.desc_act}"
-        )
-    if method == "compressed-tensors" and not any(
-        s.kind == "wna16" and s.weights.num_bits == 4 for _, s in config.groups
-    ):
-        raise ValueError(
-            f"linear_backend {backend!r} needs a compressed-tensors W4A16 scheme (pack-quantized "
-            "4-bit); the checkpoint has none"
-        )
+    refusal = _kernel_refusal(config, tensor_parallel_size)
+    if backend == "auto":
+        if refusal is not None or not _uses("w4a16", "pallas"):
+            return config
+    elif refusal is not None:
+        raise ValueError(f"linear_backend {backend!r}: {refusal}")
     return dataclasses.replace(config, linear_backend=backend)

@@ -74,9 +74,7 @@ def resolve_dtype(dtype: str | Any, hf_config: Any) -> jnp.dtype:
         return jnp.dtype(_DTYPES[name])
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
-            raise ValueError(
-                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}"
-            )
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
         return jnp.dtype(_DTYPES[dtype])
     try:
         resolved = jnp.dtype(dtype)
@@ -115,9 +113,7 @@ def expert_hf_names(path: tuple, num_experts: int) -> tuple[tuple[str, ...], ...
     ``('model.layers.0.block_sparse_moe.experts.e.w1.weight', '....experts.e.w3.weight')``."""
     prefix = ".".join(str(p) for p in path[:-1])
     parts = EXPERT_PARAMS[str(path[-1])]
-    return tuple(
-        tuple(f"{prefix}.{e}.{part}.weight" for part in parts) for e in range(num_experts)
-    )
+    return tuple(tuple(f"{prefix}.{e}.{part}.weight" for part in parts) for e in range(num_experts))
 
 
 def hf_names(path: tuple) -> tuple[tuple[str, ...], bool]:
@@ -158,8 +154,9 @@ def merged_output_sizes(model: nnx.Module) -> dict[tuple[str, ...], tuple[int, .
     }
 
 
-def check_tensor(reader: _TensorReader, path: tuple, name: str, expected: tuple[int, ...],
-                 model_dir: str) -> None:
+def check_tensor(
+    reader: _TensorReader, path: tuple, name: str, expected: tuple[int, ...], model_dir: str
+) -> None:
     """Check that the checkpoint holds tensor ``name`` of shape ``expected`` (HF layout, e.g.
     ``[out, in]`` for a linear weight) for the parameter ``path``.
 
@@ -265,8 +262,12 @@ class _TensorReader:
     add names that read a block of rows of another tensor.
     """
 
-    def __init__(self, files: dict[str, str], stack: ExitStack,
-                 views: dict[str, tuple[str, int, int]] | None = None):
+    def __init__(
+        self,
+        files: dict[str, str],
+        stack: ExitStack,
+        views: dict[str, tuple[str, int, int]] | None = None,
+    ):
         self._files = files
         self._stack = stack
         self._views = views or {}
@@ -381,8 +382,9 @@ def _load_state(
         # Check everything before reading anything big.
         for path, _, grid, transposed in plans:
             for name, expected in itertools.chain.from_iterable(grid):
-                check_tensor(reader, path, name, expected[::-1] if transposed else expected,
-                             model_dir)
+                check_tensor(
+                    reader, path, name, expected[::-1] if transposed else expected, model_dir
+                )
         filled = []
         for path, variable, grid, transposed in plans:
             blocks = []
@@ -491,6 +493,7 @@ def abstract_model(
         )
     )
 
+
 def model_quantization(
     hf_config: Any, quant_config: QuantizationConfig | None, load_format: str
 ) -> QuantizationConfig | None:
@@ -587,3 +590,20 @@ def load_model(
     model = nnx.merge(graphdef, nnx.from_flat_state(filled))
     place_quantized_layers(model, quantized)
     return model, hf_config
+
+
+def float_weights_checksum(model: nnx.Module) -> tuple[float, int]:
+    """``(sum of |x|, element count)`` over every floating-point array of ``model``'s state
+    (float32 accumulation per array, float64 across arrays).
+
+    Two engines built from the same checkpoint (or the same ``load_format="dummy"`` seed) give
+    the same pair up to summation order, whatever layout their quantized linears were repacked
+    to (a sum is permutation-invariant; packed integer words are left out): ``jaxpaged bench
+    matrix`` checks with it that an engine and its reference hold the same weights.
+    """
+    total, count = 0.0, 0
+    for leaf in jax.tree.leaves(nnx.state(model)):
+        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
+            total += float(jnp.sum(jnp.abs(leaf.astype(jnp.float32))))
+            count += int(leaf.size)
+    return total, count

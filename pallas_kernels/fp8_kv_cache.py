@@ -81,6 +81,28 @@ def check_kv_scales(cache_dtype, k_scale, v_scale) -> jax.Array | None:
     return jnp.stack(scales)
 
 
+def cache_bytes(cache: jax.Array) -> jax.Array:
+    """The cache as a Pallas Triton kernel's operand: an FP8 cache as its bytes (``uint8``, a free
+    bitcast of the same shape), any other cache unchanged.
+
+    Why: a masked Pallas Triton load pads with an integer zero (``other=0``), and Triton cannot
+    splat that zero into an FP8 tensor (``cannot cast ... tt.splat ... to
+    tensor<64x128xf8E4M3FN>``, seen on the H200 at ``078b2b9``). Bytes pad with 0, which is
+    +0.0 in both FP8 formats; the kernel reinterprets them with :func:`from_cache_bytes`.
+    """
+    if is_fp8_kv_cache_dtype(cache.dtype):
+        return jax.lax.bitcast_convert_type(cache, jnp.uint8)
+    return cache
+
+
+def from_cache_bytes(x: jax.Array, cache_dtype) -> jax.Array:
+    """Inside a kernel: a tile loaded from :func:`cache_bytes`'s operand, back in the cache's
+    element dtype ``cache_dtype`` (a bitcast for FP8, else ``x`` unchanged)."""
+    if x.dtype != jnp.dtype(cache_dtype):
+        return jax.lax.bitcast_convert_type(x, cache_dtype)
+    return x
+
+
 def quantize_kv(x: jax.Array, scale: jax.Array | float, dtype=jnp.float8_e4m3fn) -> jax.Array:
     """``fp8(clip(x / scale))``: K or V entering the cache.
 

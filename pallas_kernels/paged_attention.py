@@ -18,6 +18,7 @@ tiling defaults (``_TILING``).
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.fp8_kv_cache import check_kv_scales, dequantize_kv
+from pallas_kernels.fp8_kv_cache import (
+    cache_bytes,
+    check_kv_scales,
+    dequantize_kv,
+    from_cache_bytes,
+)
 from pallas_kernels.online_softmax import (
     MIN_DOT_DIM,
     alibi_bias,
@@ -71,6 +77,7 @@ def _paged_attention_kernel(
     soft_cap: float | None,
     sliding_window: int | None,
     use_kv_scales: bool,
+    cache_dtype: Any,  # the caches' element dtype (an FP8 cache arrives as its bytes)
     use_alibi: bool,
     group: int,
     rows: int,
@@ -125,6 +132,7 @@ def _paged_attention_kernel(
         # NaN) and load as 0, so V there adds nothing to P.V.
         k = pltriton.load(k_cache_ref.at[slots, dim], mask=visible[:, None], other=0)
         v = pltriton.load(v_cache_ref.at[slots, dim], mask=visible[:, None], other=0)
+        k, v = from_cache_bytes(k, cache_dtype), from_cache_bytes(v, cache_dtype)
         s = block_scores(
             q, k.astype(q.dtype), scale=scale, soft_cap=soft_cap, use_dot=use_dot, k_scale=k_scale
         )
@@ -220,6 +228,7 @@ def _paged_attention(
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         use_kv_scales=kv_scales is not None,
+        cache_dtype=k_cache.dtype,
         use_alibi=alibi_slopes is not None,
         group=group,
         rows=rows,
@@ -236,8 +245,9 @@ def _paged_attention(
     else:
         slot_shape = (num_slots, num_kv_heads, head_dim)
         cache_spec = pl.BlockSpec((num_slots, None, head_dim), lambda b, h, s: (0, h, 0))
-    k_slots = k_cache.reshape(slot_shape)
-    v_slots = v_cache.reshape(slot_shape)
+    # An FP8 cache travels as its bytes (fp8_kv_cache.cache_bytes: masked loads pad with 0).
+    k_slots = cache_bytes(k_cache).reshape(slot_shape)
+    v_slots = cache_bytes(v_cache).reshape(slot_shape)
     in_specs = [
         pl.BlockSpec((1,), lambda b, h, s: (b,)),  # seq_lens
         pl.BlockSpec((None, max_blocks), lambda b, h, s: (b, 0)),  # block_tables

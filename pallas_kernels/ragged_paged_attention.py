@@ -19,6 +19,7 @@ exit at once). Backend as in ``paged_attention``: Pallas Triton on GPU, ``interp
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.fp8_kv_cache import check_kv_scales, dequantize_kv
+from pallas_kernels.fp8_kv_cache import (
+    cache_bytes,
+    check_kv_scales,
+    dequantize_kv,
+    from_cache_bytes,
+)
 from pallas_kernels.online_softmax import (
     MIN_DOT_DIM,
     alibi_bias,
@@ -76,6 +82,7 @@ def _ragged_paged_attention_kernel(
     soft_cap: float | None,
     sliding_window: int | None,
     use_kv_scales: bool,
+    cache_dtype: Any,  # the caches' element dtype (an FP8 cache arrives as its bytes)
     use_alibi: bool,
     group: int,
     group_padded: int,
@@ -147,6 +154,7 @@ def _ragged_paged_attention_kernel(
         other = 0 if masked else None
         k = pltriton.load(k_cache_ref.at[slots, dim], mask=load_mask, other=other)
         v = pltriton.load(v_cache_ref.at[slots, dim], mask=load_mask, other=other)
+        k, v = from_cache_bytes(k, cache_dtype), from_cache_bytes(v, cache_dtype)
         s = block_scores(
             q, k.astype(q.dtype), scale=scale, soft_cap=soft_cap, use_dot=use_dot, k_scale=k_scale
         )
@@ -251,14 +259,16 @@ def _ragged_paged_attention(
     tile_meta = _tile_map(cu_q_lens, seq_lens, num_tokens, num_tiles, q_tile)
 
     num_slots = num_blocks * block_size
-    k_slots = k_cache.reshape(num_slots, num_kv_heads, head_dim)
-    v_slots = v_cache.reshape(num_slots, num_kv_heads, head_dim)
+    # An FP8 cache travels as its bytes (fp8_kv_cache.cache_bytes: masked loads pad with 0).
+    k_slots = cache_bytes(k_cache).reshape(num_slots, num_kv_heads, head_dim)
+    v_slots = cache_bytes(v_cache).reshape(num_slots, num_kv_heads, head_dim)
     kernel = functools.partial(
         _ragged_paged_attention_kernel,
         scale=scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         use_kv_scales=kv_scales is not None,
+        cache_dtype=k_cache.dtype,
         use_alibi=alibi_slopes is not None,
         group=group,
         group_padded=pl.next_power_of_2(group),

@@ -1,16 +1,16 @@
 """W4A16 matmul: 16-bit (or float32) activations times 4-bit grouped weights, dequantized in-kernel.
 
-Layout of this file: the kernel layout's description, the Pallas kernel body, the public
-``w4a16_matmul`` with its argument checks and tile choice, and last the plain-JAX
-``w4a16_matmul_reference``, which shares no code with the kernel. The host-side repacks from the
-stored AWQ GEMM and GPTQ formats are ``models.quantization.w4a16`` (imports point
-``pallas_kernels`` <- ``models``).
+Layout of this file: the kernel layout's description, the launch parameters
+(:class:`W4A16Tiling`, with the defaults per token count), the Pallas kernel body, the public
+``w4a16_matmul`` with its argument checks, and last the plain-JAX ``w4a16_matmul_reference``,
+which shares no code with the kernel. The host/device repacks from the stored AWQ GEMM, GPTQ and
+compressed-tensors formats are ``models.quantization.w4a16`` (imports point ``pallas_kernels``
+<- ``models``).
 
 Why a kernel: on the H200, XLA compiles ``models.quantization.awq.awq_linear`` at ``T = 1`` into
-a loop fusion that reads the packed weights at about 223 GB/s, against 2.7 TB/s for the bf16
-GEMV (``docs/benchmarks.md``, "Quantized linears (issue 14)"). This kernel streams the packed
-words and dequantizes each K-tile in registers. Its GPU speed is not measured yet
-(``benchmarks/results/quantization/microbench.py --methods bf16,awq,pallas``).
+a loop fusion that reads the packed weights at about 223 GB/s, against 2.5-2.7 TB/s for the bf16
+GEMV (``docs/benchmarks.md``, "Quantized linears (issue 14)"). A decode step only streams
+weights, so 4-bit weights should take about a quarter of bf16's time.
 
 Kernel layout (``in`` inputs, ``out`` outputs, ``G = in // group_size`` groups, ``P = in // 8``):
 
@@ -19,23 +19,54 @@ Kernel layout (``in`` inputs, ``out`` outputs, ``G = in // group_size`` groups, 
   ``r0 .. r0 + block_k - 1`` is therefore the contiguous row range ``j * P + r0 ..`` of the
   weight, so a K-step unpacks eight ``[block_k, block_n]`` tiles with one shift and one mask
   each and multiplies them by eight contiguous ``[block_t, block_k]`` slices of ``x``: no
-  interleaving reshape, no strided load, and the layout does not depend on the tile sizes.
+  interleaving reshape, no strided load, and the layout does not depend on the tile sizes. A
+  ``[block_k, block_n]`` tile of words is ``block_k`` rows of ``4 * block_n`` contiguous bytes.
 - ``scales: [G, out]`` (float16, bfloat16 or float32) and ``zeros: i8[G, out]`` (unpacked zero
   points, ``0 .. 16``; GPTQ v1's stored ``15`` reads as ``16``).
 
 The weight is ``W[i, o] = (q[i, o] - zeros[i // group_size, o]) * scales[i // group_size, o]``
 (AWQ's and GPTQ's formula) and the result is ``x @ W``.
 
+One kernel, two regimes chosen by the tiling (:class:`W4A16Tiling`):
+
+- **Decode (small T), split over K.** The grid is (token tiles, output tiles, K splits): at
+  ``out = 4096`` the output tiles alone are too few programs for 132 SMs, so each program covers
+  ``1 / split_k`` of the packed rows and writes a float32 partial that XLA sums (about two
+  programs per SM by default, ``pallas_kernels.split_k``). With ``dot=False`` the program
+  multiplies elementwise and sums (no tensor cores, no padding of ``T`` to 16 rows, no layout
+  change of the dequantized tile into a dot operand), for ``T`` of a few tokens; with
+  ``dot=True`` it makes eight tensor-core dots per K-step.
+- **Prefill (large T).** ``split_k = 1``, large token and output tiles (up to 128 x 256) with the
+  dequantization inside the dot's main loop; the result is written in ``x.dtype`` directly.
+
+Dequantization in registers: ``magic=True`` builds the float ``2^23 + q`` from the nibble's bits
+(``(word >> 4 j) & 0xF | 0x4B000000``, one shift and one three-input logic op) and subtracts
+``2^23 + z``, exactly ``q - z``, avoiding the slow integer-to-float convert; ``magic=False``
+converts ``q - z`` with an ``int32 -> float32`` convert. Both then multiply by the group's scale
+in float32 (exact products of small integers: the two give identical results). For the dot the
+tile is rounded once to ``x.dtype`` (as ``dequantize_groups`` does).
+
+**Fold** (``fold=True``): the nibble is shifted to bits 19..22 of a float32 with the bits of
+1.0 (one shift, one three-input logic op), the float ``v = 1 + q / 16``, exactly; the K-step
+sums ``x_k v_k`` over the slot's ``block_k`` rows (one FMA per weight, or a dot on ``v`` in
+``x``'s dtype, exact there too) and then applies the group's zero and scale once per column:
+``sum_k x_k (q_k - z) s = 16 s (sum_k x_k v_k - (1 + z / 16) sum_k x_k)``. The weight is never
+formed, so it is never rounded; the subtraction loses at most a few float32 ulps of
+``sum_k |x_k|``.
+
+Tails: a token count, an ``out`` or a split count that the tiles do not divide is masked (loads
+pad with zero, stores are masked). ``block_k`` must divide both ``P`` and ``group_size`` (each
+slot's rows of one step sit in one group: one zero row and one scale row per slot and step).
+
 Backend: on GPU ``pallas_call`` lowers through the Pallas Triton backend; on CPU it runs with
-``interpret=True``. Triton needs power-of-two tiles of at least 16 for a dot, so the T tile of
-a decode step (``T = 1``, a GEMV) is padded to 16 rows: ``x`` is zero-padded to a multiple of
-``block_t`` and the padding rows are dropped from the result.
+``interpret=True``. Triton needs power-of-two tiles, and a dot needs every dimension >= 16, so
+with ``dot=True`` the token tile is at least 16 (a decode step's rows are padded by masking).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -43,110 +74,265 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.split_k import split_k_count
+
 PACK = 8  # 4-bit values per int32 word
-MIN_TILE = 16  # Triton's smallest dot dimension
+MIN_TILE = 16  # Triton's smallest dot dimension; also the smallest block_n / block_k
 _X_DTYPES = ("bfloat16", "float16", "float32")
 _SCALE_DTYPES = ("bfloat16", "float16", "float32")
-# Launch defaults, not measured yet: 64 output columns per program (out=4096 gives 64 programs
-# per T tile), K-steps of up to 64 words (512 input rows, eight dots of 64), T tiles of 16..64.
-_BLOCK_N = 64
-_BLOCK_K = 64
-_MAX_BLOCK_T = 64
-_NUM_WARPS = 4
-_NUM_STAGES = 3
+_MAGIC = 0x4B000000  # float32 bits of 2^23: OR-ing a nibble q into the mantissa gives 2^23 + q
+_TWO_23 = float(2**23)
+
+
+@dataclasses.dataclass(frozen=True)
+class W4A16Tiling:
+    """Static launch parameters of :func:`w4a16_matmul`.
+
+    Attributes:
+        block_t: largest token tile (a power of two; the tile is the smallest power of two
+            holding ``T``, at least 16 with ``dot``, capped here). More tokens take several
+            tiles, each reading the weights again.
+        block_n: output columns per program (a power of two >= 16; ``out`` need not divide).
+        block_k: packed words per slot per K-step (a power of two >= 16 dividing ``in / 8`` and
+            ``group_size``); a step covers ``8 * block_k`` input rows and reads ``4 * block_k *
+            block_n`` bytes of weights.
+        split_k: K splits (float32 partials summed by XLA); None: ``pallas_kernels.split_k``'s
+            choice (about two programs per SM); 1 writes the result directly.
+        num_warps, num_stages: Triton's warps per program and software-pipelining depth (cut
+            until a step's tiles fit the shared-memory budget).
+        dot: tensor-core dots (True) or elementwise multiply and sum (False, for small T).
+        swap: with ``dot``, compute ``(W_tile^T x_tile^T)^T`` so that the dequantized weight
+            tile is the dot's first operand (M = ``block_n``), the operand a Hopper ``wgmma``
+            may take from registers, and the token tile its N (Machete's swap for small M).
+        magic: dequantize through float bit patterns (True) or an integer convert (False).
+        fold: apply zero points and scales per group after the products (module docstring,
+            "fold"): three operations per weight instead of five; the weight is never rounded
+            to ``x``'s dtype. Overrides ``magic`` and ``swap``.
+        defer: with ``fold`` and without ``dot``, multiply ``v`` by ``16 s`` per weight (four
+            operations) and sum the products once after the loop, instead of reducing each
+            slot's rows every step (a cross-thread reduction per slot and step).
+    """
+
+    block_t: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    split_k: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+    dot: bool = True
+    swap: bool = False
+    magic: bool = True
+    fold: bool = False
+    defer: bool = False
+
+
+# Defaults by token count, (largest T, tiling), first match wins. NOT MEASURED: best guesses
+# until benchmarks/quant_kernels.py's sweep on the H200 fills them in.
+DEFAULT_TILINGS: tuple[tuple[int | None, W4A16Tiling], ...] = (
+    (1, W4A16Tiling(block_t=1, block_n=64, block_k=32, dot=False, fold=True, defer=True)),
+    (32, W4A16Tiling(block_t=32, block_n=64, block_k=32)),
+    (None, W4A16Tiling(block_t=128, block_n=128, block_k=16, split_k=1, num_warps=8)),
+)
+
 # Shared memory a Triton program may use on the H200 is 232,448 bytes (227 KiB); pipelining keeps
 # one K-step's tiles per stage, so the stage count is cut until they fit, with headroom for the
-# compiler's own buffers (T=1024, bf16, 64/64/64 tiles at 3 stages asked for 240,640 bytes).
-_SHARED_MEMORY_BUDGET = 200 * 1024
+# compiler's own buffers (the dequantized tile's layout change may also go through it).
+_SHARED_MEMORY_BUDGET = 160 * 1024
+
+
+def default_tiling(tokens: int) -> W4A16Tiling:
+    """The :data:`DEFAULT_TILINGS` entry for a step of ``tokens`` tokens."""
+    for max_tokens, tiling in DEFAULT_TILINGS:
+        if max_tokens is None or tokens <= max_tokens:
+            return tiling
+    return DEFAULT_TILINGS[-1][1]
 
 
 # --- The kernel -----------------------------------------------------------------------------
 
 
+def _load(ref, mask):
+    """A load of ``ref``, masked (padding zero) where ``mask`` is given."""
+    return pltriton.load(ref) if mask is None else pltriton.load(ref, mask=mask, other=0)
+
+
+def _unit_nibble(words, j):
+    """Slot ``j``'s nibbles ``q`` as the floats ``v = 1 + q / 16`` (exact): the nibble's bits
+    ``[4 j, 4 j + 4)`` moved to ``[19, 23)``, the top of a float32 mantissa, OR the bits of 1."""
+    shift = 19 - 4 * j
+    moved = jnp.left_shift(words, shift) if shift > 0 else jnp.right_shift(words, -shift)
+    return lax.bitcast_convert_type((moved & 0x00780000) | 0x3F800000, jnp.float32)
+
+
+def _folded(xs, words, j, zero, scale, *, dot, precision):
+    """Slot ``j``'s contribution ``[bt, bn]`` by the fold (module docstring): ``16 s (sum_k x_k
+    v_k - (1 + z / 16) sum_k x_k)`` with ``v = 1 + q / 16``."""
+    v = _unit_nibble(words, j)
+    x32 = xs.astype(jnp.float32)
+    if dot:  # v has four mantissa bits: exact in bfloat16 / float16
+        part = jnp.dot(xs, v.astype(xs.dtype), precision=precision,
+                       preferred_element_type=jnp.float32)  # fmt: skip
+    else:
+        part = jnp.sum(x32[:, :, None] * v[None, :, :], axis=1)
+    x_sum = jnp.sum(x32, axis=1, keepdims=True)  # [bt, 1]
+    offset = 1.0 + zero.astype(jnp.float32) * 0.0625  # [1, bn]
+    return (part - offset * x_sum) * (scale.astype(jnp.float32) * 16.0)
+
+
 def _w4a16_kernel(
-    x_ref,  # [block_t, in]: this program's rows of x
-    w_ref,  # i32[P, block_n]: this program's columns of the plane-packed weight
-    s_ref,  # [G, block_n]: scales
-    z_ref,  # i8[G, block_n]: zero points
-    o_ref,  # [block_t, block_n]
+    x_ref,  # [T, in]
+    w_ref,  # i32[P, out]: the plane-packed weight
+    s_ref,  # [G, out]: scales
+    z_ref,  # i8[G, out]: zero points
+    o_ref,  # [T, out] in x.dtype (split_k = 1) or f32[split_k, T, out] (partials)
     *,
-    planes: int,
     group_size: int,
+    block_t: int,
+    block_n: int,
     block_k: int,
+    steps_per_split: int,
+    partials: bool,
+    dot: bool,
+    swap: bool,
+    magic: bool,
+    fold: bool,
+    defer: bool,
 ):
-    block_t, block_n = o_ref.shape
+    num_tokens, _ = x_ref.shape
+    planes, n_total = w_ref.shape
+    t0 = pl.program_id(0) * block_t
+    n0 = pl.program_id(1) * block_n
+    split = pl.program_id(2)
+    toks, cols = pl.ds(t0, block_t), pl.ds(n0, block_n)
+    t_ok = t0 + lax.broadcasted_iota(jnp.int32, (block_t, 1), 0) < num_tokens  # [bt, 1]
+    n_ok = n0 + lax.broadcasted_iota(jnp.int32, (1, block_n), 1) < n_total  # [1, bn]
+    x_mask = None if num_tokens % block_t == 0 else jnp.broadcast_to(t_ok, (block_t, block_k))
+    n_tail = n_total % block_n != 0
+    w_mask = jnp.broadcast_to(n_ok, (block_k, block_n)) if n_tail else None
+    row_mask = n_ok if n_tail else None
+    first_step = split * steps_per_split
+    num_steps = jnp.minimum(steps_per_split, planes // block_k - first_step)
     dtype = x_ref.dtype
     # float32 x: true float32 dots (Triton would otherwise use TF32 on the GPU).
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
-    def body(step, acc):
-        r0 = pl.multiple_of(step * block_k, block_k)
-        words = w_ref[pl.ds(r0, block_k), :]  # [block_k, block_n]
+    def step(i, carry):
+        acc, corr = carry
+        r0 = pl.multiple_of((first_step + i) * block_k, block_k)
+        words = _load(w_ref.at[pl.ds(r0, block_k), cols], w_mask)
         for j in range(PACK):
             row0 = j * planes + r0  # first weight row of slot j: block_k rows in one group
-            group = row0 // group_size
-            zero = z_ref[pl.ds(group, 1), :].astype(jnp.int32)  # [1, block_n]
-            scale = s_ref[pl.ds(group, 1), :].astype(jnp.float32)
-            q = jnp.right_shift(words, 4 * j) & 0xF
-            # (q - z) * s in float32, rounded once to x's dtype, as dequantize_groups does.
-            w = ((q - zero).astype(jnp.float32) * scale).astype(dtype)
-            xs = x_ref[:, pl.ds(pl.multiple_of(row0, block_k), block_k)]
-            acc += jnp.dot(xs, w, precision=precision, preferred_element_type=jnp.float32)
-        return acc
+            group = pl.ds(row0 // group_size, 1)
+            zero = _load(z_ref.at[group, cols], row_mask)  # [1, bn]
+            scale = _load(s_ref.at[group, cols], row_mask)
+            xs = _load(x_ref.at[toks, pl.ds(pl.multiple_of(row0, block_k), block_k)], x_mask)
+            if defer:  # 16 s v x elementwise; the zero's share 16 s (1 + z / 16) sum(x) aside
+                x32 = xs.astype(jnp.float32)
+                s16 = scale.astype(jnp.float32) * 16.0
+                acc += x32[:, :, None] * (_unit_nibble(words, j) * s16)[None, :, :]
+                offset = (1.0 + zero.astype(jnp.float32) * 0.0625) * s16
+                corr += jnp.sum(x32, axis=1, keepdims=True) * offset
+                continue
+            if fold:
+                acc += _folded(xs, words, j, zero, scale, dot=dot, precision=precision)
+                continue
+            nibble = jnp.right_shift(words, 4 * j) & 0xF if j else words & 0xF
+            if magic:  # float(2^23 + q) - float(2^23 + z) = q - z, exactly
+                q = lax.bitcast_convert_type(nibble | _MAGIC, jnp.float32)
+                w = (q - (zero.astype(jnp.float32) + _TWO_23)) * scale.astype(jnp.float32)
+            else:
+                w = (nibble - zero.astype(jnp.int32)).astype(jnp.float32)
+                w = w * scale.astype(jnp.float32)
+            if swap:  # acc is [bn, bt]; the tile rounded once to x's dtype
+                acc += jnp.dot(
+                    w.astype(dtype).T, xs.T, precision=precision,
+                    preferred_element_type=jnp.float32,
+                )  # fmt: skip
+            elif dot:  # the tile rounded once to x's dtype, as dequantize_groups does
+                acc += jnp.dot(
+                    xs, w.astype(dtype), precision=precision, preferred_element_type=jnp.float32
+                )
+            else:  # [bt, bk, bn] products, summed over k after the loop
+                acc += xs.astype(jnp.float32)[:, :, None] * w[None, :, :]
+        return acc, corr
 
-    acc = lax.fori_loop(0, planes // block_k, body, jnp.zeros((block_t, block_n), jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    if swap:
+        acc_shape = (block_n, block_t)
+    else:
+        acc_shape = (
+            (block_t, block_n) if dot or (fold and not defer) else (block_t, block_k, block_n)
+        )
+    corr = jnp.zeros((block_t, block_n) if defer else (1, 1), jnp.float32)
+    acc, corr = lax.fori_loop(0, num_steps, step, (jnp.zeros(acc_shape, jnp.float32), corr))
+    if swap:
+        acc = acc.T
+    elif defer:
+        acc = jnp.sum(acc, axis=1) - corr
+    elif not dot and not fold:
+        acc = jnp.sum(acc, axis=1)
+    mask = t_ok & n_ok
+    if partials:
+        pltriton.store(o_ref.at[split, toks, cols], acc, mask=mask)
+    else:
+        pltriton.store(o_ref.at[toks, cols], acc.astype(o_ref.dtype), mask=mask)
 
 
-def _num_stages(block_t: int, block_n: int, block_k: int, x_itemsize: int) -> int:
+def _num_stages(tiling: W4A16Tiling, block_t: int, x_itemsize: int) -> int:
     """Pipeline stages whose tiles fit ``_SHARED_MEMORY_BUDGET``: one K-step holds eight
     ``[block_t, block_k]`` slices of ``x`` and one ``i32[block_k, block_n]`` tile of words."""
-    per_stage = 8 * block_t * block_k * x_itemsize + 4 * block_k * block_n
-    return max(1, min(_NUM_STAGES, _SHARED_MEMORY_BUDGET // per_stage))
+    per_stage = 8 * block_t * tiling.block_k * x_itemsize + 4 * tiling.block_k * tiling.block_n
+    return max(1, min(tiling.num_stages, _SHARED_MEMORY_BUDGET // per_stage))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("group_size", "block_t", "block_n", "block_k", "interpret")
-)
-def _w4a16_matmul(x, qweight, scales, zeros, *, group_size, block_t, block_n, block_k, interpret):
-    tokens, in_features = x.shape
+@functools.partial(jax.jit, static_argnames=("group_size", "tiling", "interpret"))
+def _w4a16_matmul(x, qweight, scales, zeros, *, group_size, tiling, interpret):
+    """The launch; arguments already checked."""
+    tokens, _ = x.shape
     planes, out_features = qweight.shape
-    groups = scales.shape[0]
-    padded = pl.cdiv(tokens, block_t) * block_t
-    if padded != tokens:
-        x = jnp.pad(x, ((0, padded - tokens), (0, 0)))
-    kernel = functools.partial(_w4a16_kernel, planes=planes, group_size=group_size, block_k=block_k)
+    min_t = MIN_TILE if tiling.dot else 1
+    block_t = min(tiling.block_t, max(min_t, pl.next_power_of_2(tokens)))
+    block_t = max(block_t, min_t)
+    block_n = min(tiling.block_n, max(MIN_TILE, pl.next_power_of_2(out_features)))
+    grid_tn = (pl.cdiv(tokens, block_t), pl.cdiv(out_features, block_n))
+    split_k = split_k_count(tiling.split_k, tiling.block_k, planes, grid_tn[0] * grid_tn[1])
+    partials = split_k > 1
+    kernel = functools.partial(
+        _w4a16_kernel,
+        group_size=group_size,
+        block_t=block_t,
+        block_n=block_n,
+        block_k=tiling.block_k,
+        steps_per_split=pl.cdiv(planes // tiling.block_k, split_k),
+        partials=partials,
+        dot=tiling.dot,
+        swap=tiling.dot and tiling.swap and not tiling.fold,
+        magic=tiling.magic,
+        fold=tiling.fold,
+        defer=tiling.fold and tiling.defer and not tiling.dot,
+    )
+
+    def whole(shape):  # every program sees the whole array and masks its own tile
+        return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+    out_shape = (split_k, tokens, out_features) if partials else (tokens, out_features)
     out = pl.pallas_call(
         kernel,
-        grid=(out_features // block_n, padded // block_t),
-        in_specs=[
-            pl.BlockSpec((block_t, in_features), lambda n, t: (t, 0)),
-            pl.BlockSpec((planes, block_n), lambda n, t: (0, n)),
-            pl.BlockSpec((groups, block_n), lambda n, t: (0, n)),
-            pl.BlockSpec((groups, block_n), lambda n, t: (0, n)),
-        ],
-        out_specs=pl.BlockSpec((block_t, block_n), lambda n, t: (t, n)),
-        out_shape=jax.ShapeDtypeStruct((padded, out_features), x.dtype),
+        grid=(*grid_tn, split_k),
+        in_specs=[whole(x.shape), whole(qweight.shape), whole(scales.shape), whole(zeros.shape)],
+        out_specs=whole(out_shape),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if partials else x.dtype),
         compiler_params=pltriton.CompilerParams(
-            num_warps=_NUM_WARPS,
-            num_stages=_num_stages(block_t, block_n, block_k, jnp.dtype(x.dtype).itemsize),
+            num_warps=tiling.num_warps,
+            num_stages=_num_stages(tiling, block_t, jnp.dtype(x.dtype).itemsize),
         ),
         interpret=interpret,
         name="w4a16_matmul",
     )(x, qweight, scales, zeros)
-    return out[:tokens]
+    return jnp.sum(out, axis=0).astype(x.dtype) if partials else out
 
 
-def _is_tile(n: int) -> bool:
-    return n >= MIN_TILE and n & (n - 1) == 0
-
-
-def _largest_tile_dividing(n: int, limit: int) -> int:
-    """The largest power of two ``<= limit`` dividing ``n`` (0 if it is below 16)."""
-    tile = 1 << (max(limit, 1).bit_length() - 1)
-    while tile >= MIN_TILE and n % tile:
-        tile //= 2
-    return tile if tile >= MIN_TILE else 0
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
 
 
 def w4a16_matmul(
@@ -156,9 +342,7 @@ def w4a16_matmul(
     zeros: jax.Array,
     *,
     group_size: int,
-    block_t: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
+    tiling: W4A16Tiling | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """``x @ W`` with ``W`` 4-bit, grouped, dequantized tile by tile inside the kernel.
@@ -166,29 +350,25 @@ def w4a16_matmul(
     Args:
         x: ``[T, in]``, bfloat16, float16 or float32.
         qweight: ``i32[in / 8, out]`` in the kernel's plane layout (module docstring; made by
-            ``models.quantization.w4a16.repack_awq`` / ``repack_gptq``).
+            ``models.quantization.w4a16``'s repacks).
         scales: ``[G, out]``, float16, bfloat16 or float32, ``G = in / group_size``.
         zeros: ``[G, out]`` integer zero points (``i8`` from the repacks).
         group_size: input rows per scale group (``in`` for one group per column).
-        block_t: rows of ``x`` per program, a power of two >= 16; default the smallest such
-            tile holding ``T``, at most 64 (a decode step's ``T = 1`` is padded to 16 rows).
-        block_n: output columns per program, a power of two >= 16 dividing ``out``; default 64
-            or the largest power of two below it that divides ``out``.
-        block_k: packed words (per plane) per loop step, a power of two >= 16 dividing both
-            ``in / 8`` and ``group_size``; default the largest such tile up to 64. Each step
-            makes eight dots of ``[block_t, block_k] x [block_k, block_n]``.
+        tiling: launch parameters; None: :func:`default_tiling` of ``T`` (read at trace time).
         interpret: run the Pallas kernel in interpret mode (CPU).
 
     Returns:
-        ``[T, out]`` in ``x.dtype``. The weight tile is ``(q - z) * s`` formed in float32 and
-        rounded once to ``x.dtype`` (as ``awq_linear`` / ``gptq_linear`` do), and the dots
-        accumulate in float32.
+        ``[T, out]`` in ``x.dtype``. Products are summed in float32; with ``dot`` the weight
+        tile ``(q - z) * s`` (formed in float32) is rounded once to ``x.dtype`` first, as
+        ``awq_linear`` / ``gptq_linear`` do; without, it stays float32.
 
     Raises:
         ValueError: ``x`` not 2-D or of another dtype; ``qweight`` not ``i32[in / 8, out]``;
             ``scales``/``zeros`` not ``[in / group_size, out]`` of a float / integer dtype;
-            ``group_size`` not dividing ``in``; a tile that is not a power of two >= 16 or does
-            not divide its dimension (each message names the argument and the limit).
+            ``group_size`` not dividing ``in``; a tile that is not a power of two (>= 16 for
+            ``block_n``, ``block_k`` and, with ``dot``, ``block_t``), or a ``block_k`` not
+            dividing ``in / 8`` and ``group_size`` (each message names the argument and the
+            limit).
     """
     if x.ndim != 2 or str(x.dtype) not in _X_DTYPES:
         raise ValueError(f"x must be [T, in] of {_X_DTYPES}, got {x.dtype}{list(x.shape)}")
@@ -216,41 +396,34 @@ def w4a16_matmul(
             f"zeros must be integer [G={groups}, out={out_features}], got "
             f"{zeros.dtype}{list(zeros.shape)}"
         )
-    if block_t is None:
-        block_t = min(_MAX_BLOCK_T, max(MIN_TILE, pl.next_power_of_2(tokens)))
-    if block_n is None:
-        block_n = _largest_tile_dividing(out_features, _BLOCK_N)
-        if not block_n:
-            raise ValueError(f"out must be a multiple of {MIN_TILE}, got {out_features}")
-    if block_k is None:
-        block_k = _largest_tile_dividing(math.gcd(planes, group_size), _BLOCK_K)
-        if not block_k:
-            raise ValueError(
-                f"in / 8 = {planes} and group_size = {group_size} must share a power-of-two "
-                f"factor >= {MIN_TILE}"
-            )
-    for name, tile, dims in (
-        ("block_t", block_t, ()),
-        ("block_n", block_n, (("out", out_features),)),
-        ("block_k", block_k, (("in / 8", planes), ("group_size", group_size))),
+    tiling = default_tiling(tokens) if tiling is None else tiling
+    min_t = MIN_TILE if tiling.dot else 1
+    for name, tile, least in (
+        ("block_t", tiling.block_t, min_t),
+        ("block_n", tiling.block_n, MIN_TILE),
+        ("block_k", tiling.block_k, MIN_TILE),
     ):
-        if not _is_tile(tile):
-            raise ValueError(f"{name} must be a power of two >= {MIN_TILE}, got {tile}")
-        for dim_name, dim in dims:
-            if dim % tile:
-                raise ValueError(f"{name}={tile} must divide {dim_name}={dim}")
+        if not _is_pow2(tile) or tile < least:
+            raise ValueError(f"{name} must be a power of two >= {least}, got {tile}")
+    for dim_name, dim in (("in / 8", planes), ("group_size", group_size)):
+        if dim % tiling.block_k:
+            raise ValueError(f"block_k={tiling.block_k} must divide {dim_name}={dim}")
+    if tiling.split_k is not None and tiling.split_k < 1:
+        raise ValueError(f"split_k must be >= 1 or None, got {tiling.split_k}")
     zeros = zeros.astype(jnp.int8) if zeros.dtype != jnp.int8 else zeros
     return _w4a16_matmul(
-        x,
-        qweight,
-        scales,
-        zeros,
-        group_size=int(group_size),
-        block_t=int(block_t),
-        block_n=int(block_n),
-        block_k=int(block_k),
+        x, qweight, scales, zeros, group_size=int(group_size), tiling=tiling,
         interpret=bool(interpret),
-    )
+    )  # fmt: skip
+
+
+def largest_block_k(in_features: int, group_size: int, limit: int) -> int:
+    """The largest power of two ``<= limit`` dividing ``in / 8`` and ``group_size`` (0 if it is
+    below 16): the ``block_k`` a layer can take."""
+    tile = 1 << (max(limit, 1).bit_length() - 1)
+    while tile >= MIN_TILE and ((in_features // PACK) % tile or group_size % tile):
+        tile //= 2
+    return tile if tile >= MIN_TILE else 0
 
 
 # --- Reference ------------------------------------------------------------------------------

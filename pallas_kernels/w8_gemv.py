@@ -22,7 +22,7 @@ stored). A second token tile reads every weight again: the kernel is for ``T`` u
 ``max_block_t`` (decode); larger steps belong to XLA's GEMM.
 
 HBM bytes: ``out * in`` weight bytes per token tile, plus ``x``, the partials and the output.
-Tiles: ``W8GemvTiling`` (unmeasured defaults; ``benchmarks/results/quantization/microbench.py``
+Tiles: ``W8GemvTiling`` (unmeasured defaults; ``scripts/benchmark_quantized_linear.py``
 ``--methods fp8gemv,int8gemv`` times them beside bf16).
 
 Backend: Pallas Triton on GPU (``interpret=True`` on CPU; the e4m3 -> bfloat16 convert needs
@@ -64,6 +64,14 @@ class W8GemvTiling:
         split_k: K splits (float32 partials summed by XLA); None: ``pallas_kernels.split_k``'s
             choice (about two programs per SM, at most ``in / (4 * block_k)``).
         num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+        dot: tensor-core dots (True; the token tile is at least 16) or, for a few tokens,
+            elementwise products summed after the loop (False: no padding of ``T`` to 16 rows
+            and no layout change of the converted tile into a dot operand).
+        bits: INT8 weights converted to float through bit patterns (``(w + 128) | 0x4B000000``
+            is the float ``2^23 + w + 128``) instead of Triton's ``int8 -> float`` convert,
+            which runs at a fraction of the FMA rate. FP8 weights always take Triton's convert
+            (Hopper converts e4m3 pairs in hardware; a bit-pattern version needs a branch for
+            subnormals).
     """
 
     max_block_t: int = 16
@@ -72,9 +80,23 @@ class W8GemvTiling:
     split_k: int | None = None
     num_warps: int = 4
     num_stages: int = 3
+    dot: bool = True
+    bits: bool = False
 
 
 DEFAULT_TILING = W8GemvTiling()
+
+
+def _float_from_int8(w: jax.Array) -> jax.Array:
+    """int8 values -> their exact float32 values through bit patterns, without an
+    integer-to-float convert: ``float(2^23 + (w + 128)) - (2^23 + 128) = w``."""
+    b = w.astype(jnp.int32) + 128  # 0 .. 255
+    return lax.bitcast_convert_type(b | 0x4B000000, jnp.float32) - float(2**23 + 128)
+
+
+def _load(ref, mask):
+    """A load of ``ref``, masked (padding zero) where ``mask`` is given."""
+    return pltriton.load(ref) if mask is None else pltriton.load(ref, mask=mask, other=0)
 
 
 def _w8_gemv_kernel(
@@ -87,6 +109,8 @@ def _w8_gemv_kernel(
     block_k: int,
     steps_per_split: int,
     weight_dtype: Any,
+    dot: bool,
+    bits: bool,
 ):
     num_tokens, k_total = x_ref.shape
     n_total = w_ref.shape[0]
@@ -102,20 +126,39 @@ def _w8_gemv_kernel(
     num_steps = jnp.minimum(steps_per_split, pl.cdiv(k_total, block_k) - first_step)
     precision = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)  # IEEE for f32, none for bf16
 
+    # Masks only where a tail exists (static shapes): an unmasked load vectorizes freely.
+    t_tail, n_tail, k_tail = num_tokens % block_t, n_total % block_n, k_total % block_k
+
+    def masked(rows_ok, rows_tail, k_ok, shape):
+        if rows_tail and k_tail:
+            return rows_ok & k_ok
+        if rows_tail:
+            return jnp.broadcast_to(rows_ok, shape)
+        return jnp.broadcast_to(k_ok, shape) if k_tail else None
+
     def step(i, acc):
-        k0 = (first_step + i) * block_k
+        k0 = pl.multiple_of((first_step + i) * block_k, block_k)
         k_ok = k0 + k_iota < k_total  # [1, block_k]
-        x = pltriton.load(x_ref.at[toks, pl.ds(k0, block_k)], mask=t_ok & k_ok, other=0)
-        w = pltriton.load(w_ref.at[cols, pl.ds(k0, block_k)], mask=n_ok & k_ok, other=0)
-        if w.dtype != weight_dtype:  # FP8 travels as its bytes (see _w8_gemv)
+        x_mask = masked(t_ok, t_tail, k_ok, (block_t, block_k))
+        w_mask = masked(n_ok, n_tail, k_ok, (block_n, block_k))
+        x = _load(x_ref.at[toks, pl.ds(k0, block_k)], x_mask)
+        w = _load(w_ref.at[cols, pl.ds(k0, block_k)], w_mask)
+        if bits and weight_dtype == jnp.int8:
+            w = _float_from_int8(w)
+        elif w.dtype != weight_dtype:  # FP8 travels as its bytes (see _w8_gemv)
             w = lax.bitcast_convert_type(w, weight_dtype)
+        if not dot:  # [bt, bn, bk] products in float32, summed over k after the loop
+            return acc + x.astype(jnp.float32)[:, None, :] * w.astype(jnp.float32)[None]
         w = w.astype(x.dtype)  # exact: e4m3 and int8 values are all representable
         dims = (((1,), (1,)), ((), ()))  # x_tile @ w_tile.T
         return acc + lax.dot_general(
             x, w, dims, precision=precision, preferred_element_type=jnp.float32
         )
 
-    acc = lax.fori_loop(0, num_steps, step, jnp.zeros((block_t, block_n), jnp.float32))
+    acc_shape = (block_t, block_n) if dot else (block_t, block_n, block_k)
+    acc = lax.fori_loop(0, num_steps, step, jnp.zeros(acc_shape, jnp.float32))
+    if not dot:
+        acc = jnp.sum(acc, axis=2)
     n_ok_row = n0 + lax.broadcasted_iota(jnp.int32, (1, block_n), 1) < n_total
     pltriton.store(o_ref.at[split, toks, cols], acc, mask=t_ok & n_ok_row)
 
@@ -124,7 +167,8 @@ def _w8_gemv_kernel(
 def _w8_gemv(x, w, scale, *, interpret, tiling):
     """The launch; arguments already checked."""
     (num_tokens, k), n = x.shape, w.shape[0]
-    block_t = min(max(MIN_DOT_DIM, pl.next_power_of_2(num_tokens)), tiling.max_block_t)
+    min_t = MIN_DOT_DIM if tiling.dot else 1
+    block_t = max(min_t, min(pl.next_power_of_2(num_tokens), tiling.max_block_t))
     block_n = min(tiling.block_n, max(MIN_DOT_DIM, pl.next_power_of_2(n)))
     block_k = min(tiling.block_k, max(MIN_DOT_DIM, pl.next_power_of_2(k)))
     tiling = dataclasses.replace(tiling, block_k=block_k)
@@ -137,6 +181,8 @@ def _w8_gemv(x, w, scale, *, interpret, tiling):
         block_k=block_k,
         steps_per_split=pl.cdiv(pl.cdiv(k, block_k), split_k),
         weight_dtype=w.dtype,
+        dot=tiling.dot,
+        bits=tiling.bits,
     )
     # Pallas Triton pads a masked load with an integer zero it cannot cast to FP8, so FP8
     # weights enter the kernel as their bytes (a free bitcast) and are reinterpreted after.

@@ -95,6 +95,7 @@ class IngestOnlyCore(EngineCore):
 
 def _api_process(profile_path: str | None, *args, **kwargs) -> None:
     """``run_api_server`` in a spawned process, profiled between SIGUSR1 and SIGUSR2."""
+    from jaxpaged.entrypoints.openai.api_server import build_app
     from jaxpaged.entrypoints.openai.multi_api_server import run_api_server
 
     if profile_path is not None:
@@ -106,7 +107,7 @@ def _api_process(profile_path: str | None, *args, **kwargs) -> None:
             profiler.dump_stats(profile_path)
 
         signal.signal(signal.SIGUSR2, dump)
-    run_api_server(*args, **kwargs)
+    run_api_server(*args, build_app=build_app, **kwargs)
 
 
 def _request_bytes(port: int, body: dict) -> bytes:
@@ -347,7 +348,7 @@ def main() -> None:
 
     from jaxpaged.config import EngineArgs
     from jaxpaged.engine.core_process import start_core_process
-    from jaxpaged.entrypoints.cli import prometheus_multiproc_dir
+    from jaxpaged.entrypoints.env import prometheus_multiproc_dir
     from jaxpaged.entrypoints.openai.multi_api_server import bind_server_socket
 
     engine_args = EngineArgs(

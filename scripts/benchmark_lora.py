@@ -1,7 +1,7 @@
 """Multi-LoRA cost: throughput with many adapters and batch-1 TPOT with one, vs the base model.
 
 One process runs one engine (``--num-adapters 0``: LoRA off, the base model alone); the job
-``benchmarks/results/lora/run.sh`` runs it once for the base and once with adapters, then
+``benchmarks/lora.sh`` runs it once for the base and once with adapters, then
 prints the ratios. Adapters are random PEFT directories of real shapes written on the fly
 (``jaxpaged.lora.dummy``), spread round-robin over the requests. Also, with ``--micro``, an
 XLA micro-benchmark of one projection with and without ``models.lora.lora_delta`` (the
@@ -25,11 +25,8 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from jaxpaged.benchmarks.dataset import make_requests  # noqa: E402
-from jaxpaged.entrypoints.cli import (  # noqa: E402
-    add_engine_args,
-    engine_args_from,
-    set_jax_memory_fraction,
-)
+from jaxpaged.entrypoints.cli_args import add_engine_args, engine_args_from  # noqa: E402
+from jaxpaged.entrypoints.env import set_jax_memory_fraction  # noqa: E402
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

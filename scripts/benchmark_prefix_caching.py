@@ -26,7 +26,7 @@ import random
 import time
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.entrypoints.cli import add_engine_args, engine_args_from
+from jaxpaged.entrypoints.cli_args import add_engine_args, engine_args_from
 
 _TABLE_ROWS = [
     ("Oak", "Tall", "Green", "Forest", "Slow"),

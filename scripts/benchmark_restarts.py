@@ -1,6 +1,6 @@
 """Start-up and load-time benchmark: cold vs warm start (compilation cache), orbax vs safetensors.
 
-Each measurement runs in a fresh process, started by ``benchmarks/results/restarts/run.sh``:
+Each measurement runs in a fresh process, started by ``benchmarks/restarts.sh``:
 
     python scripts/benchmark_restarts.py write-checkpoint --config DIR --out CKPT --dtype bfloat16
     python scripts/benchmark_restarts.py start --model DIR --cache CACHE --json OUT.json \

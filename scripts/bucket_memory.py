@@ -31,11 +31,8 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from jaxpaged.entrypoints.cli import (  # noqa: E402
-    add_engine_args,
-    engine_args_from,
-    set_jax_memory_fraction,
-)
+from jaxpaged.entrypoints.cli_args import add_engine_args, engine_args_from  # noqa: E402
+from jaxpaged.entrypoints.env import set_jax_memory_fraction  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from jaxpaged.benchmarks import latency as benchmark_latency  # noqa: E402
 from jaxpaged.benchmarks import throughput as benchmark_throughput  # noqa: E402
 from jaxpaged.benchmarks.dataset import make_requests  # noqa: E402
-from jaxpaged.entrypoints.cli import add_engine_args  # noqa: E402
+from jaxpaged.entrypoints.cli_args import add_engine_args  # noqa: E402
 from scripts import trace_summary  # noqa: E402
 
 

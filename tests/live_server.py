@@ -154,6 +154,9 @@ def start_server(
     api_key=None,
     chat_template=None,
     lora_modules=(),
+    enable_auto_tool_choice=False,
+    tool_call_parser=None,
+    reasoning_parser=None,
     app_options=None,
     **kw,
 ):
@@ -171,6 +174,9 @@ def start_server(
         api_key=api_key,
         chat_template=chat_template,
         lora_modules=lora_modules,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
         **(app_options or {}),
     )
     return RunningServer(app)

@@ -22,13 +22,13 @@ import numpy as np
 
 from jaxpaged.benchmarks.dataset import random_requests
 from jaxpaged.benchmarks.throughput import parse_and_build
-from jaxpaged.entrypoints.cli import add_engine_args
+from jaxpaged.entrypoints.cli_args import add_engine_args
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--input-len", type=int, default=32, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="output tokens")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per iteration")
@@ -105,8 +105,8 @@ def result_lines(result: dict) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, llm = parse_and_build(build_parser(), argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args, llm = parse_and_build(build_parser(prog), argv)
     result = run_latency(
         llm,
         batch_size=args.batch_size,

@@ -537,8 +537,8 @@ async def _as_text(http: httpx.AsyncClient, model: str, request: SampleRequest) 
     return dataclasses.replace(request, prompt=text)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument(
         "--backend", default="openai", choices=["vllm", "openai", "openai-chat"],
         help="request format: completions (vllm, openai) or chat (openai-chat)",
@@ -587,8 +587,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = build_parser(prog).parse_args(argv)
     if args.request_rate <= 0 or args.burstiness <= 0:
         print("--request-rate and --burstiness must be positive", file=sys.stderr)
         return 2

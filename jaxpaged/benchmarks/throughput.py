@@ -24,19 +24,16 @@ import sys
 import time
 
 from jaxpaged.benchmarks.dataset import DATASET_NAMES, BenchmarkRequest, make_requests
-from jaxpaged.entrypoints.cli import (
-    add_engine_args,
-    engine_args_from,
-    set_jax_memory_fraction,
-)
+from jaxpaged.entrypoints.cli_args import add_engine_args, engine_args_from
+from jaxpaged.entrypoints.env import set_jax_memory_fraction
 from jaxpaged.worker.step_timeline import StepTimeline
 
 # Fragmentation is sampled every this many engine steps.
 _FRAGMENTATION_EVERY = 8
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument(
         "--dataset-name",
         choices=DATASET_NAMES,
@@ -78,8 +75,11 @@ def parse_and_build(parser: argparse.ArgumentParser, argv: list[str] | None):
     return args, llm
 
 
-def run_requests(engine, requests: list[BenchmarkRequest], *, tag: str) -> dict:
-    """Queue every request, step the engine until all finish; timing, tokens, fragmentation."""
+def run_requests(
+    engine, requests: list[BenchmarkRequest], *, tag: str, structured_outputs=None
+) -> dict:
+    """Queue every request, step the engine until all finish; timing, tokens, fragmentation.
+    ``structured_outputs``: a ``StructuredOutputsParams`` every request carries (None: none)."""
     from jaxpaged.sampling_params import SamplingParams
 
     stored_sum = held_sum = 0
@@ -89,7 +89,12 @@ def run_requests(engine, requests: list[BenchmarkRequest], *, tag: str) -> dict:
     for i, request in enumerate(requests):
         # vLLM's benchmark sampling: random sampling, every request runs to its output length.
         params = SamplingParams(
-            n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=request.output_len
+            n=1,
+            temperature=1.0,
+            top_p=1.0,
+            ignore_eos=True,
+            max_tokens=request.output_len,
+            structured_outputs=structured_outputs,
         )
         engine.add_request(
             f"{tag}-{i}", {"prompt_token_ids": request.prompt_token_ids}, params, final_only=True
@@ -115,12 +120,16 @@ def run_requests(engine, requests: list[BenchmarkRequest], *, tag: str) -> dict:
     }
 
 
-def run_throughput(llm, requests: list[BenchmarkRequest], *, warmup: bool = True) -> dict:
-    """Time ``requests`` on ``llm``'s engine (after a short warm-up run)."""
+def run_throughput(
+    llm, requests: list[BenchmarkRequest], *, warmup: bool = True, structured_outputs=None
+) -> dict:
+    """Time ``requests`` on ``llm``'s engine (after a short warm-up run); with
+    ``structured_outputs`` every request carries that constraint (it must not be able to
+    complete within the output length, so that every request makes its tokens)."""
     engine = llm.llm_engine
     if warmup:
         warm = [BenchmarkRequest(r.prompt_token_ids[:16], 4) for r in requests[:8]]
-        run_requests(engine, warm, tag="warmup")
+        run_requests(engine, warm, tag="warmup", structured_outputs=structured_outputs)
     result: dict = {}
     # A timed run must not read prefixes that an earlier run (the warm-up, or the same
     # workload run synchronously first) left in the prefix cache: vLLM's prompts are fresh.
@@ -132,7 +141,7 @@ def run_throughput(llm, requests: list[BenchmarkRequest], *, warmup: bool = True
     timeline = StepTimeline()
     engine.worker.set_step_timeline(timeline)
     try:
-        run = run_requests(engine, requests, tag="timed")
+        run = run_requests(engine, requests, tag="timed", structured_outputs=structured_outputs)
     finally:
         engine.worker.set_step_timeline(None)
         timeline.close()
@@ -190,8 +199,8 @@ def result_lines(result: dict) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, llm = parse_and_build(build_parser(), argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args, llm = parse_and_build(build_parser(prog), argv)
     engine = llm.llm_engine
     print(f"Compiled step buckets in {engine.worker.compile_seconds:.1f} s", flush=True)
     requests = make_requests(

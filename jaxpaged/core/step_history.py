@@ -58,6 +58,15 @@ class StepHistory:
         )
         self._num_steps += 1
 
+    @property
+    def num_recorded(self) -> int:
+        """Steps recorded since the start (dropped ones included)."""
+        return self._num_steps
+
+    def last(self) -> StepRecord | None:
+        """The newest record (None: none yet), without copying the history."""
+        return self._records[-1] if self._records else None
+
     def records(self) -> list[StepRecord]:
         """A copy of the kept records, oldest first."""
         return list(self._records)

@@ -21,6 +21,16 @@ Resolving N before committing N+1 keeps each placeholder the last token of its s
 is replaced, and keeps placeholders out of prefix-cache hashes (only computed blocks are hashed,
 and a placeholder is never computed before it is resolved). Outputs equal the synchronous
 engine's: the same ids, per-row seeds and ``step`` counters, and stop decisions.
+
+Grammars (structured outputs): the bitmask of step N+1 needs step N's tokens on the host. Such a
+step is split in two executables (``ModelRunner.dispatch_forward`` / ``dispatch_sample``):
+
+    schedule N+1 -> dispatch N+1's forward -> read back and resolve N -> advance the matchers,
+    fill N+1's bitmask -> dispatch N+1's sampling -> commit N+1 with placeholders
+
+so the host's grammar work overlaps the model's forward pass instead of idling the device; the
+bitmask is a second host-to-device transfer of that step. Grammar steps with prompt logprobs
+(which need the hidden states) run whole, after the pipeline drains, as beam-search steps do.
 """
 
 from __future__ import annotations
@@ -31,6 +41,30 @@ from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceStatus
 from jaxpaged.worker.model_runner import PendingStep
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """When one async ``LLMEngine.step`` did what (``time.monotonic()`` seconds), for the engine
+    core's choice of when to schedule the next step (``engine/admission.py``) and its traces.
+
+    ``device_start`` is when the step this call dispatched began on the device: when the previous
+    step's tokens became ready if the host was already waiting for them (the device runs steps in
+    dispatch order), else at dispatch: a lower bound (the previous step ended before the host
+    looked, perhaps after the dispatch).
+    """
+
+    started: float  # step() entered; scheduling began
+    dispatched: float  # the step it scheduled was launched (or found empty)
+    has_device_work: bool  # that step runs something on the device
+    previous_ready: float | None = None  # the previous step's tokens were ready (None: none)
+    previous_waited: bool = False  # the host waited for them, so previous_ready is their finish
+
+    @property
+    def device_start(self) -> float:
+        if self.previous_waited and self.previous_ready is not None:
+            return max(self.dispatched, self.previous_ready)
+        return self.dispatched
 
 
 @dataclasses.dataclass

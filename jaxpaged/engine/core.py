@@ -5,6 +5,8 @@ vLLM v1's ``EngineCoreProc`` (``vllm/v1/engine/core.py``) in our terms. The loop
     while True:
         take every waiting message (block only while no request is unfinished)
         apply adds (each acked: accepted, or the error that refused it), aborts, utility calls
+        with a step in flight (async scheduling): go on taking messages until just before it
+            ends (late scheduling, ``engine/admission.py``), so arrivals join the next step
         step the engine once, send the step's outputs and the engine's stats
 
 Requests arrive tokenized and outputs leave as token ids (``core_messages``): the core never
@@ -40,6 +42,7 @@ import time
 
 import zmq
 
+from jaxpaged.engine.admission import AdmissionWindow
 from jaxpaged.engine.core_messages import (
     HEARTBEAT_INTERVAL_S,
     Kind,
@@ -87,6 +90,10 @@ class EngineCore:
         "list_loras",
     )
 
+    # Take arrivals until just before the step in flight ends (engine/admission.py); a
+    # subclass may turn it off (scripts/trace_request_life.py compares both).
+    late_scheduling = True
+
     def __init__(self, engine, *, max_num_queued_requests: int | None = None, num_clients: int = 1):
         if num_clients < 1:
             raise ValueError(f"num_clients must be at least 1, got {num_clients}")
@@ -94,6 +101,8 @@ class EngineCore:
         self.max_num_queued_requests = max_num_queued_requests
         self.num_clients = num_clients
         self.num_steps = 0
+        # When to schedule the next step under async scheduling (engine/admission.py).
+        self.admission = AdmissionWindow()
         self._seen_running: set[str] = set()
         # request id -> index of the client that added it (only with several clients).
         self._client_of: dict[str, int] = {}
@@ -177,10 +186,34 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
 
+    def next_step_deadline(self) -> float | None:
+        """``time.monotonic()`` until which the loop may take arrivals before calling ``step``
+        (late scheduling, ``engine/admission.py``); None: call it at once. Waiting helps only
+        with a step in flight (async scheduling), nothing queued or swapped out and a free
+        seat: only then could a request arriving now join the next step."""
+        if not self.late_scheduling or not self.engine.async_scheduling:
+            return None
+        scheduler = self.engine.scheduler
+        if scheduler.num_waiting or scheduler.num_swapped:
+            return None
+        if scheduler.num_running >= scheduler.max_num_seqs:
+            return None
+        if self.engine.step_in_flight_done() is not False:
+            return None
+        return self.admission.deadline()
+
+    def running_step_done(self, now: float) -> bool:
+        """Whether the step in flight (if any) is done on the device; never blocks."""
+        done = self.engine.step_in_flight_done()
+        if done:
+            self.admission.observe_finished(now)
+        return done is not False
+
     def step(self) -> list:
         """One engine step: ``[wire deltas, stats]`` (``core_messages`` ``outputs``)."""
         step_start = time.monotonic()
         outputs = self.engine.step(token_deltas=True)
+        self.admission.observe(self.engine.step_times)
         self.num_steps += 1
         scheduled = []
         for group in self.engine.scheduler.running:
@@ -368,49 +401,73 @@ def _flush_and_exit(context, inputs, outputs, code: int) -> None:
 
 
 def _loop(core: EngineCore, inputs, outputs: list) -> None:
-    """Serve until a ``shutdown`` message; ``outputs[i]`` is client ``i``'s socket."""
+    """Serve until a ``shutdown`` message; ``outputs[i]`` is client ``i``'s socket.
+
+    Between two steps the loop takes every waiting message. With a step in flight (async
+    scheduling) it keeps taking them until ``core.next_step_deadline()``, or until that step is
+    done, so that a request arriving while step N runs is in step N + 1 (``engine/admission.py``).
+    """
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
-    several = len(outputs) > 1
     while True:
+        deadline = core.next_step_deadline()
         timeout = 0 if core.has_work() else _IDLE_POLL_MS
-        acks, aborts = [], []
-        if poller.poll(timeout):
-            while True:
-                try:
-                    kind, payload = decode(inputs.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                if kind is Kind.ADD:
-                    # payload: [request_id, ids, params, arrival_time, lora, client_index]
-                    acks.append((payload[5], [payload[0], core.add_request(*payload)]))
-                elif kind is Kind.ABORT:
-                    aborts.append(payload)  # [client_index, [request_id, ...]]
-                elif kind is Kind.UTILITY:
-                    client, call_id, name, args = payload
-                    try:
-                        result, error = core.call_utility(name, args), None
-                    except Exception as failure:  # answered to the caller, the core lives on
-                        result, error = None, f"{type(failure).__name__}: {failure}"
-                    outputs[client].send(encode(Kind.UTILITY, [call_id, result, error]))
-                elif kind is Kind.SHUTDOWN:
-                    return
-        for client, request_ids in aborts:
-            core.abort_requests(request_ids, client)
-        if aborts and not core.has_work():  # no step follows: client 0's gauges need the news
-            outputs[0].send(encode(Kind.STATS, core.get_stats()))
-        if acks:
-            if several:
-                by_client: dict[int, list] = {}
-                for client, ack in acks:
-                    by_client.setdefault(client, []).append(ack)
-                for client, client_acks in by_client.items():
-                    outputs[client].send(encode(Kind.ACKS, client_acks))
+        while True:
+            if not _take_messages(core, poller, inputs, outputs, timeout):
+                return
+            if deadline is None or not core.has_work():
+                break
+            now = time.monotonic()
+            if now >= deadline or core.running_step_done(now):
+                break
+            if deadline - now < 0.001:  # zmq polls in whole milliseconds
+                time.sleep(deadline - now)
+                timeout = 0
             else:
-                outputs[0].send(encode(Kind.ACKS, [ack for _, ack in acks]))
+                timeout = 1
         if core.has_work():
             for client, message in core.route(core.step()):
                 outputs[client].send(encode(Kind.OUTPUTS, message))
+
+
+def _take_messages(core: EngineCore, poller, inputs, outputs: list, timeout: int) -> bool:
+    """Wait up to ``timeout`` ms for messages, apply every one waiting, send the acks; False
+    on a ``shutdown`` message."""
+    acks, aborts = [], []
+    if poller.poll(timeout):
+        while True:
+            try:
+                kind, payload = decode(inputs.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if kind is Kind.ADD:
+                # payload: [request_id, ids, params, arrival_time, lora, client_index]
+                acks.append((payload[5], [payload[0], core.add_request(*payload)]))
+            elif kind is Kind.ABORT:
+                aborts.append(payload)  # [client_index, [request_id, ...]]
+            elif kind is Kind.UTILITY:
+                client, call_id, name, args = payload
+                try:
+                    result, error = core.call_utility(name, args), None
+                except Exception as failure:  # answered to the caller, the core lives on
+                    result, error = None, f"{type(failure).__name__}: {failure}"
+                outputs[client].send(encode(Kind.UTILITY, [call_id, result, error]))
+            elif kind is Kind.SHUTDOWN:
+                return False
+    for client, request_ids in aborts:
+        core.abort_requests(request_ids, client)
+    if aborts and not core.has_work():  # no step follows: client 0's gauges need the news
+        outputs[0].send(encode(Kind.STATS, core.get_stats()))
+    if acks:
+        if len(outputs) > 1:
+            by_client: dict[int, list] = {}
+            for client, ack in acks:
+                by_client.setdefault(client, []).append(ack)
+            for client, client_acks in by_client.items():
+                outputs[client].send(encode(Kind.ACKS, client_acks))
+        else:
+            outputs[0].send(encode(Kind.ACKS, [ack for _, ack in acks]))
+    return True
 
 
 def _heartbeat(addresses: list[str], parent: int) -> None:

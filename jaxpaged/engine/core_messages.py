@@ -60,7 +60,7 @@ from jaxpaged.beam_search import BeamSearchParams
 from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.outputs import CompletionOutput, Logprob
-from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 NDARRAY_EXT = 1
 HEARTBEAT_INTERVAL_S = 0.5
@@ -133,7 +133,11 @@ def params_to_wire(params: SamplingParams | BeamSearchParams) -> dict:
         value = getattr(params, field.name)
         if value == field.default:
             continue
-        out[field.name] = value.name if isinstance(value, RequestOutputKind) else value
+        if isinstance(value, RequestOutputKind):
+            value = value.name
+        elif isinstance(value, StructuredOutputsParams):
+            value = value.to_wire()  # a dict; SamplingParams converts it back
+        out[field.name] = value
     return out
 
 

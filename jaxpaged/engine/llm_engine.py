@@ -19,7 +19,12 @@ from jaxpaged.core.kv_cache_snapshot import KVCacheSnapshot, take_snapshot
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.core.step_history import StepHistory
-from jaxpaged.engine.async_scheduling import InFlightStep, commit_with_placeholders, resolve
+from jaxpaged.engine.async_scheduling import (
+    InFlightStep,
+    StepTimes,
+    commit_with_placeholders,
+    resolve,
+)
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.startup import StartupTimer, prefetch_transformers
 from jaxpaged.lora.request import LoRARequest
@@ -35,6 +40,7 @@ from jaxpaged.sequence import (
     check_prompt_vocab,
     is_token_id_list,
 )
+from jaxpaged.structured_output.manager import StructuredOutputManager
 from jaxpaged.worker.compilation_cache import cache_root
 from jaxpaged.worker.model_runner import PendingStep
 from jaxpaged.worker.worker import Worker
@@ -123,12 +129,31 @@ class LLMEngine:
         self.step_history = StepHistory()
 
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
+        # Grammars of constrained requests (structured outputs); nothing is loaded until the
+        # first one arrives.
+        self.structured_output = StructuredOutputManager(
+            config.structured_outputs_config,
+            self._grammar_tokenizer,
+            vocab_size=self.vocab_size,
+            eos_token_id=self.eos_token_id,
+        )
         # Async scheduling: the dispatched step whose tokens are not yet on the host. The flag
         # may be switched between runs (benchmarks compare both); a step in flight drains first.
         self._in_flight: InFlightStep | None = None
         self.async_scheduling = config.async_scheduling
+        # Host-clock marks of the last async step (None after a synchronous one).
+        self.step_times: StepTimes | None = None
         self._seed_counter = itertools.count()
         self.startup.log()
+
+    def _grammar_tokenizer(self):
+        """The tokenizer grammars compile against: the engine's, or loaded for them (the
+        engine core runs without one)."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.config.model_config.tokenizer)
 
     def wait_for_executables(self) -> None:
         """Return once every step bucket is compiled or loaded (a warm start loads most on a
@@ -199,6 +224,10 @@ class LLMEngine:
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
         self._check_lora(lora_request)
+        if isinstance(params, SamplingParams):
+            # Last check: a bad schema / regex / grammar raises here, naming the field; the
+            # grammar then compiles on the manager's thread while the request waits.
+            self.structured_output.add_request(request_id, params)
         group_kwargs = {}
         seq_params = params
         if isinstance(params, BeamSearchParams):
@@ -228,7 +257,11 @@ class LLMEngine:
         )
         seq.sampling_seed = self._request_seed(params)
         group = SequenceGroup(request_id, seq, **group_kwargs)
-        self.scheduler.add_request(group)
+        try:
+            self.scheduler.add_request(group)
+        except Exception:
+            self.structured_output.remove_request(request_id)
+            raise
         output_kind = RequestOutputKind.FINAL_ONLY if final_only else seq_params.output_kind
         self.output_processor.add_request(group, prompt_text, output_kind)
 
@@ -303,6 +336,7 @@ class LLMEngine:
         if state is None:
             return None
         self.scheduler.abort(request_id)
+        self.structured_output.remove_request(request_id)
         # With async scheduling the scheduler may already have finished (and forgotten) the
         # group by length on a token still on the device. That token is not part of the
         # output, and the sequence counts as aborted so that resolving the step leaves it be.
@@ -369,12 +403,30 @@ class LLMEngine:
             return self._step_async(token_deltas)
         return self._step_sync(token_deltas)
 
+    def step_in_flight_done(self) -> bool | None:
+        """Async scheduling: whether the step on the device has computed its tokens (never
+        blocks); None when no step is in flight."""
+        if self._in_flight is None:
+            return None
+        return self.worker.is_ready(self._in_flight.pending)
+
     def _step_async(self, token_deltas: bool) -> list:
+        started = time.monotonic()
+        self.step_times = None
         scheduler_output = self.scheduler.schedule()
         self.step_history.record(scheduler_output, self.kv_cache_manager.usage)
         in_flight, self._in_flight = self._in_flight, None
-        if scheduler_output.num_beam_candidates:
-            # Beam steps need the previous tokens on the host: finish the pipeline first.
+        scheduled = scheduler_output.scheduled
+        constrained = self.structured_output.needs_bitmask(scheduled)
+        if (
+            constrained
+            and not scheduler_output.num_beam_candidates
+            and not any(s.seq.sampling_params.prompt_logprobs is not None for s in scheduled)
+        ):
+            return self._step_split(scheduler_output, in_flight, token_deltas)
+        if scheduler_output.num_beam_candidates or constrained:
+            # Beam steps (and grammar steps with prompt logprobs) need the previous tokens on
+            # the host before they launch: finish the pipeline first.
             outputs = [] if in_flight is None else self._resolve(in_flight, token_deltas)
             runner_output = self._run_sync(scheduler_output)
             return outputs + self._commit(scheduler_output, runner_output, token_deltas)
@@ -382,15 +434,36 @@ class LLMEngine:
         if not scheduler_output.is_empty:
             self.worker.execute_block_ops(scheduler_output)
             pending = self.worker.dispatch(scheduler_output)
-        outputs = [] if in_flight is None else self._resolve(in_flight, token_deltas)
+        times = StepTimes(started, time.monotonic(), has_device_work=pending.out is not None)
+        outputs = [] if in_flight is None else self._resolve(in_flight, token_deltas, times)
         self._in_flight = commit_with_placeholders(self.scheduler, scheduler_output, pending)
         if not pending.scheduled and not self._in_flight.updated:
             self._in_flight = None
+        self.step_times = times
         return outputs
 
-    def _resolve(self, in_flight: InFlightStep, token_deltas: bool) -> list:
+    def _step_split(self, scheduler_output, in_flight, token_deltas: bool) -> list:
+        """An async step that samples under a grammar: its forward half runs while the host
+        reads back and resolves the previous step, then fills the bitmask from the resolved
+        tokens; the sample half follows (engine/async_scheduling.py, "Grammars")."""
+        self.worker.execute_block_ops(scheduler_output)
+        forward = self.worker.dispatch_forward(scheduler_output)
+        outputs = [] if in_flight is None else self._resolve(in_flight, token_deltas)
+        fill = self.structured_output.bitmask_filler(scheduler_output.scheduled)
+        pending = self.worker.dispatch_sample(forward, fill or (lambda out: None))
+        self._in_flight = commit_with_placeholders(self.scheduler, scheduler_output, pending)
+        return outputs
+
+    def _resolve(
+        self, in_flight: InFlightStep, token_deltas: bool, times: StepTimes | None = None
+    ) -> list:
+        if times is not None:  # when the step's tokens were ready, and whether we waited
+            times.previous_waited = not self.worker.is_ready(in_flight.pending)
+            self.worker.wait(in_flight.pending)
+            times.previous_ready = time.monotonic()
         runner_output = self.worker.collect(in_flight.pending)
         updated = resolve(self.scheduler, in_flight, runner_output)
+        self._update_grammars(updated)
         return self.output_processor.process(
             runner_output, updated, time.monotonic(), token_deltas=token_deltas
         )
@@ -398,6 +471,9 @@ class LLMEngine:
     def _run_sync(self, scheduler_output) -> ModelRunnerOutput:
         if scheduler_output.is_empty:
             return ModelRunnerOutput({})
+        scheduler_output.grammar_bitmask = self.structured_output.bitmask_filler(
+            scheduler_output.scheduled
+        )
         self.worker.execute_block_ops(scheduler_output)
         return self.worker.execute_model(scheduler_output)
 
@@ -411,11 +487,24 @@ class LLMEngine:
             runner_output.sampled_logprobs,
             beam_candidates=self.worker.beam_candidates,
         )
+        self._update_grammars(updated)
         return self.output_processor.process(
             runner_output, updated, time.monotonic(), token_deltas=token_deltas
         )
 
+    def _update_grammars(self, updated: list[Sequence]) -> None:
+        """Feed just-committed tokens to the grammars; abort a sequence whose token the grammar
+        rejected (possible only when every token was masked, e.g. min_tokens forbidding the
+        EOS a complete grammar requires). A complete grammar allows only EOS, so it stops by
+        the usual EOS rule."""
+        rejected = self.structured_output.update(updated)
+        for seq in rejected:
+            self.scheduler.finish_sequence(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
+        if rejected:
+            self.structured_output.update(rejected)  # drops their state
+
     def _step_sync(self, token_deltas: bool) -> list:
+        self.step_times = None
         scheduler_output = self.scheduler.schedule()
         self.step_history.record(scheduler_output, self.kv_cache_manager.usage)
         runner_output = self._run_sync(scheduler_output)

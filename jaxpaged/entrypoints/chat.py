@@ -26,6 +26,7 @@ def render_chat_prompt(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict | None = None,
+    tools: Sequence[Mapping] | None = None,
 ) -> str:
     """The prompt text of ``conversation`` under the chat template.
 
@@ -35,6 +36,8 @@ def render_chat_prompt(
         add_generation_prompt: end with the template's opening of an assistant turn.
         continue_final_message: leave the last message open so the model continues it.
         chat_template_kwargs: extra variables for the template.
+        tools: OpenAI-style tool dicts (``{"type": "function", "function": {...}}``) passed
+            to the template as ``tools`` (vLLM's ``LLM.chat(tools=...)``).
 
     Raises:
         ValueError: a malformed conversation, or no template available.
@@ -57,6 +60,7 @@ def render_chat_prompt(
         chat_template=chat_template,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
+        tools=[dict(tool) for tool in tools] if tools else None,
         tokenize=False,
         **(chat_template_kwargs or {}),
     )

@@ -190,11 +190,13 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tools: Sequence[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (vLLM's ``LLM.chat``).
 
         Each conversation (``[{"role": ..., "content": ...}, ...]``) is rendered with
-        ``chat_template`` (None: the tokenizer's) and tokenized without adding special tokens,
+        ``chat_template`` (None: the tokenizer's; ``tools``, OpenAI-style tool dicts, passed
+        to it) and tokenized without adding special tokens,
         then generated as by ``generate`` (``lora_request`` as there); one output per
         conversation, in order.
 
@@ -213,6 +215,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
             )
             for conversation in conversations
         ]

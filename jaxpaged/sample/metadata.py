@@ -68,6 +68,7 @@ class SamplerVariant:
     filters: bool = False  # some sampled row has top-k, top-p or min-p
     logprobs: bool = False  # some sampled row wants logprobs
     prompt_logprobs: bool = False  # some token wants its prompt logprob
+    structured: bool = False  # some sampled row is constrained: the step takes a token bitmask
 
     @classmethod
     def for_step(cls, scheduled, slots: list) -> SamplerVariant:

@@ -31,6 +31,7 @@ from jaxpaged.sample.logprobs import (
 )
 from jaxpaged.sample.metadata import SamplerVariant, SamplingMetadata
 from jaxpaged.sample.sampler import sample
+from jaxpaged.structured_output.bitmask import apply_token_bitmask, num_words
 from jaxpaged.worker.beam_candidates import top_logprobs
 from jaxpaged.worker.buckets import make_buckets, round_up_to_bucket
 from jaxpaged.worker.executables import ExecutableTable
@@ -62,6 +63,19 @@ class BucketKey:
     num_beam_candidates: int = 0
     # Optional sampler stages; start-up compiles the default (none), others compile on first use.
     variant: SamplerVariant = _DEFAULT_VARIANT
+    # "step": the whole step; "forward" / "sample": its two halves, for async steps that sample
+    # under a grammar (the bitmask is filled while the forward runs; ``dispatch_forward``).
+    part: str = "step"
+
+
+@dataclasses.dataclass
+class ForwardStep:
+    """The forward half of a split step, dispatched: what its sample half needs."""
+
+    scheduled: list
+    key: BucketKey  # the sample half's bucket
+    packed: jax.Array  # the step's packed inputs, on the device
+    logits: jax.Array  # f32[B, vocab_size], on the device
 
 
 @dataclasses.dataclass
@@ -150,6 +164,22 @@ class ModelRunner:
             static_argnames=("layout", "decode_only", "num_beam_candidates", "variant"),
             donate_argnames=("kv_caches", "logits_state"),
             **placement,
+        )
+        halves = {"forward": {}, "sample": {}}
+        if mesh is not None:
+            halves["forward"]["out_shardings"] = (self._input_sharding, cache_shardings)
+            halves["sample"]["out_shardings"] = (self._input_sharding, self._input_sharding)
+        self._jitted_forward = jax.jit(
+            self._forward,
+            static_argnames=("layout", "decode_only"),
+            donate_argnames=("kv_caches",),
+            **halves["forward"],
+        )
+        self._jitted_sample = jax.jit(
+            self._sample,
+            static_argnames=("layout", "variant"),
+            donate_argnames=("logits_state",),
+            **halves["sample"],
         )
         # Beam search output of the last execute_model: seq_id -> (token_ids, logprobs), each
         # [k] best first, for the sampled rows; empty when the step asked for none.
@@ -295,10 +325,38 @@ class ModelRunner:
         ``memory_analysis()`` gives XLA's temporary, argument and output bytes."""
         return self._executable_table.get(key)
 
+    def _layout(self, key: BucketKey) -> PackedLayout:
+        # Only whole structured steps carry the token bitmask in the packed buffer (one variant
+        # per bucket, any schema); split ones get it as an argument of the sample half.
+        words = num_words(self.vocab_size) if key.variant.structured and key.part == "step" else 0
+        return PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks, words)
+
     def _lower_and_compile(self, key: BucketKey) -> jax.stages.Compiled:
-        layout = PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
+        layout = self._layout(key)
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         lora_weights = self._lora_weights()
+        lora_spec = None if lora_weights is None else self._spec(lora_weights)
+        if key.part == "forward":
+            return self._jitted_forward.lower(
+                self._weight_specs,
+                self._kv_cache_specs,
+                self._prev_tokens_spec,
+                packed,
+                lora_spec,
+                layout=layout,
+                decode_only=key.decode_only,
+            ).compile()
+        if key.part == "sample":
+            b, words = key.num_seqs, num_words(self.vocab_size)
+            return self._jitted_sample.lower(
+                self._replicated_spec((b, self.vocab_size), jnp.float32),
+                self._logits_state_spec,
+                self._prev_tokens_spec,
+                packed,
+                self._replicated_spec((b, words), jnp.int32),
+                layout=layout,
+                variant=key.variant,
+            ).compile()
         return self._jitted_step.lower(
             self._weight_specs,
             self._kv_cache_specs,
@@ -311,6 +369,9 @@ class ModelRunner:
             num_beam_candidates=key.num_beam_candidates,
             variant=key.variant,
         ).compile()
+
+    def _replicated_spec(self, shape, dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._input_sharding)
 
     def profile_key(self) -> BucketKey:
         """The bucket ``profile_run`` runs: the largest mixed bucket with every sampler stage
@@ -351,6 +412,51 @@ class ModelRunner:
         variant: SamplerVariant = _DEFAULT_VARIANT,
     ):
         arrays = layout.unpack(packed)
+        hidden, logits, kv_caches, model = self._run_model(
+            weights, kv_caches, prev_tokens, arrays, lora_weights, layout, decode_only
+        )
+        bitmask = None
+        if variant.structured:
+            bitmask = arrays["token_bitmask"].reshape(layout.num_seqs, layout.bitmask_words)
+        out, logits, logits_state = self._sample_rows(
+            logits, logits_state, prev_tokens, arrays, bitmask, variant
+        )
+        out["prompt_logprobs"] = step_prompt_logprobs(
+            hidden,
+            logits,
+            model.compute_logits,
+            out.pop("sampling").prompt_target,
+            self.max_logprobs,
+            decode_only=decode_only,
+            enabled=variant.prompt_logprobs,
+        )
+        if num_beam_candidates:
+            temperature = SamplingMetadata.from_packed(arrays).temperature
+            out["beams"] = top_logprobs(logits, temperature, num_beam_candidates)
+        return out, kv_caches, logits_state
+
+    def _forward(
+        self, weights, kv_caches, prev_tokens, packed, lora_weights, *, layout, decode_only
+    ):
+        """The forward half of a split step: f32[B, vocab_size] logits of the sampling rows."""
+        _, logits, kv_caches, _ = self._run_model(
+            weights, kv_caches, prev_tokens, layout.unpack(packed), lora_weights, layout,
+            decode_only,
+        )  # fmt: skip
+        return logits.astype(jnp.float32), kv_caches
+
+    def _sample(self, logits, logits_state, prev_tokens, packed, bitmask, *, layout, variant):
+        """The sample half of a split step (no prompt logprobs, no beams: those steps run
+        whole)."""
+        out, _, logits_state = self._sample_rows(
+            logits, logits_state, prev_tokens, layout.unpack(packed), bitmask, variant
+        )
+        del out["sampling"]
+        return out, logits_state
+
+    def _run_model(
+        self, weights, kv_caches, prev_tokens, arrays, lora_weights, layout, decode_only
+    ):
         prev_index = arrays["prev_index"]
         input_ids = jnp.where(
             prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], arrays["input_ids"]
@@ -363,7 +469,6 @@ class ModelRunner:
             cu_q_lens=arrays["cu_q_lens"],
             decode_only=decode_only,
         )
-        sampling = SamplingMetadata.from_packed(arrays)
         model = nnx.merge(self._graphdef, jax.tree.unflatten(self._weights_treedef, weights))
         lora = None
         if lora_weights is not None:
@@ -373,28 +478,25 @@ class ModelRunner:
         hidden, kv_caches = model(input_ids, arrays["positions"], kv_caches, metadata, *extra)
         # Only the rows that sample reach the LM head.
         logits = model.compute_logits(hidden[arrays["logits_indices"]])
+        return hidden, logits, kv_caches, model
+
+    def _sample_rows(self, logits, logits_state, prev_tokens, arrays, bitmask, variant):
+        sampling = SamplingMetadata.from_packed(arrays)
+        if bitmask is not None:
+            # Grammar-disallowed tokens go to -inf before anything reads the logits, so the
+            # sampler, the logprobs (raw ones too, as vLLM's) and beam candidates all see it.
+            logits = apply_token_bitmask(logits.astype(jnp.float32), bitmask)
         token_ids, logprobs, logits_state = sample(
             logits, sampling, logits_state, num_logprobs=self.max_logprobs, variant=variant
-        )
-        prompt_logprobs = step_prompt_logprobs(
-            hidden,
-            logits,
-            model.compute_logits,
-            sampling.prompt_target,
-            self.max_logprobs,
-            decode_only=decode_only,
-            enabled=variant.prompt_logprobs,
         )
         out = {
             "token_ids": token_ids,
             "next_prev_tokens": jnp.zeros_like(prev_tokens).at[: token_ids.shape[0]].set(token_ids),
             "sampled_logprobs": sampled_logprobs(logits, token_ids, sampling, logprobs),
             "logprobs": logprobs,
-            "prompt_logprobs": prompt_logprobs,
+            "sampling": sampling,
         }
-        if num_beam_candidates:
-            out["beams"] = top_logprobs(logits, sampling.temperature, num_beam_candidates)
-        return out, kv_caches, logits_state
+        return out, logits, logits_state
 
     def execute_block_ops(self, scheduler_output: SchedulerOutput, block_mover) -> None:
         """Run the step's swap-out, swap-in and copy-on-write block moves, in that order, on the
@@ -424,9 +526,16 @@ class ModelRunner:
             padded = min(1 << (num_candidates - 1).bit_length(), self.vocab_size)
             key = dataclasses.replace(key, num_beam_candidates=padded)
         slots = self._assign_logits_state_slots(scheduled)
-        key = dataclasses.replace(key, variant=SamplerVariant.for_step(scheduled, slots))
-        layout = PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
+        bitmask = scheduler_output.grammar_bitmask
+        variant = SamplerVariant.for_step(scheduled, slots)
+        if bitmask is not None:
+            variant = dataclasses.replace(variant, structured=True)
+        key = dataclasses.replace(key, variant=variant)
+        layout = self._layout(key)
         packed = self._prepare_inputs(scheduled, layout, slots)
+        if bitmask is not None:  # filled in place: at B=1024 and 128k tokens it is 16 MB
+            span = layout.spans()["token_bitmask"]
+            bitmask(packed[span].reshape(layout.num_seqs, layout.bitmask_words))
         self.num_scheduled_tokens += scheduler_output.num_batched_tokens
         self.num_bucket_tokens += key.num_tokens
         executable = self.executable(key)
@@ -443,6 +552,49 @@ class ModelRunner:
         if self.timeline is not None:
             self.timeline.dispatched(out["token_ids"])
         return PendingStep(scheduled, out)
+
+    def dispatch_forward(self, scheduler_output: SchedulerOutput) -> ForwardStep:
+        """Launch the forward half of a step that samples under a grammar (async scheduling):
+        the model runs while the host resolves the previous step's tokens and fills this
+        step's bitmask; ``dispatch_sample`` then launches the sampling. Not for beam search or
+        prompt-logprobs steps (they run whole)."""
+        scheduled = scheduler_output.scheduled
+        self.beam_candidates = {}
+        decode_only = all(s.num_new_tokens == 1 for s in scheduled)
+        key = self.bucket_for(scheduler_output.num_batched_tokens, len(scheduled), decode_only)
+        slots = self._assign_logits_state_slots(scheduled)
+        variant = dataclasses.replace(SamplerVariant.for_step(scheduled, slots), structured=True)
+        sample_key = dataclasses.replace(key, variant=variant, part="sample")
+        layout = self._layout(sample_key)  # no bitmask section: the sample half takes it apart
+        packed = jax.device_put(
+            self._prepare_inputs(scheduled, layout, slots), self._input_sharding
+        )
+        self.num_scheduled_tokens += scheduler_output.num_batched_tokens
+        self.num_bucket_tokens += key.num_tokens
+        # One forward executable per bucket serves every sampler variant.
+        forward = self.executable(dataclasses.replace(key, part="forward"))
+        logits, self.kv_caches = forward(
+            self._weights, self.kv_caches, self._prev_tokens, packed, self._lora_weights()
+        )
+        self._prev_scheduled = scheduled
+        return ForwardStep(scheduled, sample_key, packed, logits)
+
+    def dispatch_sample(self, step: ForwardStep, fill_bitmask) -> PendingStep:
+        """Launch the sample half of ``step``; ``fill_bitmask(out)`` writes the grammar rows of
+        ``out`` (i32[B, W], all ones) first. Returns at once, as ``dispatch``."""
+        bitmask = np.full((step.key.num_seqs, num_words(self.vocab_size)), -1, np.int32)
+        fill_bitmask(bitmask)
+        out, self.logits_state = self.executable(step.key)(
+            step.logits,
+            self.logits_state,
+            self._prev_tokens,
+            step.packed,
+            jax.device_put(bitmask, self._input_sharding),
+        )
+        self._prev_tokens = out.pop("next_prev_tokens")
+        if self.timeline is not None:
+            self.timeline.dispatched(out["token_ids"])
+        return PendingStep(step.scheduled, out)
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a dispatched step and read its tokens (and what else it computed) back."""

@@ -54,6 +54,10 @@ SECTIONS: tuple[tuple[str, str, type, object], ...] = (
     ("processed_logprobs", "B", np.int32, 0),
     # Per token: the prompt token that follows it (whose prompt logprob its logits give), or -1.
     ("prompt_target", "T", np.int32, -1),
+    # Structured outputs: the packed token bitmask i32[B, bitmask_words] row-major
+    # (``structured_output/bitmask.py``); -1 (all allowed) for unconstrained and padding rows.
+    # Empty unless the layout's ``bitmask_words`` is set (steps where some row is constrained).
+    ("token_bitmask", "B*bitmask_words", np.int32, -1),
 )
 _FIRST_SAMPLING = [name for name, *_ in SECTIONS].index("temperature")
 # The sampling columns in packed order, with their real dtypes.
@@ -70,6 +74,7 @@ class PackedLayout:
     num_tokens: int
     num_seqs: int
     max_blocks: int
+    bitmask_words: int = 0  # W of the token bitmask; 0: no bitmask section
 
     def sections(self) -> list[tuple[str, int]]:
         """(name, int32 length) of every section, in buffer order."""
@@ -78,6 +83,7 @@ class PackedLayout:
             "B": self.num_seqs,
             "B+1": self.num_seqs + 1,
             "B*max_blocks": self.num_seqs * self.max_blocks,
+            "B*bitmask_words": self.num_seqs * self.bitmask_words,
         }
         return [(name, lengths[per]) for name, per, _, _ in SECTIONS]
 

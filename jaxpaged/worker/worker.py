@@ -57,7 +57,7 @@ from models.quantized_weights import quantized_weight_bytes
 from models.sharded_weights import load_sharded_model
 from models.sharding import kv_cache_sharding, make_mesh
 from models.tp_layout import TPLayout
-from models.weights import load_model, resolve_dtype
+from models.weights import float_weights_checksum, load_model, resolve_dtype
 from pallas_kernels.fp8_kv_cache import kv_cache_fp8_dtype
 
 logger = logging.getLogger(__name__)
@@ -408,6 +408,11 @@ class Worker:
             f"{self.dtype.name}, freeing {freed / 2**20:.2f} MiB = {blocks} KV blocks"
         )
 
+    def weights_checksum(self) -> tuple[float, int]:
+        """``(sum of |x|, element count)`` of the loaded model's floating-point weights
+        (``models.weights.float_weights_checksum``): equal for engines holding the same weights."""
+        return float_weights_checksum(self._model)
+
     def set_step_timeline(self, timeline: StepTimeline | None) -> None:
         """Time every dispatched step on the device (benchmarks); None stops."""
         self.model_runner.timeline = timeline
@@ -424,6 +429,24 @@ class Worker:
     def dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
         """Launch one step and return at once (async scheduling; ``ModelRunner.dispatch``)."""
         return self.model_runner.dispatch(scheduler_output)
+
+    def dispatch_forward(self, scheduler_output: SchedulerOutput):
+        """Launch a split step's forward half (``ModelRunner.dispatch_forward``)."""
+        return self.model_runner.dispatch_forward(scheduler_output)
+
+    def dispatch_sample(self, step, fill_bitmask) -> PendingStep:
+        """Launch a split step's sample half (``ModelRunner.dispatch_sample``)."""
+        return self.model_runner.dispatch_sample(step, fill_bitmask)
+
+    def is_ready(self, pending: PendingStep) -> bool:
+        """Whether a dispatched step's sampled tokens are computed (never blocks; True for an
+        empty step). The engine core polls it to know when the step on the device is done."""
+        return pending.out is None or pending.out["token_ids"].is_ready()
+
+    def wait(self, pending: PendingStep) -> None:
+        """Block until a dispatched step's sampled tokens are computed (not yet read back)."""
+        if pending.out is not None:
+            pending.out["token_ids"].block_until_ready()
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a dispatched step and read its outputs (``ModelRunner.collect``)."""

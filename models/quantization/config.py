@@ -226,9 +226,15 @@ class QuantizationArgs:
         )
 
 
+# The compressed-tensors scheme kinds jaxpaged runs (``QuantizationScheme.kind``); every layer's
+# scheme is classified into one of them or refused (``jaxpaged bench matrix`` lists a row for each).
+COMPRESSED_TENSORS_SCHEME_KINDS: tuple[str, ...] = ("wna16", "w8a8_int8", "w8a8_fp8")
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantizationScheme:
-    """The compressed-tensors scheme of one layer, classified into the kinds jaxpaged runs.
+    """The compressed-tensors scheme of one layer, classified into the kinds jaxpaged runs
+    (:data:`COMPRESSED_TENSORS_SCHEME_KINDS`).
 
     ``kind`` is ``"wna16"`` (int4/int8 weights packed in int32, activations unquantized),
     ``"w8a8_int8"`` (int8 weights and per-token / per-tensor int8 activations) or ``"w8a8_fp8"``
@@ -253,6 +259,8 @@ class QuantizationScheme:
             else QuantizationArgs.from_config(act_cfg, f"{where}.input_activations")
         )
         kind = _scheme_kind(weights, acts, where)
+        if kind not in COMPRESSED_TENSORS_SCHEME_KINDS:  # a new kind must be listed (and run)
+            raise ValueError(f"{where}: scheme kind {kind!r} is not one jaxpaged runs")
         return cls(weights, acts, kind)
 
 

@@ -132,22 +132,23 @@ class LinearMethod:
     def repack(
         self, tensors: Mapping[str, jax.Array], in_features: int, out_features: int
     ) -> dict[str, jax.Array]:
-        """The layer's placed tensors in its linear backend's layout: on ``linear_backend=
-        "pallas"`` a 4-bit layer the W4A16 kernel tiles (``w4a16.kernel_fits``; AWQ, GPTQ
-        without act-order, compressed-tensors W4A16 without act-order) is repacked on the
-        device to the kernel's ``qweight`` / ``zeros`` / ``scales``; any other layer, and every
-        layer on ``xla``, is returned unchanged. Whole (unsharded) layers only."""
+        """The layer's placed tensors in its linear backend's layout: on ``linear_backend``
+        ``pallas`` or ``auto`` (``models.linear_backends``) a 4-bit layer the W4A16 kernel
+        tiles (``w4a16.kernel_fits``; AWQ, GPTQ, compressed-tensors W4A16, act-order ones
+        sorted at load) is repacked on the device to the kernel's ``qweight`` / ``zeros`` /
+        ``scales`` (/ ``perm``); any other layer, and every layer on ``xla``, is returned
+        unchanged. Whole (unsharded) layers only."""
         c = self.config
-        if getattr(c, "linear_backend", "xla") != "pallas":
+        if getattr(c, "linear_backend", "xla") not in ("pallas", "auto"):
             return dict(tensors)
-        if isinstance(c, AWQConfig):
-            scales = tensors["scales"]
-        elif isinstance(c, GPTQConfig) and c.weight_bits == 4 and "perm" not in tensors:
+        if isinstance(c, AWQConfig) or (isinstance(c, GPTQConfig) and c.weight_bits == 4):
             scales = tensors["scales"]
         elif (self.scheme is not None and self.scheme.kind == "wna16"
-              and self.scheme.weights.num_bits == 4 and "perm" not in tensors):  # fmt: skip
+              and self.scheme.weights.num_bits == 4):  # fmt: skip
             scales = tensors["weight_scale"].T
         else:
+            return dict(tensors)
+        if "g_idx" in tensors or "weight_g_idx" in tensors:  # act-order not sorted: keep
             return dict(tensors)
         if not w4a16.kernel_fits(in_features, out_features, scales.shape[0]):
             return dict(tensors)
@@ -155,18 +156,19 @@ class LinearMethod:
             return w4a16.awq_to_kernel(tensors["qweight"], tensors["qzeros"], tensors["scales"])
         if isinstance(c, GPTQConfig):
             return w4a16.gptq_to_kernel(
-                tensors["qweight"], tensors["qzeros"], tensors["scales"],
+                tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors.get("perm"),
                 checkpoint_format=c.checkpoint_format,
             )  # fmt: skip
         return w4a16.wna16_to_kernel(
-            tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_zero_point")
-        )
+            tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_zero_point"),
+            tensors.get("perm"),
+        )  # fmt: skip
 
     def apply(self, x: jax.Array, params: Mapping[str, jax.Array]) -> jax.Array:
         """``x: [..., in]`` -> ``[..., out]`` in ``x.dtype``; ``params`` as :meth:`load` (then
         :meth:`repack`) made them."""
         if w4a16.is_kernel_layout(params):
-            return w4a16.w4a16_linear(x, params)
+            return w4a16.w4a16_apply(x, params, self.config.linear_backend)
         c = self.config
         if isinstance(c, AWQConfig):
             return awq.awq_linear(x, params["qweight"], params["qzeros"], params["scales"])

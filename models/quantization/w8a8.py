@@ -24,8 +24,7 @@ Decode policy (issue 14): a step of at most :data:`W8_GEMV_MAX_TOKENS` tokens on
 weight-only Pallas GEMV (``pallas_kernels.w8_gemv``, :func:`weight_only_linear`), which streams
 8-bit weights faster than XLA's GEMV fusions should. This changes the numbers (activations
 unquantized: closer to the float model than W8A8, not equal to vLLM's W8A8 kernels), so it is
-off (0) until ``benchmarks/results/quantization/microbench.py``'s ``fp8gemv`` / ``int8gemv``
-columns are measured on the H200. The kernel is written for one device: under tensor
+off (0) until ``benchmarks/quant_kernels.py`` measures it faster on the H200. The kernel is written for one device: under tensor
 parallelism XLA cannot split it and would gather its operands.
 """
 
@@ -36,6 +35,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from models.linear_backends import auto_max_tokens
 from pallas_kernels.w8_gemv import w8_gemv
 
 INT8_MAX = 127.0
@@ -43,9 +43,10 @@ FP8_E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 FP8_MIN_SCALE = 1.0 / (FP8_E4M3_MAX * 512.0)  # vLLM's floor on a dynamic FP8 scale
 
 # Steps of at most this many tokens take the weight-only GEMV (module docstring) when the
-# default backend is in ``W8_GEMV_PLATFORMS``. 0: never (the default until measured on the
-# H200). Read while tracing (T is a compiled shape), so a change affects later compilations.
-W8_GEMV_MAX_TOKENS = 0
+# default backend is in ``W8_GEMV_PLATFORMS``: the ``w8`` row of the one table of measured
+# choices, ``models.linear_backends.AUTO_BACKENDS`` (0: never). Read while tracing (T is a
+# compiled shape), so a change affects later compilations.
+W8_GEMV_MAX_TOKENS = auto_max_tokens("w8", "pallas")
 W8_GEMV_PLATFORMS = ("gpu",)  # off a GPU the kernel only runs interpreted (tests)
 
 

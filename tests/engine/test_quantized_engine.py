@@ -76,7 +76,7 @@ def test_engine_serves_a_gptq_checkpoint_like_its_dequantized_twin(gptq_dirs, ca
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     reference = greedy(make_runner(*load_model(ref_dir, dtype="float32"), 32, 2), PROMPTS, 6)
     for out, ref, prompt in zip(outputs, reference, PROMPTS, strict=True):
-        assert list(out.outputs[0].token_ids) == ref.tokens[len(prompt):] + [ref.next_token]
+        assert list(out.outputs[0].token_ids) == ref.tokens[len(prompt) :] + [ref.next_token]
 
 
 def test_a_converted_gptq_checkpoint_keeps_gptq_and_serves_the_same_tokens(gptq_dirs, tmp_path):

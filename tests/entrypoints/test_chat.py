@@ -89,3 +89,14 @@ def test_bad_chat_input_is_a_value_error(stories_llm, conversation, kwargs, mess
     with pytest.raises(ValueError, match=message):
         stories_llm.chat(conversation, use_tqdm=False, **kwargs)
     assert not stories_llm.llm_engine.has_unfinished_requests()
+
+
+def test_llm_chat_passes_tools_to_the_template(stories_llm):
+    from tests.entrypoints.openai.tool_template import SHORT_TOOL_CHAT_TEMPLATE, WEATHER_TOOL
+
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    (out,) = stories_llm.chat(
+        CONVERSATION, params, chat_template=SHORT_TOOL_CHAT_TEMPLATE, tools=[WEATHER_TOOL],
+        use_tqdm=False,
+    )  # fmt: skip
+    assert out.prompt.startswith("tools: get_weather\nsystem: You tell stories.")

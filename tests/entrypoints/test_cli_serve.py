@@ -5,7 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from jaxpaged.entrypoints.cli import _build_parser, serve_options
+from jaxpaged.entrypoints.cli import _build_parser
+from jaxpaged.entrypoints.cli_args import serve_options
 
 
 def _serve_args(*argv):
@@ -166,3 +167,52 @@ def test_serve_refuses_bad_lora_modules_before_loading_the_model(tmp_path):
     for message, argv in bad.items():
         with pytest.raises(ValueError, match=message):
             serve_options(_serve_args(*argv), environ={})
+
+
+def test_tool_and_reasoning_parser_flags_reach_run_server():
+    options = serve_options(
+        _serve_args(
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--reasoning-parser",
+            "qwen3",
+        ),
+        environ={},
+    )
+    assert options["enable_auto_tool_choice"] is True
+    assert (options["tool_call_parser"], options["reasoning_parser"]) == ("hermes", "qwen3")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tool-call-parser", "nope"], "--tool-call-parser 'nope' is not a known tool parser"),
+        (["--reasoning-parser", "r2"], "--reasoning-parser 'r2' is not a known reasoning parser"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+    ],
+)
+def test_unknown_parser_names_fail_at_startup_before_the_engine(argv, message, capsys):
+    from jaxpaged.entrypoints.cli import main
+
+    # serve_options checks the flags before any engine is built: main returns at once.
+    assert main(["serve", *argv]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("jaxpaged: error: ") and message in error
+    if "parser '" in message:
+        assert "hermes" in error or "deepseek_r1" in error  # the known names are listed
+
+
+def test_vllm_serving_switches_are_off_by_default_and_reach_run_server():
+    off = serve_options(_serve_args(), environ={})
+    switches = (
+        "return_tokens_as_token_ids",
+        "enable_prompt_tokens_details",
+        "enable_tokenizer_info_endpoint",
+        "enable_server_load_tracking",
+    )
+    assert [off[name] for name in switches] == [False] * 4
+    on = serve_options(
+        _serve_args("--return-tokens-as-token-ids", "--enable-server-load-tracking"), environ={}
+    )
+    assert [on[name] for name in switches] == [True, False, False, True]

@@ -1,11 +1,11 @@
-"""``benchmarks/results/lora/microbench.py`` runs with ``--small`` (the GPU run is the lead's)."""
+"""``scripts/benchmark_lora_layer.py`` runs with ``--small`` (the GPU run is the lead's)."""
 
 from __future__ import annotations
 
 import importlib.util
 import pathlib
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks/results/lora/microbench.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts/benchmark_lora_layer.py"
 
 
 def test_microbench_small_runs_every_path_and_prints_the_table(capsys):

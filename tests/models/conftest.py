@@ -55,7 +55,9 @@ TINY_CONFIGS = {
     "mistral": dict(architecture="MistralForCausalLM", sliding_window=8, tie_word_embeddings=True),
     # Biases on all four attention projections and all three MLP ones.
     "llama_bias": dict(
-        architecture="LlamaForCausalLM", attention_bias=True, mlp_bias=True,
+        architecture="LlamaForCausalLM",
+        attention_bias=True,
+        mlp_bias=True,
         tie_word_embeddings=False,
     ),
     # q/k/v biases; layer 0 full attention, layer 1 sliding (max_window_layers=1).

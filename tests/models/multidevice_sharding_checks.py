@@ -96,7 +96,12 @@ def test_tensor_parallel_engine_matches_golden_and_one_device_logits(tp, golden,
 
     engine = llm.llm_engine
     logits = _prefill_logits(
-        _engine_model(llm), PROMPTS, num_kv_heads=4, head_dim=8, num_layers=5, mesh=engine.worker.mesh
+        _engine_model(llm),
+        PROMPTS,
+        num_kv_heads=4,
+        head_dim=8,
+        num_layers=5,
+        mesh=engine.worker.mesh,
     )
     assert relative_diff(logits, stories_logits) < LOGITS_RTOL
 
@@ -106,7 +111,9 @@ def test_tensor_parallel_engine_matches_golden_and_one_device_logits(tp, golden,
             assert cache.shape == pallas_kernels.kv_cache_shape(engine.num_blocks, 16, 4, 8)
             local = pallas_kernels.kv_cache_shape(engine.num_blocks, 16, 4 // tp, 8)
             assert [s.data.shape for s in cache.addressable_shards] == [local] * tp
-    _check_stories_param_shardings(_flat(engine.worker.model_runner.model_state), engine.worker.mesh, tp)
+    _check_stories_param_shardings(
+        _flat(engine.worker.model_runner.model_state), engine.worker.mesh, tp
+    )
     _check_step_updates_cache_shards_in_place(engine.worker.model_runner, num_seqs=len(cases))
 
 
@@ -213,9 +220,9 @@ def test_replicated_kv_heads_qwen2_matches_one_device(tmp_path, stories_dir):
 
     assert engine.worker.kv_cache_spec.num_kv_heads == 4
     local = pallas_kernels.kv_cache_shape(engine.num_blocks, 16, 1, 16)
-    assert [s.data.shape for s in engine.worker.model_runner.kv_caches[0][0].addressable_shards] == [
-        local
-    ] * 4
+    assert [
+        s.data.shape for s in engine.worker.model_runner.kv_caches[0][0].addressable_shards
+    ] == [local] * 4
     params = _flat(engine.worker.model_runner.model_state)
     for name, local_shape in [("qkv_proj.bias", (3 * 16,)), ("qkv_proj.kernel", (64, 3 * 16))]:
         value = params[f"model.layers.0.self_attn.{name}"]
@@ -363,6 +370,7 @@ def test_each_shard_of_a_fused_parameter_holds_its_own_checkpoint_columns(tmp_pa
     checked = 0
     for layer in range(num_layers):
         for leaf, hf_leaf in (("kernel", "weight"), ("bias", "bias")):
+
             def hf(module, layer=layer, hf_leaf=hf_leaf):  # [in, out] or [out]
                 value = tensors[f"model.layers.{layer}.{module}.{hf_leaf}"]
                 return value.T if hf_leaf == "weight" else value

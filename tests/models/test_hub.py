@@ -20,7 +20,7 @@ import pytest
 from huggingface_hub import constants
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.entrypoints.cli import add_engine_args, engine_args_from
+from jaxpaged.entrypoints.cli_args import add_engine_args, engine_args_from
 from models.hub import resolve_model_path
 from tests.conftest import SMALL_ENGINE
 

@@ -43,7 +43,10 @@ def test_quantized_round_trips_at_tp_1_and_2_on_cpu_devices():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(quantization="awq"), "quantization must be one of .*'none', 'fp8', 'bitsandbytes'.*'awq'"),
+        (
+            dict(quantization="awq"),
+            "quantization must be one of .*'none', 'fp8', 'bitsandbytes'.*'awq'",
+        ),
         (dict(quantization="gptq"), "quantization must be one of .*'gptq'"),
         (
             dict(quantization="fp8", load_format="bitsandbytes"),
@@ -189,8 +192,9 @@ def test_restore_arrays_reads_every_orbax_ocdbt_layout_bit_for_bit(tmp_path, lay
         with ocp.Checkpointer(handler) as checkpointer:
             checkpointer.save(path, arrays)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    targets = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device)
-               for k, a in arrays.items()}
+    targets = {
+        k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device) for k, a in arrays.items()
+    }
     targets["b.scale"] = jax.ShapeDtypeStruct((5,), jnp.bfloat16, sharding=device)
     restored = restore_arrays(path, targets, workers=2)
     for key, array in arrays.items():

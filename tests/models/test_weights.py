@@ -58,7 +58,10 @@ def test_hf_names_map_fused_parameters_to_their_parts_in_column_order():
         ("model.layers.0.mlp.gate_proj.bias", "model.layers.0.mlp.up_proj.bias"),
         False,
     )
-    assert hf_names(("model", "embed_tokens", "embedding")) == (("model.embed_tokens.weight",), False)
+    assert hf_names(("model", "embed_tokens", "embedding")) == (
+        ("model.embed_tokens.weight",),
+        False,
+    )
     assert hf_names(("lm_head", "kernel")) == (("lm_head.weight",), True)
 
 

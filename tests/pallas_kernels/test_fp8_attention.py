@@ -76,8 +76,9 @@ INTERPRET = INTERPRET_MODES
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
-def test_decode_kernel_reads_fp8_cache_like_its_reference(interpret, dtype=jnp.float8_e4m3fn):
-    """e4m3 here; the ragged test runs both formats (the kernels share the FP8 code path)."""
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+def test_decode_kernel_reads_fp8_cache_like_its_reference(dtype, interpret):
+    """Both FP8 formats, single pass and split (flash-decoding) paths."""
     rng = np.random.default_rng(0)
     seq_lens = [1, BLOCK_SIZE - 1, BLOCK_SIZE + 1, MAX_BLOCKS * BLOCK_SIZE]
     k8, v8, tables, k, v, k8_c, v8_c, k_scale, v_scale = fp8_case(rng, seq_lens, dtype)
@@ -155,3 +156,32 @@ def test_scales_with_a_float_cache_are_refused():
     fp8 = cache.astype(jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"k_scale must be a scalar \(f32\[\]\), got shape \(2,\)"):
         paged_attention(q, fp8, fp8, tables, lens, scale=1.0, k_scale=jnp.ones(2), interpret=True)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+def test_fp8_kernels_take_bfloat16_queries(dtype, interpret):
+    """The engine's case: bfloat16 queries over an FP8 cache (the 078b2b9 GPU compile failure
+    came from this path: a masked FP8 load). Tolerance 2e-2: bfloat16's 8-bit mantissa in q,
+    the probabilities and the output, against a float32 reference on the same bf16 inputs."""
+    rng = np.random.default_rng(2)
+    seq_lens, q_lens = mixed_batch(BLOCK_SIZE, MAX_BLOCKS)
+    k8, v8, tables, _, _, k8_c, v8_c, k_scale, v_scale = fp8_case(rng, seq_lens, dtype)
+    num_tokens = sum(q_lens) + 3
+    q = jnp.asarray(rng.standard_normal((num_tokens, HKV * GROUP, D)), jnp.bfloat16)
+    lens, cu = jnp.asarray(seq_lens, jnp.int32), jnp.asarray(cu_of(q_lens))
+    options = dict(scale=D**-0.5, k_scale=k_scale, v_scale=v_scale)
+    out = ragged_paged_attention(q, k8, v8, tables, lens, cu, interpret=interpret, **options)
+    expected = ragged_paged_attention_reference(
+        q.astype(jnp.float32), k8_c, v8_c, lens, cu, **options
+    )
+    assert out.dtype == jnp.bfloat16
+    assert_close(out.astype(jnp.float32), expected, dict(rtol=2e-2, atol=2e-2))
+    decode_q = q[: len(seq_lens)]
+    out = paged_attention(decode_q, k8, v8, tables, lens, scale=D**-0.5, interpret=interpret,
+                          k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    expected = paged_attention_reference(
+        decode_q.astype(jnp.float32), k8_c, v8_c, lens, scale=D**-0.5, k_scale=k_scale,
+        v_scale=v_scale,
+    )  # fmt: skip
+    assert_close(out.astype(jnp.float32), expected, dict(rtol=2e-2, atol=2e-2))

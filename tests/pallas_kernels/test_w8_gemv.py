@@ -3,15 +3,26 @@ which is itself checked against a float64 numpy product."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.w8_gemv import W8GemvTiling, w8_gemv, w8_gemv_reference
+from pallas_kernels.w8_gemv import W8GemvTiling, _float_from_int8, w8_gemv, w8_gemv_reference
 from tests.pallas_kernels.test_paged_attention import INTERPRET_MODES
+from tests.pallas_kernels.test_w4a16_matmul import lower_for_h200
 
 K, N = 300, 70  # neither a multiple of the tiles: masked K and N tails
 SMALL_TILES = W8GemvTiling(block_n=32, block_k=64, split_k=3)  # 3 N tiles, uneven K splits
+# The variants the micro-benchmark sweeps: elementwise products (no dot) for a few tokens, INT8
+# converted through bit patterns, with the same tails.
+VARIANTS = [
+    W8GemvTiling(max_block_t=1, block_n=32, block_k=64, split_k=3, dot=False),
+    W8GemvTiling(max_block_t=4, block_n=32, block_k=64, split_k=2, dot=False, bits=True),
+    W8GemvTiling(block_n=32, block_k=64, split_k=3, bits=True, num_warps=8),
+]
 
 
 def _weights(dtype, scale_kind, rng, n=N, k=K):
@@ -64,6 +75,47 @@ def test_bfloat16_is_the_float32_result_rounded_once(dtype, scale_kind, num_toke
     magnitude = _float64(np.abs(x32), jnp.abs(w.astype(jnp.float32)), scale)  # sum of |terms|
     err = np.abs(np.asarray(got, np.float32) - ref)
     assert (err <= 2.0**-8 * np.abs(ref) + 2.0**-14 * magnitude).all(), err.max()
+
+
+@pytest.mark.parametrize("num_tokens", [3, 16])
+@pytest.mark.parametrize("tiling", VARIANTS, ids=["elementwise", "elementwise-bits", "dot-bits"])
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "int8"])
+@pytest.mark.parametrize("interpret", INTERPRET_MODES)
+def test_variants_match_the_reference(dtype, tiling, num_tokens, interpret):
+    rng = np.random.default_rng(num_tokens + 11)
+    w, scale = _weights(dtype, "channel", rng)
+    x = jnp.asarray(rng.normal(size=(num_tokens, K)), jnp.float32)
+    got = w8_gemv(x, w, scale, tiling=tiling, interpret=interpret)
+    exact = _float64(x, w, scale)
+    np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("tiling", [SMALL_TILES, *VARIANTS])
+@pytest.mark.parametrize("interpret", INTERPRET_MODES)
+def test_without_tails_the_unmasked_loads_match(tiling, interpret):
+    """T, N and K multiples of the tiles: every load and store unmasked."""
+    rng = np.random.default_rng(5)
+    w, scale = _weights("int8", "channel", rng, n=64, k=256)
+    x = jnp.asarray(rng.normal(size=(16, 256)), jnp.float32)
+    got = w8_gemv(x, w, scale, tiling=tiling, interpret=interpret)
+    exact = _float64(x, w, scale)
+    np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
+
+
+def test_int8_bit_pattern_convert_is_exact():
+    """Every int8 value through the bit-pattern convert gives itself."""
+    values = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
+    np.testing.assert_array_equal(_float_from_int8(values), np.arange(-128, 128))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 16])
+@pytest.mark.parametrize("tiling", [None, *VARIANTS])
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8])
+def test_kernel_lowers_to_triton_for_the_h200(dtype, tiling, num_tokens):
+    fn = functools.partial(w8_gemv, tiling=tiling)
+    args = (jax.ShapeDtypeStruct((num_tokens, 4096), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4100, 4096), dtype), jax.ShapeDtypeStruct((4100,), jnp.float32))  # fmt: skip
+    assert lower_for_h200(fn, *args).count("__gpu$xla.gpu.triton") == 1
 
 
 def test_bad_arguments_are_refused_by_name():

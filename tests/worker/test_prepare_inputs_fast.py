@@ -110,6 +110,8 @@ def reference_packed(scheduled, layout, slots, *, profile=False) -> np.ndarray:
         "logits_indices": logits_indices,
         "prev_index": np.full(t_pad, -1, np.int32),  # no async placeholders here
         "lora_slots": np.full(t_pad, -1, np.int32),  # no LoRA here
+        # no structured outputs here (the model runner writes the bitmask rows itself)
+        "token_bitmask": np.full(b_pad * layout.bitmask_words, -1, np.int32),
         **sampling.packed(),
     }
     return np.concatenate([parts[name] for name, _ in layout.sections()])

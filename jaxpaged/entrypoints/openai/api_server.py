@@ -24,9 +24,11 @@ Starlette's disconnect listener (which cancels the body iterator), whole respons
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import secrets
+import sys
 from collections.abc import Awaitable, Sequence
 
 from fastapi import FastAPI, Request
@@ -38,6 +40,9 @@ import jaxpaged
 from jaxpaged.engine.core import freeze_gc_heap
 from jaxpaged.engine.core_client import EngineCoreClient
 from jaxpaged.engine.dp_client import DPEngineCoreClient
+from jaxpaged.entrypoints.cli_args import add_serve_args, check_api_server_count, serve_options
+from jaxpaged.entrypoints.env import prometheus_multiproc_dir, set_jax_memory_fraction
+from jaxpaged.entrypoints.openai.chat_tools import resolve_parsers
 from jaxpaged.entrypoints.openai.errors import (
     BadRequestError,
     error_response,
@@ -80,6 +85,9 @@ def build_app(
     enable_prompt_tokens_details: bool = False,
     enable_tokenizer_info_endpoint: bool = False,
     enable_server_load_tracking: bool = False,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The server app over ``client`` (a spawned ``EngineCoreClient``, or one connected to a
     core the parent process started); the client's tasks start with the app's lifespan, and a
@@ -108,13 +116,19 @@ def build_app(
         enable_prompt_tokens_details: usage carries ``prompt_tokens_details.cached_tokens``.
         enable_tokenizer_info_endpoint: serve ``GET /tokenizer_info``.
         enable_server_load_tracking: ``GET /load`` counts the generation requests in flight.
+        enable_auto_tool_choice / tool_call_parser: serve ``tool_choice="auto"``, reading
+            calls with the named parser (``tool_parsers``); the flag needs a parser.
+        reasoning_parser: split ``<think>…</think>`` into ``reasoning``
+            (``reasoning_parsers``); None: replies are all content.
 
     ``app.state.engine`` is the client, ``app.state.metrics`` its ``ServerMetrics``.
 
     Raises:
         ValueError: an empty served name list, a bad chat template or metrics prefix,
-            ``lora_modules`` without LoRA or with a name used twice.
+            ``lora_modules`` without LoRA or with a name used twice, an unknown tool or
+            reasoning parser, --enable-auto-tool-choice without a tool parser.
     """
+    parsers = resolve_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     names = list(served_model_names or [model])
     if not names or not all(names):
         raise ValueError(f"served_model_names must be non-empty names, got {names!r}")
@@ -142,7 +156,12 @@ def build_app(
     )
     chat_template = load_chat_template(chat_template)
     completion = OpenAIServingCompletion(**common)
-    chat = OpenAIServingChat(**common, chat_template=chat_template)
+    chat = OpenAIServingChat(
+        **common,
+        chat_template=chat_template,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        **parsers,
+    )
     load = ServerLoad(enable_server_load_tracking)
     models = OpenAIServingModels(
         engine, names, model, max_model_len, api_server_count=api_server_count
@@ -219,6 +238,9 @@ def build_app(
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs,
+                tools=[t.model_dump(exclude_none=True) for t in request.tools]
+                if request.tools
+                else None,
             )
             add_special = bool(request.add_special_tokens)
         else:
@@ -315,6 +337,9 @@ def run_server(
     lora_modules: Sequence[LoRAModulePath] = (),
     api_server_count: int = 1,
     multiprocess_metrics_dir: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
     **response_options,
 ) -> int:
     """Start the engine core for ``engine_args`` (``EngineArgs``) and serve until interrupted;
@@ -324,14 +349,15 @@ def run_server(
     (the API process) unless ``engine_args.skip_tokenizer_init``. ``api_server_count`` > 1:
     that many API processes over one core (``multi_api_server.run_multi_api_server``), whose
     metrics live in ``multiprocess_metrics_dir`` (``PROMETHEUS_MULTIPROC_DIR``, exported by
-    ``jaxpaged serve``). ``response_options``: ``build_app``'s ``return_tokens_as_token_ids``,
+    ``jaxpaged serve``). The parser options are ``build_app``'s (every API process gets them).
+    ``response_options``: ``build_app``'s ``return_tokens_as_token_ids``,
     ``enable_prompt_tokens_details``, ``enable_tokenizer_info_endpoint`` and
     ``enable_server_load_tracking``.
 
     Raises:
         ValueError: invalid engine arguments (checked before the core starts),
             ``api_server_count`` < 1 or above 1 with data parallelism or without
-            ``multiprocess_metrics_dir``.
+            ``multiprocess_metrics_dir``, an unknown tool or reasoning parser.
         RuntimeError: the engine core failed to start.
     """
     import uvicorn
@@ -342,8 +368,12 @@ def run_server(
         chat_template=chat_template,
         metrics_prefix=metrics_prefix,
         lora_modules=lora_modules,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
         **response_options,
     )
+    resolve_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     if api_server_count != 1 or data_parallel_size != 1:
         check_api_server_count(api_server_count, data_parallel_size)
     if api_server_count > 1:
@@ -363,6 +393,7 @@ def run_server(
             max_num_queued_requests=max_num_queued_requests,
             uvicorn_log_level=uvicorn_log_level,
             app_options=app_options,
+            build_app=build_app,
         )
     model_config = engine_args.create_engine_config().model_config
     tokenizer = load_tokenizer(model_config)
@@ -379,22 +410,6 @@ def run_server(
     return 0
 
 
-def check_api_server_count(api_server_count: int, data_parallel_size: int = 1) -> None:
-    """Refuse an ``--api-server-count`` below 1, or above 1 with ``--data-parallel-size`` > 1
-    (several API processes serve one engine core here).
-
-    Raises:
-        ValueError: naming the flag, the rule and the value.
-    """
-    if api_server_count < 1:
-        raise ValueError(f"--api-server-count must be at least 1, got {api_server_count}")
-    if api_server_count > 1 and data_parallel_size > 1:
-        raise ValueError(
-            f"--api-server-count {api_server_count} needs --data-parallel-size 1 (several API "
-            f"processes share one engine core), got --data-parallel-size {data_parallel_size}"
-        )
-
-
 def load_tokenizer(model_config):
     """The API process's tokenizer for ``model_config`` (``ModelConfig``); None with
     ``skip_tokenizer_init``."""
@@ -405,9 +420,38 @@ def load_tokenizer(model_config):
     return AutoTokenizer.from_pretrained(model_config.tokenizer)
 
 
+def serve(args: argparse.Namespace) -> int:
+    """Run the server for parsed ``jaxpaged serve`` flags (``cli_args.add_serve_args``): size
+    JAX's memory pool for the engine core (a child process that inherits the variable; this
+    process never uses JAX), export ``PROMETHEUS_MULTIPROC_DIR`` for several API processes, and
+    ``run_server``.
+
+    Raises:
+        ValueError: bad flags (``cli_args.serve_options``) or engine arguments.
+    """
+    options = serve_options(args)
+    set_jax_memory_fraction(options["engine_args"].gpu_memory_utilization)
+    if options["api_server_count"] == 1:
+        return run_server(**options)
+    with prometheus_multiproc_dir() as metrics_dir:
+        return run_server(**options, multiprocess_metrics_dir=metrics_dir)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m jaxpaged.entrypoints.openai.api_server [flags]``: ``jaxpaged serve`` without
+    the ``jaxpaged`` command; a bad flag value prints the error and returns 2."""
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxpaged.entrypoints.openai.api_server",
+        description="The OpenAI-compatible HTTP server (same flags as `jaxpaged serve`).",
+    )
+    add_serve_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return serve(args)
+    except ValueError as error:
+        print(f"jaxpaged: error: {error}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    import sys
-
-    from jaxpaged.entrypoints.cli import main
-
-    sys.exit(main(["serve", *sys.argv[1:]]))
+    sys.exit(main())

@@ -15,7 +15,7 @@ generates tokens, so N processes share that work. The process layout::
 - Requests: each carries its API server's ``client_index``; the core sends its acks and outputs
   only to that server and applies a server's aborts only to its own requests (``core.py``).
 - Metrics: ``jaxpaged serve`` exports ``PROMETHEUS_MULTIPROC_DIR`` (a fresh temporary directory,
-  removed at the end; ``cli.prometheus_multiproc_dir``) before the API servers start, and passes
+  removed at the end; ``env.prometheus_multiproc_dir``) before the API servers start, and passes
   the directory here; ``/metrics`` on any of them renders all of their values (``jaxpaged.metrics``: per-request metrics summed, engine-level gauges and
   counters kept by API server 0 only).
 - LoRA: ``--lora-modules`` adapters are loaded by every API server (the core registers each
@@ -47,7 +47,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
@@ -97,6 +98,7 @@ def run_multi_api_server(
     max_num_queued_requests: int | None = None,
     uvicorn_log_level: str = "info",
     app_options: dict | None = None,
+    build_app: Callable[..., Any],
 ) -> int:
     """Serve ``engine_args`` with ``api_server_count`` API processes over one engine core until
     SIGINT/SIGTERM (0) or an API process dies (1); see the module docstring.
@@ -112,6 +114,9 @@ def run_multi_api_server(
         uvicorn_log_level: uvicorn's log level in every API process.
         app_options: ``build_app`` keywords shared by every API process (served names, API key,
             chat template, metrics prefix, LoRA modules).
+        build_app: ``api_server.build_app``, the app factory each API process calls: given by
+            the caller (a module-level function, pickled by name for the spawned processes) so
+            that this module does not import ``api_server``, which imports it.
 
     Raises:
         ValueError: ``api_server_count`` < 2, or invalid engine arguments.
@@ -154,6 +159,7 @@ def run_multi_api_server(
                     app_options=app_options or {},
                     uvicorn_log_level=uvicorn_log_level,
                     parent_pid=os.getpid(),
+                    build_app=build_app,
                 ),
                 name=f"jaxpaged-api-server-{index}",
             )
@@ -252,16 +258,16 @@ def run_api_server(
     app_options: dict,
     uvicorn_log_level: str,
     parent_pid: int,
+    build_app: Callable[..., Any],
 ) -> None:
     """One API process (spawned): its tokenizer, a client of the core as ``client_index``
-    ``index``, and uvicorn serving the app on the shared ``sock`` until SIGTERM/SIGINT, or
-    until ``parent_pid`` is no longer its parent."""
+    ``index``, and uvicorn serving the app that ``build_app`` makes on the shared ``sock``
+    until SIGTERM/SIGINT, or until ``parent_pid`` is no longer its parent."""
     # First: the parent may die while this process still loads.
     threading.Thread(target=_leave_when_orphaned, args=(parent_pid,), daemon=True).start()
     import uvicorn
 
     from jaxpaged.engine.core_client import EngineCoreClient
-    from jaxpaged.entrypoints.openai.api_server import build_app
 
     tokenizer = None
     if tokenizer_path is not None:

@@ -15,7 +15,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from jaxpaged.sequence import is_token_id_list
 
@@ -187,9 +195,10 @@ class _SamplingFields(OpenAIRequest):
     prompt ids in the first chunk, each chunk's new ids)."""
     request_id: str | None = None
     """The response's id becomes ``<cmpl|chatcmpl>-<request_id>``; None: a random one."""
-    # Refused unless neutral (serving_engine.UNSUPPORTED_FIELDS):
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
+    # Structured outputs (entrypoints/openai/structured_outputs.py): at most one of
+    # structured_outputs, guided_json / _regex / _choice / _grammar, structural_tag and a
+    # response_format other than text.
+    structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
@@ -198,6 +207,9 @@ class _SamplingFields(OpenAIRequest):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structural_tag: str | None = None
+    # Refused unless neutral (serving_engine.UNSUPPORTED_FIELDS):
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     priority: int = 0
     logits_processors: list[Any] | None = None
     cache_salt: str | None = None
@@ -372,12 +384,72 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 # ------------------------------------------------------------------------------------- chat
 class ChatMessageParam(OpenAIBaseModel):
-    """One input message; ``content`` may be text or a list of ``{"type": "text", ...}`` parts
-    (other fields such as ``tool_calls`` pass through to the chat template)."""
+    """One input message; ``content`` may be text or a list of ``{"type": "text", ...}`` parts.
+    An assistant message may carry ``tool_calls`` (OpenAI's shape, ``arguments`` a JSON string)
+    and a tool result ``tool_call_id``; these and other fields pass through to the chat
+    template (``chat_tools.template_message``)."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+# ------------------------------------------------------------------------------------ tools
+class FunctionDefinition(OpenAIBaseModel):
+    """A tool's function: ``parameters`` is a JSON schema of its arguments (an object)."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    """One entry of ``tools``; only function tools exist in the chat API."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    """``tool_choice`` naming one function: ``{"type": "function", "function": {"name"}}``."""
+
+    function: ChatCompletionNamedFunction
+    type: Literal["function"] = "function"
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+    """The arguments as a JSON text (OpenAI's shape)."""
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A streamed tool-call fragment: the first of a call has ``id``, ``type`` and
+    ``function.name``; later ones append to ``function.arguments``; ``index`` tells calls
+    apart."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -390,11 +462,19 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     """Alternatives per token with ``logprobs``; -1: the whole vocabulary (vLLM's)."""
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = False
+    tools: list[ChatCompletionToolsParam] | None = None
+    """Functions the model may call (``chat_tools``); the chat template renders them."""
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = (
+        "none"
+    )
+    """"none": never call; "auto": the tool parser finds calls in the text (needs
+    --enable-auto-tool-choice); "required" or a named function: a JSON-schema constraint
+    forces calls. Default: "auto" when ``tools`` are given, else "none" (vLLM's rule)."""
+    parallel_tool_calls: bool | None = True
+    """False: at most one call per reply."""
     reasoning_effort: str | None = None
     include_reasoning: bool = True
+    """With --reasoning-parser: False drops ``reasoning`` from the reply."""
     echo: bool = False
     """Prepend the last message's content to the reply when it is the assistant's."""
     add_special_tokens: bool = False
@@ -407,6 +487,14 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     return_prompt_text: bool | None = None  # refused unless neutral (UNSUPPORTED_FIELDS)
     media_io_kwargs: dict[str, Any] | None = None  # no multimodal inputs
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_tool_choice(cls, data):
+        # vLLM's rule: tools without tool_choice mean "auto".
+        if isinstance(data, dict) and data.get("tools") and "tool_choice" not in data:
+            data = {**data, "tool_choice": "auto"}
+        return data
 
     @model_validator(mode="after")
     def _check_chat_fields(self):
@@ -425,13 +513,49 @@ class ChatCompletionRequest(_SamplingFields):
             )
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        """vLLM's tool rules (``check_tool_usage``): ``tools`` not empty, a ``tool_choice``
+        other than "none" needs ``tools``, a named choice must name one of them."""
+        if self.tools is not None and not self.tools:
+            raise FieldValueError(
+                "tools must not be an empty array; give at least one tool or omit the field",
+                parameter="tools",
+            )
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return
+        if self.tools is None:
+            raise FieldValueError(
+                "When using `tool_choice`, `tools` must be set.", parameter="tool_choice"
+            )
+        if isinstance(choice, ChatCompletionNamedToolChoiceParam):
+            names = [tool.function.name for tool in self.tools]
+            if choice.function.name not in names:
+                raise FieldValueError(
+                    "The tool specified in `tool_choice` does not match any of the specified "
+                    f"`tools`: {choice.function.name!r} is not among {names}",
+                    parameter="tool_choice",
+                )
 
 
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    """Left out of the JSON when empty (vLLM's serializer)."""
+    reasoning: str | None = None
+    """The text between ``<think>`` and ``</think>`` with --reasoning-parser (vLLM's field
+    name since it retired ``reasoning_content``)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_tool_calls(self, handler):
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -474,6 +598,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -542,6 +668,8 @@ class TokenizeRequest(OpenAIRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    """With ``messages``: passed to the chat template, as on ``/v1/chat/completions``."""
     return_token_strs: bool = False
 
     @model_validator(mode="after")

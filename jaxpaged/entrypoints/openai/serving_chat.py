@@ -5,7 +5,9 @@ the messages are rendered to text with the request's ``chat_template``, else the
 ``--chat-template``, else the tokenizer's own; the text is tokenized *without* adding special
 tokens (the template writes them). Text content parts are joined with newlines. When streaming,
 each choice first gets a chunk whose delta is ``{"role": "assistant", "content": ""}``, then
-content deltas, the last with ``finish_reason``.
+content deltas, the last with ``finish_reason``. Tool calls and reasoning (``chat_tools``): the
+reply is read by a per-choice ``ChatChoiceParser``, streamed as ``reasoning`` / ``content`` /
+``tool_calls`` deltas.
 
 A request's own ``chat_template`` is a client's program: it is rendered in a sandboxed worker
 process with limits on time, memory, output and ``range`` (``template_sandbox.py``); a failure
@@ -25,6 +27,13 @@ import jinja2
 from fastapi.responses import StreamingResponse
 
 from jaxpaged.engine.core_client import RequestStream
+from jaxpaged.entrypoints.openai.chat_tools import (
+    ChatChoiceParser,
+    check_tool_request,
+    template_messages,
+    tool_constraint_schema,
+    tool_mode_parser,
+)
 from jaxpaged.entrypoints.openai.errors import BadRequestError, error_from_exception
 from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -44,7 +53,9 @@ from jaxpaged.entrypoints.openai.serving_engine import (
     sse_error,
     stable_text,
 )
+from jaxpaged.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from jaxpaged.entrypoints.openai.template_sandbox import TemplateLimitError, TemplateSandbox
+from jaxpaged.sampling_params import StructuredOutputsParams
 
 
 def load_chat_template(chat_template: str | None) -> str | None:
@@ -67,11 +78,32 @@ def load_chat_template(chat_template: str | None) -> str | None:
 
 
 class OpenAIServingChat(OpenAIServing):
-    """The chat endpoint; ``chat_template`` is the server-wide template text (or None)."""
+    """The chat endpoint.
 
-    def __init__(self, *args, chat_template: str | None = None, **kwargs):
+    Args:
+        chat_template: the server-wide template text (or None).
+        enable_auto_tool_choice: ``--enable-auto-tool-choice``: "auto" tool choice is served.
+        tool_parser: the ``--tool-call-parser`` class (``tool_parsers.get_tool_parser``).
+        reasoning_parser: the ``--reasoning-parser`` class
+            (``reasoning_parsers.get_reasoning_parser``).
+    """
+
+    def __init__(
+        self,
+        *args,
+        chat_template: str | None = None,
+        enable_auto_tool_choice: bool = False,
+        tool_parser: type | None = None,
+        reasoning_parser: type | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
+        # "auto" reads calls only with --enable-auto-tool-choice (vLLM's rule).
+        self._auto_tool_parser = tool_parser if enable_auto_tool_choice else None
         self.template_sandbox = TemplateSandbox()  # its worker starts on first use
 
     def close(self) -> None:
@@ -87,8 +119,10 @@ class OpenAIServingChat(OpenAIServing):
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         documents: list[dict] | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
-        """The prompt text for ``messages``.
+        """The prompt text for ``messages``; ``tools`` (OpenAI's tool dicts) are passed to
+        the template, which may render them (vLLM passes them the same way).
 
         Raises:
             BadRequestError: no template anywhere, a non-text content part, a template error,
@@ -106,7 +140,7 @@ class OpenAIServingChat(OpenAIServing):
                 "--chat-template or send chat_template in the request",
                 param="messages",
             )
-        conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+        conversation = template_messages([_message_dict(m, i) for i, m in enumerate(messages)])
         if chat_template:  # the client's own program: sandboxed, in a worker process
             try:
                 return await asyncio.to_thread(
@@ -116,6 +150,7 @@ class OpenAIServingChat(OpenAIServing):
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
                     documents=documents,
+                    tools=tools,
                     chat_template_kwargs=chat_template_kwargs or {},
                 )
             except TemplateLimitError as error:
@@ -127,6 +162,7 @@ class OpenAIServingChat(OpenAIServing):
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 documents=documents,
+                tools=tools,
                 tokenize=False,
                 **(chat_template_kwargs or {}),
             )
@@ -143,6 +179,7 @@ class OpenAIServingChat(OpenAIServing):
         add_generation_prompt: bool,
         continue_final_message: bool,
         documents,
+        tools: list[dict] | None,
         chat_template_kwargs: dict,
     ) -> str:
         """What ``apply_chat_template(tokenize=False)`` gives, rendered by the sandbox: the
@@ -166,7 +203,7 @@ class OpenAIServingChat(OpenAIServing):
             **special,
             **chat_template_kwargs,
             "messages": conversation,
-            "tools": None,
+            "tools": tools,
             "documents": documents,
             "add_generation_prompt": add_generation_prompt,
         }
@@ -196,6 +233,9 @@ class OpenAIServingChat(OpenAIServing):
         arrival_time = time.monotonic()
         lora_request = self.check_model(request.model)
         self.check_supported(request)
+        check_tool_request(
+            request, enable_auto_tools=self.enable_auto_tool_choice, tool_parser=self.tool_parser
+        )
         prompt_text = await self.render_messages(
             request.messages,
             chat_template=request.chat_template,
@@ -203,6 +243,9 @@ class OpenAIServingChat(OpenAIServing):
             continue_final_message=request.continue_final_message,
             chat_template_kwargs=request.chat_template_kwargs,
             documents=request.documents,
+            tools=[tool.model_dump(exclude_none=True) for tool in request.tools]
+            if request.tools
+            else None,
         )
         # The template writes the special tokens; add_special_tokens adds the tokenizer's too.
         prompt_text, ids = self.truncate(
@@ -227,10 +270,16 @@ class OpenAIServingChat(OpenAIServing):
         )
         if request.echo and request.prompt_logprobs is None and request.logprobs:
             values["prompt_logprobs"] = request.top_logprobs or 0  # vLLM's rule
+        structured_field = self._constraint_values(request, values)
         params = self.sampling_params(values)
         request_id = self.response_id("chatcmpl", request)
         (stream,) = await self.add_requests(
-            request_id, [(prompt_text, ids)], [params], arrival_time, lora_request
+            request_id,
+            [(prompt_text, ids)],
+            [params],
+            arrival_time,
+            lora_request,
+            structured_field=structured_field,
         )
         model = self.response_model(lora_request)
         if request.stream:
@@ -238,6 +287,63 @@ class OpenAIServingChat(OpenAIServing):
                 self._stream(request, request_id, model, stream), media_type="text/event-stream"
             )
         return await self._full(request, request_id, model, stream)
+
+    def _constraint_values(self, request: ChatCompletionRequest, values: dict) -> str | None:
+        """Set the request's constraint in ``values``; returns the request field it came from
+        (for the engine's errors), None when unconstrained.
+
+        A named or "required" tool choice constrains the reply to a JSON schema built from the
+        tools (vLLM's rule), and refuses a second constraint from the request (vLLM refuses
+        it for a named choice and overrides it for "required"; here neither is silently
+        dropped). With --reasoning-parser any constraint starts after the reasoning. A parser
+        whose markers are special tokens needs them kept in the text.
+
+        Raises:
+            BadRequestError: a tool choice and a structured-output field together.
+        """
+        field = structured_outputs_from_request(request)[1]
+        schema = tool_constraint_schema(request)
+        if schema is not None:
+            if field is not None:
+                raise BadRequestError(
+                    "You can only either use constraints for structured outputs or tools, not "
+                    f'both: {field} cannot be combined with a named or "required" tool_choice',
+                    param=field,
+                )
+            values["structured_outputs"] = StructuredOutputsParams(json=schema)
+            field = "tools"
+        constraint = values.get("structured_outputs")
+        end_ids = self.reasoning_end_token_ids(request) if constraint is not None else None
+        if end_ids is not None and constraint.reasoning_end_token_ids is None:
+            constraint.reasoning_end_token_ids = end_ids
+        parser = tool_mode_parser(request, self._auto_tool_parser, self.tokenizer)
+        if parser is not None and parser.keeps_special_tokens:
+            values["skip_special_tokens"] = False
+        return field
+
+    def reasoning_end_token_ids(self, request: ChatCompletionRequest) -> list[int] | None:
+        """With --reasoning-parser, the ids that end the reasoning: a constraint starts after
+        them (None: no parser, or the request switched thinking off)."""
+        if self.reasoning_parser is None:
+            return None
+        parser = self.reasoning_parser(
+            self.tokenizer, chat_template_kwargs=request.chat_template_kwargs
+        )
+        if not parser.missing_end_is_reasoning():
+            return None
+        return parser.end_token_ids()
+
+    def choice_parser(self, request: ChatCompletionRequest) -> ChatChoiceParser | None:
+        """A fresh reader of one choice's reply; None when the reply is plain content."""
+        tool_parser = tool_mode_parser(request, self._auto_tool_parser, self.tokenizer)
+        reasoning_parser = None
+        if self.reasoning_parser is not None:
+            reasoning_parser = self.reasoning_parser(
+                self.tokenizer, chat_template_kwargs=request.chat_template_kwargs
+            )
+        if tool_parser is None and reasoning_parser is None:
+            return None
+        return ChatChoiceParser(request, tool_parser, reasoning_parser)
 
     def _logprobs(self, request, completion, start: int):
         if not request.logprobs or completion.logprobs is None:
@@ -272,17 +378,27 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             stream.close()
         echo = self._echo(request)
-        choices = [
-            ChatCompletionResponseChoice(
-                index=completion.index,
-                message=ChatMessage(role="assistant", content=echo + completion.text),
-                logprobs=self._logprobs(request, completion, 0),
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
-                token_ids=list(completion.token_ids) if request.return_token_ids else None,
+        choices = []
+        for completion in final.outputs:
+            parser = self.choice_parser(request)
+            finish_reason = completion.finish_reason
+            if parser is None:
+                message = ChatMessage(role="assistant", content=completion.text)
+            else:
+                message = parser.message(completion.text)
+                finish_reason = parser.finish_reason(finish_reason)
+            if echo:
+                message.content = echo + (message.content or "")
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=completion.index,
+                    message=message,
+                    logprobs=self._logprobs(request, completion, 0),
+                    finish_reason=finish_reason,
+                    stop_reason=completion.stop_reason,
+                    token_ids=list(completion.token_ids) if request.return_token_ids else None,
+                )
             )
-            for completion in final.outputs
-        ]
         return ChatCompletionResponse(
             id=request_id,
             model=model,
@@ -311,9 +427,9 @@ class OpenAIServingChat(OpenAIServing):
                 id=request_id, created=created, model=model, choices=choices
             )
             data = response.model_dump()
-            for choice in data["choices"]:
+            for choice, model_choice in zip(data["choices"], choices, strict=True):
                 # A delta carries only what it adds (role first, then content), as OpenAI's do.
-                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+                choice["delta"] = model_choice.delta.model_dump(exclude_none=True)
                 if not return_ids:
                     del choice["token_ids"]
             if usage is None:
@@ -340,6 +456,7 @@ class OpenAIServingChat(OpenAIServing):
         echo = self._echo(request)
         final = None
         head = content_chunk_head(request_id, created, model)
+        parsers: dict[int, ChatChoiceParser | None] = {}
         try:
             first_output = None
             if continuous_usage or return_ids:
@@ -382,14 +499,39 @@ class OpenAIServingChat(OpenAIServing):
                     delta = text[len(previous) :]
                     if not delta and not finished:
                         continue
-                    logprobs = self._logprobs(request, completion, sent_tokens.get(index, 0))
+                    tokens_sent = sent_tokens.get(index, 0)
+                    logprobs = self._logprobs(request, completion, tokens_sent)
+                    new_ids = list(completion.token_ids[tokens_sent:]) if return_ids else None
                     sent_text[index] = text
+                    sent_tokens[index] = len(completion.token_ids)
                     if finished:
                         done.add(index)
+                    if index not in parsers:
+                        parsers[index] = self.choice_parser(request)
+                    parser = parsers[index]
+                    if parser is not None:
+                        message = parser.delta(text, final=finished)
+                        if first and echo:
+                            message = message or DeltaMessage()
+                            message.content = echo + (message.content or "")
+                        finish_reason = parser.finish_reason(completion.finish_reason)
+                        if message is None and not finished:
+                            # Held back (a possible marker): its logprobs and token ids go
+                            # with the next.
+                            sent_tokens[index] = tokens_sent
+                            continue
+                        choice = ChatCompletionResponseStreamChoice(
+                            index=index,
+                            delta=message or DeltaMessage(),
+                            logprobs=logprobs,
+                            finish_reason=finish_reason,
+                            stop_reason=completion.stop_reason,
+                            token_ids=new_ids,
+                        )
+                        usage = running_usage(output, len(completion.token_ids))
+                        yield chunk([choice], usage if continuous_usage else None)
+                        continue
                     content = (echo if first else "") + delta
-                    start = sent_tokens.get(index, 0)
-                    new_ids = list(completion.token_ids[start:]) if return_ids else None
-                    sent_tokens[index] = len(completion.token_ids)
                     if logprobs is None and plain:  # the per-token common case
                         yield content_chunk_sse(
                             head, index, content, completion.finish_reason,

@@ -42,6 +42,7 @@ from jaxpaged.entrypoints.openai.serving_engine import (
     sse_error,
     stable_text,
 )
+from jaxpaged.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from jaxpaged.outputs import RequestOutput
 
 
@@ -93,7 +94,14 @@ class OpenAIServingCompletion(OpenAIServing):
             values["prompt_logprobs"] = prompt_logprobs
             params.append(self.sampling_params(values))
         request_id = self.response_id("cmpl", request)
-        streams = await self.add_requests(request_id, prompts, params, arrival_time, lora_request)
+        streams = await self.add_requests(
+            request_id,
+            prompts,
+            params,
+            arrival_time,
+            lora_request,
+            structured_field=structured_outputs_from_request(request)[1],
+        )
         model = self.response_model(lora_request)
         if request.stream:
             return StreamingResponse(
@@ -362,8 +370,16 @@ def _check_beam_search_fields(request: CompletionRequest) -> None:
     """Refuse what beam search would ignore (vLLM ignores it; streaming it refuses too).
 
     Raises:
-        BadRequestError: naming the field.
+        BadRequestError: naming the field (a structured-outputs constraint too: beam search
+            is unconstrained).
     """
+    field = structured_outputs_from_request(request)[1]
+    if field is not None:
+        raise BadRequestError(
+            f"{field} is not supported with beam search (use_beam_search): beam search does "
+            "not take structured-output constraints",
+            param=field,
+        )
     for name, neutral in _BEAM_SEARCH_UNUSED.items():
         if name not in request.model_fields_set:
             continue

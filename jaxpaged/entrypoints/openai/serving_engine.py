@@ -37,6 +37,10 @@ from jaxpaged.entrypoints.openai.protocol import (
     PromptTokenUsageInfo,
     UsageInfo,
 )
+from jaxpaged.entrypoints.openai.structured_outputs import (
+    rename_error,
+    structured_outputs_from_request,
+)
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
@@ -60,13 +64,6 @@ _NEUTRAL_VALUES = {
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (False,),  # completions serve it (serving_completion), chat does not
     "length_penalty": (1.0,),  # only beam search reads it
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
-    "guided_whitespace_pattern": (None,),
-    "structural_tag": (None,),
     "priority": (0,),  # the scheduler is first-come first-served
     "logits_processors": (None, []),
     "cache_salt": (None,),
@@ -86,14 +83,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "media_io_kwargs": (None, {}),
     "prompt_embeds": (None,),
     "suffix": (None,),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),  # without tools, "auto" calls none
-    "parallel_tool_calls": (None, False),
     "reasoning_effort": (None,),
-    "include_reasoning": (True,),  # no reasoning parser: all output is content
 }
-# Structured outputs: one message for the family.
-_GUIDED = {name for name in UNSUPPORTED_FIELDS if name.startswith("guided_")} | {"structural_tag"}
 # Texts longer than this (characters) are tokenized in a worker thread, so that a multi-MB
 # prompt never stalls the event loop (tokenizers releases the GIL while it encodes).
 _THREAD_TOKENIZE_CHARS = 4096
@@ -217,8 +208,7 @@ class OpenAIServing:
 
     def check_supported(self, request, allowed: tuple[str, ...] = ()) -> None:
         """Refuse every field of ``UNSUPPORTED_FIELDS`` (but ``allowed``, which the caller
-        serves) the request sets to a value other than a neutral one, and a
-        ``response_format`` other than text.
+        serves) the request sets to a value other than a neutral one.
 
         Raises:
             BadRequestError: naming the field and the value.
@@ -232,18 +222,10 @@ class OpenAIServing:
             value = getattr(request, name)
             if any(value == n and type(value) is type(n) for n in neutral) or value is None:
                 continue
-            what = "structured outputs (guided decoding) are" if name in _GUIDED else f"{name} is"
             raise BadRequestError(
-                f"{what} not supported by this server: {name} must be one of "
+                f"{name} is not supported by this server: {name} must be one of "
                 f"{list(neutral)}, got {_short(value)}",
                 param=name,
-            )
-        response_type = (request.response_format or {}).get("type", "text")
-        if response_type != "text":
-            raise BadRequestError(
-                f"response_format type {response_type!r} is not supported; only 'text' "
-                "(structured outputs are not implemented)",
-                param="response_format",
             )
 
     def response_id(self, prefix: str, request) -> str:
@@ -338,6 +320,8 @@ class OpenAIServing:
             bad_words=request.bad_words or None,
             prompt_logprobs=request.prompt_logprobs,
             logprob_token_ids=request.logprob_token_ids,
+            # structured_outputs / guided_* / response_format (400 naming a bad or second one)
+            structured_outputs=structured_outputs_from_request(request)[0],
         )
 
     async def add_requests(
@@ -347,11 +331,14 @@ class OpenAIServing:
         params: Sequence[SamplingParams],
         arrival_time: float,
         lora_request=None,
+        *,
+        structured_field: str | None = None,
     ) -> list[RequestStream]:
         """Submit one engine request per prompt (ids ``<request_id>-<i>``); all or none.
 
         Raises whatever ``EngineCoreClient.add_request`` raises, after closing the streams
-        already opened.
+        already opened; the engine's refusal of a constraint (a schema, regex or grammar the
+        backend cannot compile) names ``structured_field``, the request field that carried it.
         """
         streams: list[RequestStream] = []
         lora = {} if lora_request is None else {"lora_request": lora_request}
@@ -363,9 +350,12 @@ class OpenAIServing:
                         f"{request_id}-{i}", prompt, p, arrival_time=arrival_time, **lora
                     )
                 )
-        except BaseException:
+        except BaseException as error:
             for stream in streams:
                 stream.close()
+            renamed = rename_error(error, structured_field)
+            if renamed is not error:
+                raise renamed from None
             raise
         return streams
 

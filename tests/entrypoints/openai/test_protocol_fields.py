@@ -59,18 +59,12 @@ def test_every_vllm_request_field_is_declared(model, fields):
     [
         ("chat/completions", "use_beam_search", True),
         ("completions", "length_penalty", 0.5),
-        ("completions", "guided_json", {"type": "object"}),
-        ("completions", "guided_choice", ["yes", "no"]),
         ("completions", "priority", 1),
         ("completions", "logits_processors", ["my.Processor"]),
         ("completions", "cache_salt", "salt"),
         ("completions", "prompt_embeds", "AAAA"),
         ("completions", "suffix", "end"),
-        ("completions", "response_format", {"type": "json_object"}),
-        ("chat/completions", "guided_regex", "[a-z]+"),
-        ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("chat/completions", "reasoning_effort", "low"),
-        ("chat/completions", "include_reasoning", False),
         ("chat/completions", "vllm_xargs", {"k": 1}),
     ],
 )
@@ -85,7 +79,7 @@ def test_unsupported_fields_are_a_400_naming_them(http, route, field, value):
 
 def test_neutral_values_of_unsupported_fields_are_accepted(http):
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, "temperature": 0.0}
-    body |= {"use_beam_search": False, "priority": 0, "length_penalty": 1.0, "guided_json": None}
+    body |= {"use_beam_search": False, "priority": 0, "length_penalty": 1.0}
     assert http.post("/v1/completions", json=body).status_code == 200
 
 

@@ -112,3 +112,38 @@ def test_a_request_template_gets_the_tokenizers_special_tokens_and_continues_a_m
     # The BOS the template writes, then the text, cut right after the final message.
     assert rendered["tokens"][0] == 1 and rendered["token_strs"][-1].endswith("was")
     assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_a_request_template_sees_tools_and_parsed_tool_call_arguments(http, stories_llm):
+    from tests.entrypoints.openai.tool_template import TOOL_CHAT_TEMPLATE, WEATHER_TOOL
+
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    body = {
+        "model": MODEL_NAME,
+        "messages": messages,
+        "tools": [WEATHER_TOOL],
+        "chat_template": TOOL_CHAT_TEMPLATE,
+    }
+    tokens = http.post("/tokenize", json=body).json()["tokens"]
+    # transformers in process, the arguments parsed to a dict (what vLLM hands templates).
+    parsed_call = {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    parsed = [messages[0], {**messages[1], "tool_calls": [parsed_call]}, messages[2]]
+    tokenizer = stories_llm.get_tokenizer()
+    expected = tokenizer.apply_chat_template(
+        parsed,
+        chat_template=TOOL_CHAT_TEMPLATE,
+        tools=[WEATHER_TOOL],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert "tools: get_weather" in expected and '{"city": "Paris"}' in expected
+    assert tokens == tokenizer.encode(expected, add_special_tokens=False)

@@ -387,6 +387,10 @@ def test_completion_beam_search_returns_the_offline_beams_best_first(http, stori
     assert [c["text"] for c in two["choices"]] == [c["text"] for c in choices] * 2
     _error(http.post("/v1/completions", json=body | {"stream": True}), "stream", "beam search")
     _error(http.post("/v1/completions", json=body | {"top_p": 0.5}), "top_p", "beam search")
+    # A structured-output constraint would be ignored by beam search: refused by name.
+    constrained = body | {"response_format": {"type": "json_object"}}
+    _error(http.post("/v1/completions", json=constrained), "response_format", "beam search")
+    _error(http.post("/v1/completions", json=body | {"guided_regex": "a+"}), "guided_regex")
     _error(http.post("/v1/completions", json=_body(length_penalty=0.5)), "length_penalty")
     chat = _chat(max_tokens=2, use_beam_search=True)
     _error(http.post("/v1/chat/completions", json=chat), "use_beam_search")

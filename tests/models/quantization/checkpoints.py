@@ -63,8 +63,11 @@ def tiny_llama(path: str, seed: int = 0, **overrides) -> str:
     rng = np.random.default_rng(seed)
     hidden, inter, head_dim = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
-    shapes = {"model.embed_tokens.weight": (c["vocab_size"], hidden),
-              "model.norm.weight": (hidden,), "lm_head.weight": (c["vocab_size"], hidden)}
+    shapes = {
+        "model.embed_tokens.weight": (c["vocab_size"], hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (c["vocab_size"], hidden),
+    }
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
         shapes.update({

@@ -76,7 +76,7 @@ def compare(reference, quantized, prompts: list[list[int]], num_new: int) -> Qua
     runs = {}
     for key, runner in runners.items():
         free = greedy(runner, prompts, num_new)
-        runs[key] = [s.tokens[len(p):] + [s.next_token] for s, p in zip(free, prompts)]  # noqa: B905
+        runs[key] = [s.tokens[len(p) :] + [s.next_token] for s, p in zip(free, prompts)]  # noqa: B905
     forced_prompts = [p + c[:-1] for p, c in zip(prompts, runs["ref"], strict=True)]
     logits = {}
     for key, runner in runners.items():  # the same token bucket: no new compilation

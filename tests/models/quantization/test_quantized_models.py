@@ -140,8 +140,9 @@ def test_activation_quantized_formats_stay_within_their_bound(kind, tiny_dir, tm
 # stories260k on golden.json's prompts, 16 new tokens (docs/quantization.md has the 32-token
 # table; measured here: fp8 agreement 0.9625, mean |dlogprob| 0.044; int8 1.0, 0.0098).
 # Bounds: ~2x the measured drift, one more flip in 80 positions for fp8.
-@pytest.mark.parametrize("method,min_agreement,max_dlogprob", [("fp8", 0.95, 0.1),
-                                                               ("int8", 0.98, 0.025)])
+@pytest.mark.parametrize(
+    "method,min_agreement,max_dlogprob", [("fp8", 0.95, 0.1), ("int8", 0.98, 0.025)]
+)
 def test_stories260k_fp8_and_int8_quality_against_float32(method, min_agreement, max_dlogprob):
     pytest.importorskip("compressed_tensors")
     quality = stories260k_quality(method, num_new=16)

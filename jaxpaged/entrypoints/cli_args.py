@@ -1,0 +1,265 @@
+"""Flag definitions shared by the entry points: one ``--flag`` per ``EngineArgs`` field, the
+flags of ``jaxpaged serve``, and the ``run_server`` keywords they make.
+
+``jaxpaged`` (``entrypoints/cli.py``), ``python -m jaxpaged.entrypoints.openai.api_server`` and
+the benchmarks import this module; it imports no entry point, so imports point one way:
+``cli`` -> ``openai/api_server`` -> ``openai/multi_api_server``, all of them -> this module.
+Environment variables are read in ``entrypoints/env.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+
+from jaxpaged.config import EngineArgs
+from jaxpaged.engine.dp_balancer import DP_ROUTING_CHOICES
+from jaxpaged.entrypoints.env import api_key_from_env
+from jaxpaged.metrics import DEFAULT_METRICS_PREFIX, METRICS_PREFIX_CHOICES
+
+# vLLM's short aliases of engine flags.
+_SHORT_FLAGS = {"quantization": ("-q",)}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """Add one ``--flag`` per ``EngineArgs`` field, with the field's help text and default."""
+    group = parser.add_argument_group("engine arguments")
+    hints = typing.get_type_hints(EngineArgs)
+    for field in dataclasses.fields(EngineArgs):
+        if field.name in skip:
+            continue
+        flags = ["--" + field.name.replace("_", "-"), *_SHORT_FLAGS.get(field.name, ())]
+        base = _base_type(hints[field.name])
+        help_text = f"{field.metadata.get('help', '')} (default: {field.default})"
+        if base is bool:
+            group.add_argument(
+                *flags, action=argparse.BooleanOptionalAction, default=field.default,
+                help=help_text,
+            )  # fmt: skip
+        else:
+            group.add_argument(*flags, type=base, default=field.default, help=help_text)
+
+
+def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
+    """The ``EngineArgs`` of the engine flags in ``namespace`` (fields it lacks keep their
+    defaults).
+
+    Raises:
+        ValueError: from ``EngineArgs`` validation, naming the field.
+    """
+    values = {
+        f.name: getattr(namespace, f.name)
+        for f in dataclasses.fields(EngineArgs)
+        if hasattr(namespace, f.name)
+    }
+    return EngineArgs(**values)
+
+
+def _base_type(hint) -> type:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0]
+    return hint
+
+
+def add_serve_args(serve: argparse.ArgumentParser) -> None:
+    """Add the flags of ``jaxpaged serve`` (server options, then every engine argument) to
+    ``serve``."""
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="local HF model directory; omitted: the embedded stories260k (same as --model)",
+    )
+    serve.add_argument(
+        "--host", default=None, help="address to listen on (default: all interfaces)"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients send as `model`; the first is echoed in responses and "
+        "labels the metrics (default: MODEL, or stories260k for the embedded model)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* (default: env JAXPAGED_API_KEY, "
+        "else no key)",
+    )
+    serve.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template file path or inline Jinja, replacing the tokenizer's",
+    )
+    serve.add_argument(
+        "--max-num-queued-requests",
+        type=int,
+        default=None,
+        help="most requests that may wait for a batch slot; more get HTTP 429 "
+        "(default: unbounded, as vLLM)",
+    )
+    serve.add_argument(
+        "--metrics-prefix",
+        default=DEFAULT_METRICS_PREFIX,
+        choices=METRICS_PREFIX_CHOICES,
+        help="/metrics name prefix: jaxpaged:<name>, or vllm:<name> for gateways, autoscalers "
+        "and dashboards built for vLLM (default: jaxpaged)",
+    )
+    serve.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine cores, each with its own KV cache and scheduler on its own device group of "
+        "--tensor-parallel-size devices, behind this one API server (default: 1)",
+    )
+    serve.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=1,
+        help="API server processes (HTTP, tokenization, detokenization, streaming) in front of "
+        "the one engine core, sharing one listening port; more keep up with a fast GPU; "
+        ">= 1, and 1 with --data-parallel-size > 1 (default: 1)",
+    )
+    serve.add_argument(
+        "--dp-routing",
+        default="least_loaded",
+        choices=DP_ROUTING_CHOICES,
+        help="how the API server picks an engine core: least_loaded (fewest outstanding "
+        "requests) or prefix (the hash of the prompt's first full KV block, so requests that "
+        "share a prefix share a prefix cache) (default: least_loaded)",
+    )
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help="LoRA adapters served at start-up (with --enable-lora): name=path, or JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}; clients select one by `model`',
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" on /v1/chat/completions: the --tool-call-parser finds '
+        'tool calls in the model\'s text (default: off; "auto" is then a 400)',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="the model family's tool-call format: hermes, llama3_json, mistral or pythonic "
+        "(docs/tool_calling.md)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split the reply's <think>...</think> into the message's reasoning field: "
+        "deepseek_r1 or qwen3 (default: none, all text is content)",
+    )
+    for flag, help_text in SERVE_SWITCHES.items():
+        serve.add_argument(flag, action="store_true", help=help_text)
+    serve.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level (default: info)",
+    )
+    add_engine_args(serve)
+
+
+# vLLM's on/off serving flags (all off by default) -> their help; each is a build_app keyword.
+SERVE_SWITCHES = {
+    "--return-tokens-as-token-ids": "write logprob tokens as 'token_id:<id>' unless a request "
+    "sets return_tokens_as_token_ids (for tokens JSON cannot carry)",
+    "--enable-prompt-tokens-details": "add usage.prompt_tokens_details.cached_tokens (prompt "
+    "tokens read from the prefix cache) to responses",
+    "--enable-tokenizer-info-endpoint": "serve GET /tokenizer_info (the tokenizer's "
+    "configuration and chat template; off because it reveals the template)",
+    "--enable-server-load-tracking": "count generation requests in flight for GET /load "
+    "(otherwise it reports 0)",
+}
+
+
+def serve_options(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict:
+    """``run_server`` keywords from parsed ``serve`` flags. ``environ`` supplies
+    ``JAXPAGED_API_KEY``, the key when ``--api-key`` is not given (None: this process's
+    environment, through ``env.api_key_from_env``).
+
+    Raises:
+        ValueError: MODEL and --model disagree, a bad --max-num-queued-requests,
+            --data-parallel-size or --api-server-count, bad --lora-modules
+            (``check_lora_modules``), or an unknown --tool-call-parser / --reasoning-parser.
+    """
+    from jaxpaged.config import DEFAULT_MODEL_NAME
+    from jaxpaged.entrypoints.openai.chat_tools import resolve_parsers
+    from jaxpaged.entrypoints.openai.serving_models import check_lora_modules, parse_lora_modules
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(
+            f"MODEL ({args.model_tag!r}) and --model ({args.model!r}) disagree; give one"
+        )
+    args.model = args.model_tag or args.model
+    if args.max_num_queued_requests is not None and args.max_num_queued_requests < 0:
+        raise ValueError(
+            f"--max-num-queued-requests must be >= 0, got {args.max_num_queued_requests}"
+        )
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    check_api_server_count(args.api_server_count, args.data_parallel_size)
+    # Before the engine core loads the model: an unknown parser name fails at once.
+    resolve_parsers(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
+    engine_args = engine_args_from(args)
+    env_api_key = api_key_from_env() if environ is None else environ.get("JAXPAGED_API_KEY")
+    served_model_names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    lora_modules = parse_lora_modules(args.lora_modules)
+    # Before the engine core loads the model, not after.
+    check_lora_modules(
+        lora_modules, engine_args.enable_lora, served_model_names, engine_args.max_lora_rank
+    )
+    return dict(
+        engine_args=engine_args,
+        host=args.host,
+        port=args.port,
+        served_model_names=served_model_names,
+        api_key=args.api_key or env_api_key or None,
+        chat_template=args.chat_template,
+        max_num_queued_requests=args.max_num_queued_requests,
+        metrics_prefix=args.metrics_prefix,
+        data_parallel_size=args.data_parallel_size,
+        dp_routing=args.dp_routing,
+        uvicorn_log_level=args.uvicorn_log_level,
+        lora_modules=lora_modules,
+        api_server_count=args.api_server_count,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        **{_switch_key(flag): getattr(args, _switch_key(flag)) for flag in SERVE_SWITCHES},
+    )
+
+
+def _switch_key(flag: str) -> str:
+    """``--enable-x-y`` -> ``enable_x_y`` (argparse's attribute and the build_app keyword)."""
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def check_api_server_count(api_server_count: int, data_parallel_size: int = 1) -> None:
+    """Refuse an ``--api-server-count`` below 1, or above 1 with ``--data-parallel-size`` > 1
+    (several API processes serve one engine core here).
+
+    Raises:
+        ValueError: naming the flag, the rule and the value.
+    """
+    if api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {api_server_count}")
+    if api_server_count > 1 and data_parallel_size > 1:
+        raise ValueError(
+            f"--api-server-count {api_server_count} needs --data-parallel-size 1 (several API "
+            f"processes share one engine core), got --data-parallel-size {data_parallel_size}"
+        )

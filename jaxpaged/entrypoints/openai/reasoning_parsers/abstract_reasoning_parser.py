@@ -1,0 +1,100 @@
+"""The reasoning parser interface: a thinking model's ``<think>…</think>`` out of its reply.
+
+vLLM's interface (``vllm/reasoning/abs_reasoning_parsers.py``): ``extract_reasoning`` on a
+finished text returns ``(reasoning, content)``; ``extract_reasoning_streaming`` returns the
+delta of each new piece. As with the tool parsers, a parser here implements one method,
+``split(text, final)``, and the streamed deltas are what each split adds to the previous one,
+so the concatenated stream equals the non-streamed split by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jaxpaged.entrypoints.openai.protocol import DeltaMessage
+from jaxpaged.entrypoints.openai.tool_parsers.abstract_tool_parser import hold_back_marker
+
+
+@dataclasses.dataclass
+class Split:
+    """``reasoning`` and ``content`` known so far (each a prefix of its final value);
+    ``ended``: the end-of-reasoning marker has been seen."""
+
+    reasoning: str
+    content: str
+    ended: bool
+
+
+class ReasoningParser:
+    """Base: the reasoning is the text between ``start_token`` and ``end_token``.
+
+    Args:
+        tokenizer: the server's tokenizer; ``end_token_ids`` encodes the end marker with it.
+        chat_template_kwargs: the request's; a parser may read switches such as Qwen3's
+            ``enable_thinking``.
+    """
+
+    start_token = "<think>"
+    end_token = "</think>"
+
+    def __init__(self, tokenizer=None, chat_template_kwargs: dict | None = None):
+        self.model_tokenizer = tokenizer
+        self.chat_template_kwargs = chat_template_kwargs or {}
+        self._sent_reasoning = 0
+        self._sent_content = 0
+
+    def missing_end_is_reasoning(self) -> bool:
+        """Whether a reply without ``end_token`` is all reasoning (True: it was cut off while
+        thinking) or all content (False: the model did not think)."""
+        return True
+
+    def split(self, text: str, *, final: bool) -> Split:
+        """Reasoning and content of ``text``; unless ``final``, a possible start of a marker at
+        the end is held back. A leading ``start_token`` is dropped (templates that put it in
+        the prompt leave only ``end_token`` in the reply)."""
+        if not final and self.start_token.startswith(text.lstrip()) and text.strip():
+            return Split("", "", False)  # may be the start marker: wait
+        before, found, after = text.partition(self.start_token)
+        if found and not before.strip():
+            text = after
+        reasoning, found, content = text.partition(self.end_token)
+        if found:
+            return Split(reasoning, content, True)
+        if not self.missing_end_is_reasoning():
+            return Split("", text if final else hold_back_marker(text, self.end_token), False)
+        return Split(text if final else hold_back_marker(text, self.end_token), "", False)
+
+    def extract_reasoning(self, model_output: str, request=None) -> tuple[str | None, str | None]:
+        """``(reasoning, content)`` of a finished reply, each None when empty."""
+        split = self.split(model_output, final=True)
+        return split.reasoning or None, split.content or None
+
+    def extract_reasoning_streaming(
+        self,
+        previous_text: str,
+        current_text: str,
+        delta_text: str,
+        previous_token_ids: Sequence[int] = (),
+        current_token_ids: Sequence[int] = (),
+        delta_token_ids: Sequence[int] = (),
+        *,
+        final: bool = False,
+    ) -> DeltaMessage | None:
+        """What ``current_text`` adds: ``reasoning`` and/or ``content``; None when nothing.
+        ``final`` (an extension of vLLM's signature): release held-back text."""
+        split = self.split(current_text, final=final)
+        reasoning = split.reasoning[self._sent_reasoning :]
+        content = split.content[self._sent_content :]
+        self._sent_reasoning = max(self._sent_reasoning, len(split.reasoning))
+        self._sent_content = max(self._sent_content, len(split.content))
+        if not reasoning and not content:
+            return None
+        return DeltaMessage(reasoning=reasoning or None, content=content or None)
+
+    def end_token_ids(self) -> list[int]:
+        """``end_token``'s token ids (one id where it is a special token): structured output
+        starts after the reply contains them."""
+        if self.model_tokenizer is None:
+            raise ValueError("a reasoning parser needs the tokenizer to find its end token")
+        return list(self.model_tokenizer.encode(self.end_token, add_special_tokens=False))

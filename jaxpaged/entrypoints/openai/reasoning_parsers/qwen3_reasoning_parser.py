@@ -1,0 +1,18 @@
+"""``qwen3``: Qwen3 thinking models.
+
+Format (Qwen3's chat template; vLLM's ``qwen3_reasoning_parser.py``): ``<think>reasoning
+</think>content``, the ``<think>`` possibly in the prompt. The request's
+``chat_template_kwargs={"enable_thinking": false}`` switches thinking off: then a reply without
+``</think>`` is all content; with thinking on (the default) it is reasoning cut off.
+"""
+
+from __future__ import annotations
+
+from jaxpaged.entrypoints.openai.reasoning_parsers.abstract_reasoning_parser import (
+    ReasoningParser,
+)
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    def missing_end_is_reasoning(self) -> bool:
+        return self.chat_template_kwargs.get("enable_thinking", True) is not False

@@ -1,0 +1,417 @@
+"""Tool calls and reasoning through ``OpenAIServingChat`` with each parser, fed by a scripted
+engine that replies with a fixed text in the parser's documented format (the tiny test model
+never writes such text by itself): the whole response, the streamed one reassembled, the
+rendered prompt, the sampling values, and the request checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from jaxpaged.config import default_model_path
+from jaxpaged.entrypoints.openai.chat_tools import tool_constraint_schema
+from jaxpaged.entrypoints.openai.errors import BadRequestError
+from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest
+from jaxpaged.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+from jaxpaged.entrypoints.openai.serving_chat import OpenAIServingChat
+from jaxpaged.entrypoints.openai.tool_parsers import get_tool_parser
+from jaxpaged.outputs import CompletionOutput, RequestOutput
+from tests.entrypoints.openai.tool_parsers.streaming import pieces
+from tests.entrypoints.openai.tool_template import TIME_TOOL, TOOL_CHAT_TEMPLATE, WEATHER_TOOL
+
+CITY = {"city": "Paris", "days": 2}
+REPLIES = {  # parser -> (reply, content, calls)
+    "hermes": (
+        'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+        '\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}'
+        "</tool_call>",
+        "Checking.",
+        [("get_weather", CITY), ("get_time", {"zone": "Europe/Paris"})],
+    ),
+    "llama3_json": (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}',
+        None,
+        [("get_weather", CITY)],
+    ),
+    "mistral": (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]',
+        None,
+        [("get_weather", CITY)],
+    ),
+    "pythonic": ("[get_weather(city='Paris', days=2)]", None, [("get_weather", CITY)]),
+}
+
+
+class _Stream:
+    def __init__(self, outputs):
+        self._outputs = iter(outputs)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return next(self._outputs)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def close(self):
+        pass
+
+
+class _ScriptedEngine:
+    """Replies to every request with ``reply``, a few characters per step, then "stop"."""
+
+    def __init__(self, reply: str):
+        self.reply = reply
+        self.requests = []  # (prompt, params)
+
+    async def add_request(self, request_id, prompt, params, arrival_time=None):
+        self.requests.append((prompt, params))
+        steps = pieces(self.reply, 7)
+        outputs, text = [], ""
+        for n, piece in enumerate(steps):
+            text += piece
+            last = n == len(steps) - 1
+            completion = CompletionOutput(
+                0, text, list(range(n + 1)), finish_reason="stop" if last else None
+            )
+            outputs.append(
+                RequestOutput(request_id, prompt["prompt"], [1], [completion], finished=last)
+            )
+        return _Stream(outputs)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_path())
+
+
+def _chat(tokenizer, reply, *, tool_parser=None, reasoning_parser=None, auto=True):
+    engine = _ScriptedEngine(reply)
+    serving = OpenAIServingChat(
+        engine,
+        tokenizer,
+        ["m"],
+        4096,
+        chat_template=TOOL_CHAT_TEMPLATE,
+        enable_auto_tool_choice=auto and tool_parser is not None,
+        tool_parser=get_tool_parser(tool_parser) if tool_parser else None,
+        reasoning_parser=get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
+    )
+    serving.sampling_params = lambda values: values  # recorded as the engine's "params"
+    return serving, engine
+
+
+def _request(**fields):
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 50}
+    return ChatCompletionRequest(**(body | {"tools": [WEATHER_TOOL, TIME_TOOL]} | fields))
+
+
+def _run(serving, request):
+    return asyncio.run(serving.create_chat_completion(request))
+
+
+def _streamed(serving, request) -> tuple[dict, list[dict]]:
+    """(merged message, chunks) of a streamed response, merged as the openai client does."""
+
+    async def collect():
+        response = await serving.create_chat_completion(request)
+        return [chunk async for chunk in response.body_iterator]
+
+    events = [e.removeprefix("data: ").strip() for e in asyncio.run(collect())]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    message = {"content": "", "reasoning": "", "tool_calls": [], "finish_reason": None}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        delta = choice["delta"]
+        message["content"] += delta.get("content") or ""
+        message["reasoning"] += delta.get("reasoning") or ""
+        for call in delta.get("tool_calls") or ():
+            if call["index"] == len(message["tool_calls"]):
+                assert set(call) == {"index", "id", "type", "function"}, call
+                assert call["function"]["name"], call
+                message["tool_calls"].append(call | {"function": dict(call["function"])})
+            else:
+                assert set(call) == {"index", "function"} and set(call["function"]) == {
+                    "arguments"
+                }, call
+                message["tool_calls"][call["index"]]["function"]["arguments"] += call["function"][
+                    "arguments"
+                ]
+        message["finish_reason"] = choice["finish_reason"] or message["finish_reason"]
+    return message, chunks
+
+
+def _calls(tool_calls):
+    return [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls]
+
+
+@pytest.mark.parametrize("parser", sorted(REPLIES))
+def test_auto_tool_calls_whole_and_streamed_with_each_parser(tokenizer, parser):
+    reply, content, calls = REPLIES[parser]
+    serving, engine = _chat(tokenizer, reply, tool_parser=parser)
+    response = _run(serving, _request(tool_choice="auto"))
+    (choice,) = response.choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == content
+    assert _calls(choice.message.tool_calls) == calls
+    assert all(c.id.startswith("chatcmpl-tool-") for c in choice.message.tool_calls)
+    # Special-token markers ([TOOL_CALLS], <|python_tag|>) must survive detokenization.
+    assert engine.requests[0][1]["skip_special_tokens"] is not (parser != "pythonic")
+
+    message, _ = _streamed(serving, _request(tool_choice="auto", stream=True))
+    assert message["finish_reason"] == "tool_calls"
+    assert message["content"] == (content or "")
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in message["tool_calls"]
+    ] == calls
+    assert [c["index"] for c in message["tool_calls"]] == list(range(len(calls)))
+
+
+def test_auto_without_a_call_in_the_text_is_plain_content(tokenizer):
+    serving, _ = _chat(tokenizer, "It is sunny in Paris.", tool_parser="hermes")
+    (choice,) = _run(serving, _request()).choices  # tools without tool_choice: "auto"
+    assert choice.finish_reason == "stop"
+    assert choice.message.content == "It is sunny in Paris." and choice.message.tool_calls == []
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(tokenizer):
+    reply, _, calls = REPLIES["hermes"]
+    serving, _ = _chat(tokenizer, reply, tool_parser="hermes")
+    (choice,) = _run(serving, _request(parallel_tool_calls=False)).choices
+    assert _calls(choice.message.tool_calls) == calls[:1]
+    message, _ = _streamed(serving, _request(parallel_tool_calls=False, stream=True))
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+
+
+def test_tool_choice_none_leaves_calls_in_the_text(tokenizer):
+    reply = REPLIES["hermes"][0]
+    serving, _ = _chat(tokenizer, reply, tool_parser="hermes")
+    (choice,) = _run(serving, _request(tool_choice="none")).choices
+    assert choice.message.content == reply and choice.message.tool_calls == []
+    assert choice.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_is_split_before_tool_calls_are_read(tokenizer, stream):
+    reply = (
+        "<think>The user wants weather; call the tool.</think>\n"
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>'
+    )
+    serving, _ = _chat(tokenizer, reply, tool_parser="hermes", reasoning_parser="qwen3")
+    if stream:
+        message, chunks = _streamed(serving, _request(stream=True))
+        assert message["reasoning"] == "The user wants weather; call the tool."
+        assert message["content"] == "\n"
+        assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == CITY
+        assert message["finish_reason"] == "tool_calls"
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    else:
+        (choice,) = _run(serving, _request()).choices
+        assert choice.message.reasoning == "The user wants weather; call the tool."
+        assert choice.message.content == "\n"
+        assert _calls(choice.message.tool_calls) == [("get_weather", CITY)]
+        assert choice.finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_reasoning_false_drops_the_reasoning(tokenizer, stream):
+    serving, _ = _chat(tokenizer, "<think>hmm</think>Hello", reasoning_parser="deepseek_r1")
+    request = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "Hi"}], include_reasoning=False, stream=stream
+    )
+    if stream:
+        message, _ = _streamed(serving, request)
+        assert (message["reasoning"], message["content"]) == ("", "Hello")
+    else:
+        (choice,) = _run(serving, request).choices
+        assert (choice.message.reasoning, choice.message.content) == (None, "Hello")
+
+
+def test_tools_tool_calls_and_tool_results_render_through_the_template(tokenizer):
+    serving, engine = _chat(tokenizer, "Sunny.", tool_parser="hermes")
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"},
+    ]
+    _run(serving, _request(messages=messages, tools=[WEATHER_TOOL]))
+    prompt = engine.requests[0][0]["prompt"]
+    parameters = json.dumps(WEATHER_TOOL["function"]["parameters"])
+    assert prompt == (
+        f"tools: get_weather{parameters}\n"
+        "user: Weather?\n"
+        'assistant calls: get_weather{"city": "Oslo", "days": 1}\n'  # arguments as an object
+        "tool[call_1]: -3 C\n"
+        "assistant:"
+    )
+
+
+def test_auto_without_the_flag_is_a_400_naming_tool_choice(tokenizer):
+    serving, _ = _chat(tokenizer, "x", tool_parser="hermes", auto=False)
+    with pytest.raises(BadRequestError) as error:
+        _run(serving, _request(tool_choice="auto"))
+    assert error.value.param == "tool_choice"
+    assert '"auto" tool choice requires --enable-auto-tool-choice' in str(error.value)
+
+
+def test_parameters_that_are_not_a_json_schema_are_a_400_naming_them(tokenizer):
+    serving, _ = _chat(tokenizer, "x", tool_parser="hermes")
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
+    with pytest.raises(BadRequestError) as error:
+        _run(serving, _request(tools=[WEATHER_TOOL, bad]))
+    assert error.value.param == "tools.1.function.parameters"
+
+
+def test_constraint_schema_of_named_and_required_choices():
+    named = _request(tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert tool_constraint_schema(named) == TIME_TOOL["function"]["parameters"]
+    assert tool_constraint_schema(_request(tool_choice="auto")) is None
+    schema = tool_constraint_schema(_request(tool_choice="required"))
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]] == [
+        ["get_weather"],
+        ["get_time"],
+    ]
+    single = tool_constraint_schema(_request(tool_choice="required", parallel_tool_calls=False))
+    assert single["maxItems"] == 1
+
+
+def test_required_schema_lifts_defs_to_the_root_and_refuses_conflicting_ones():
+    shared = {"Unit": {"enum": ["C", "F"]}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "t",
+            "parameters": {"type": "object", "properties": {"u": {"$ref": "#/$defs/Unit"}}}
+            | {"$defs": shared},
+        },
+    }
+    schema = tool_constraint_schema(_request(tools=[tool], tool_choice="required"))
+    assert schema["$defs"] == shared
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    other = json.loads(json.dumps(tool))
+    other["function"]["name"] = "u"
+    other["function"]["parameters"]["$defs"]["Unit"] = {"enum": ["K"]}
+    with pytest.raises(BadRequestError) as error:
+        tool_constraint_schema(_request(tools=[tool, other], tool_choice="required"))
+    assert error.value.param == "tools.1.function.parameters"
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+REQUIRED_REPLY = (
+    '[{"name": "get_weather", "parameters": {"city": "Rome", "days": 3}}, '
+    '{"name": "get_time", "parameters": {"zone": "Europe/Rome"}}]'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_choice_constrains_to_the_parameters_and_finishes_stop(tokenizer, stream):
+    serving, engine = _chat(tokenizer, '{"city": "Oslo", "days": 1}')
+    request = _request(tool_choice=NAMED, stream=stream)
+    if stream:
+        message, _ = _streamed(serving, request)
+        ((name, arguments),) = [
+            (c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]
+        ]
+        finish_reason, content = message["finish_reason"], message["content"]
+    else:
+        (choice,) = _run(serving, request).choices
+        ((name, arguments),) = [
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+        ]
+        finish_reason, content = choice.finish_reason, choice.message.content
+    assert (name, json.loads(arguments)) == ("get_weather", {"city": "Oslo", "days": 1})
+    assert finish_reason == "stop" and content == ""  # OpenAI's and vLLM's convention
+    params = engine.requests[0][1]
+    assert params["structured_outputs"].json == WEATHER_TOOL["function"]["parameters"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_choice_constrains_to_a_call_array_and_finishes_tool_calls(tokenizer, stream):
+    serving, engine = _chat(tokenizer, REQUIRED_REPLY)  # no auto parser: none is needed
+    request = _request(tool_choice="required", stream=stream)
+    if stream:
+        message, _ = _streamed(serving, request)
+        calls = [
+            (c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message["tool_calls"]
+        ]
+        finish_reason = message["finish_reason"]
+    else:
+        (choice,) = _run(serving, request).choices
+        calls, finish_reason = _calls(choice.message.tool_calls), choice.finish_reason
+    assert calls == [
+        ("get_weather", {"city": "Rome", "days": 3}),
+        ("get_time", {"zone": "Europe/Rome"}),
+    ]
+    assert finish_reason == "tool_calls"
+    schema = engine.requests[0][1]["structured_outputs"].json
+    assert schema == tool_constraint_schema(_request(tool_choice="required"))
+
+
+def test_with_a_reasoning_parser_the_constraint_starts_after_the_end_of_thinking(tokenizer):
+    reply = '<think>Oslo it is.</think>{"city": "Oslo", "days": 1}'
+    serving, engine = _chat(tokenizer, reply, reasoning_parser="deepseek_r1")
+    (choice,) = _run(serving, _request(tool_choice=NAMED)).choices
+    assert choice.message.reasoning == "Oslo it is."
+    assert _calls(choice.message.tool_calls) == [("get_weather", {"city": "Oslo", "days": 1})]
+    constraint = engine.requests[0][1]["structured_outputs"]
+    assert constraint.reasoning_end_token_ids == tokenizer.encode(
+        "</think>", add_special_tokens=False
+    )
+    # Thinking switched off (qwen3): the constraint starts at once.
+    serving, engine = _chat(tokenizer, '{"city": "Oslo", "days": 1}', reasoning_parser="qwen3")
+    _run(serving, _request(tool_choice=NAMED, chat_template_kwargs={"enable_thinking": False}))
+    assert engine.requests[0][1]["structured_outputs"].reasoning_end_token_ids is None
+
+
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"])
+def test_a_tool_choice_and_a_structured_output_field_together_are_a_400(tokenizer, tool_choice):
+    serving, engine = _chat(tokenizer, "x")
+    request = _request(tool_choice=tool_choice, response_format={"type": "json_object"})
+    with pytest.raises(BadRequestError) as error:
+        _run(serving, request)
+    assert error.value.param == "response_format" and "not both" in str(error.value)
+    assert engine.requests == []
+
+
+def test_with_a_reasoning_parser_a_response_format_also_waits_for_the_reasoning(tokenizer):
+    serving, engine = _chat(tokenizer, '<think>k</think>{"a": 1}', reasoning_parser="deepseek_r1")
+    request = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "Hi"}], response_format={"type": "json_object"}
+    )
+    (choice,) = _run(serving, request).choices
+    assert (choice.message.reasoning, choice.message.content) == ("k", '{"a": 1}')
+    constraint = engine.requests[0][1]["structured_outputs"]
+    assert constraint.json_object is True
+    assert constraint.reasoning_end_token_ids == tokenizer.encode(
+        "</think>", add_special_tokens=False
+    )
+
+
+def test_explicit_null_tool_choice_reads_as_auto_only_with_the_flag(tokenizer):
+    reply = REPLIES["hermes"][0]
+    serving, _ = _chat(tokenizer, reply, tool_parser="hermes")
+    (choice,) = _run(serving, _request(tool_choice=None)).choices
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather", "get_time"]
+    serving, _ = _chat(tokenizer, reply, tool_parser="hermes", auto=False)
+    (choice,) = _run(serving, _request(tool_choice=None)).choices
+    assert choice.message.content == reply and choice.message.tool_calls == []
