@@ -157,9 +157,11 @@ def start_server(
     enable_auto_tool_choice=False,
     tool_call_parser=None,
     reasoning_parser=None,
+    app_options=None,
     **kw,
 ):
-    """A ``RunningServer`` over a freshly spawned core (``spawn_client(**kw)``)."""
+    """A ``RunningServer`` over a freshly spawned core (``spawn_client(**kw)``);
+    ``app_options``: more ``build_app`` keywords (its on/off serving flags)."""
     from jaxpaged.config import default_model_path
     from jaxpaged.entrypoints.openai.api_server import build_app
 
@@ -175,6 +177,7 @@ def start_server(
         enable_auto_tool_choice=enable_auto_tool_choice,
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
+        **(app_options or {}),
     )
     return RunningServer(app)
 
