@@ -13,6 +13,8 @@
 # CACHE: the persistent compilation cache the rows share (default $OUT/xla-cache; identical
 # programs compile once, and a re-run compiles nothing: delete it to time compiles again).
 # LIMIT: seconds before the walk is stopped (default: none); its rows so far stay in the JSON.
+# WORKERS: processes sharing the GPU, each compiling its own rows (default 4; 1 with SMOKE=1 or
+# RESUME=1). The first GPU run (H100, one process) took ~30 s a row, mostly compiling on the host.
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/matrix_out}
@@ -24,7 +26,10 @@ EXTRA=""
 [ "${SMOKE:-0}" = 1 ] && EXTRA="--shrink"
 PY=$(command -v python3 || command -v python)
 # shellcheck disable=SC2086
-[ "${RESUME:-0}" = 1 ] && EXTRA="$EXTRA --resume"
+WORKERS=${WORKERS:-4}
+[ "${SMOKE:-0}" = 1 ] && WORKERS=1
+[ "${RESUME:-0}" = 1 ] && EXTRA="$EXTRA --resume" && WORKERS=1
+[ "$WORKERS" -gt 1 ] && EXTRA="$EXTRA --workers $WORKERS"
 ${LIMIT:+timeout $LIMIT} $PY -m jaxpaged.entrypoints.cli bench matrix --out "$OUT/matrix.json" \
     --compilation-cache-dir "$CACHE" $EXTRA ${ONLY:+--only $ONLY} 2> "$OUT/matrix.log" \
     | tee "$OUT/table.txt"

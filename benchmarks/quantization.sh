@@ -26,7 +26,7 @@ if [ "${1:-}" = "--smoke" ]; then
         --max-num-seqs 8 --max-num-batched-tokens 64 --async-scheduling"
     WORK="--num-prompts 8 --input-len 16 --output-len 8 --latency-input-len 16
         --latency-output-len 8 --latency-warmup 1 --latency-iters 1"
-    MICRO="--small --tokens 1,16 --iters 2"; LIMIT=300
+    MICRO="--tiny --budget-s 60"; LIMIT=300
     SHAREGPT=""  # its prompts are longer than the tiny config's context
 else
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv \
@@ -37,7 +37,7 @@ else
         --async-scheduling"
     WORK="--num-prompts 1000 --input-len 128 --output-len 128 --latency-input-len 128
         --latency-output-len 128 --latency-warmup 1 --latency-iters 3"
-    MICRO="--tokens 1,1024 --iters 10"; LIMIT=150; SHAREGPT=sharegpt-synthetic
+    MICRO="--budget-s 200"; LIMIT=150; SHAREGPT=sharegpt-synthetic
 fi
 ENGINE="$ENGINE --compilation-cache-dir $CACHE"
 
@@ -54,7 +54,7 @@ if [ "${SKIP_CHECKS:-0}" != 1 ]; then
     step kernel_tests 150 $PY -m pytest -q -rs tests/pallas_kernels/test_w4a16_matmul.py \
         tests/pallas_kernels/test_lora_bgmv.py tests/pallas_kernels/test_fp8_attention.py
     tail -4 "$OUT/kernel_tests.log"
-    step microbench 120 $PY scripts/benchmark_quantized_linear.py $MICRO --methods bf16,fp8,int8,awq,pallas
+    step microbench 240 $PY benchmarks/quant_kernels.py $MICRO --out "$OUT/quant_kernels.json"
     tail -14 "$OUT/microbench.log"
 fi
 

@@ -177,7 +177,9 @@ class EngineArgs:
     )
     master_port: int = _arg(29501, "Port of the JAX coordinator on master_addr, in [1, 65535].")
     max_logprobs: int = _arg(
-        20, "Most logprobs / prompt_logprobs a request may ask for per token, >= 0 (vLLM's cap)."
+        20,
+        "Most logprobs / prompt_logprobs a request may ask for per token, >= 0 (vLLM's cap); "
+        "-1 means the whole vocabulary (then requests may ask for -1 and logprob_token_ids).",
     )
     structured_outputs_config: str | dict | None = _arg(
         None,
@@ -350,8 +352,8 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
             )
-        if args.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be non-negative, got {args.max_logprobs}")
+        if args.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be non-negative or -1, got {args.max_logprobs}")
         if args.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {args.max_num_seqs}")
         if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
@@ -416,7 +418,12 @@ class EngineConfig:
                 load_format=args.load_format,
                 seed=args.seed,
                 hf_config_json=hf_config_json,
-                max_logprobs=args.max_logprobs,
+                # -1: the whole vocabulary (the step then ranks every token: vLLM's meaning).
+                max_logprobs=(
+                    int(hf_config_json.get("vocab_size", 0))
+                    if args.max_logprobs == -1
+                    else args.max_logprobs
+                ),
                 logprobs_mode=args.logprobs_mode,
                 quantization=args.quantization,
                 quant_config=quant_config,

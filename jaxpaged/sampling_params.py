@@ -221,7 +221,9 @@ class SamplingParams:
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the top token's; [0, 1], 0 means off."""
     seed: int | None = None
-    """Per-request seed: the same seed gives the same tokens whatever the batch; None or -1: engine's."""
+    """Per-request seed: the same seed gives the same tokens whatever the batch; None or -1: engine's.
+    Any 64-bit integer (vLLM's range, [-2**63, 2**64)); a negative one is stored as its unsigned
+    64-bit pattern."""
     stop: str | list[str] | None = None
     """Strings that end generation when they appear in the output text (not in it unless
     include_stop_str_in_output); stored as a list; empty strings are rejected."""
@@ -238,10 +240,17 @@ class SamplingParams:
     sampler suppresses EOS and stop_token_ids until then; [0, max_tokens]."""
     logprobs: int | None = None
     """Top log-probabilities to return per generated token, plus the sampled token's; >= 0 and
-    at most the engine's max_logprobs; None means none (and cumulative_logprob is None)."""
+    at most the engine's max_logprobs; -1 means the whole vocabulary (vLLM's; allowed when
+    max_logprobs is -1 or covers the vocabulary); None means none (and cumulative_logprob is
+    None)."""
     prompt_logprobs: int | None = None
-    """Top log-probabilities to return per prompt token, plus the prompt token's; >= 0 and at
-    most max_logprobs; None means none. Such requests bypass the prefix cache."""
+    """Top log-probabilities to return per prompt token, plus the prompt token's; as
+    ``logprobs`` (-1: the whole vocabulary); None means none. Such requests bypass the prefix
+    cache."""
+    logprob_token_ids: list[int] | None = None
+    """vLLM's: token ids whose logprobs each generated position returns (beside the sampled
+    token's) instead of the top ``logprobs``; non-empty; needs an engine whose max_logprobs
+    covers the vocabulary (-1), since the step computes the whole distribution's ranking."""
     logprobs_mode: str | None = None
     """What logprobs report: ``raw_logprobs`` (alias ``raw``: float32 log-softmax of the model's
     logits, before penalties, bias, temperature and top-k/top-p/min-p), ``raw_logits``,
@@ -274,6 +283,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.seed == -1:
             self.seed = None
+        elif isinstance(self.seed, int) and -(2**63) <= self.seed < 0:
+            self.seed += 2**64  # vLLM takes any int64; the sampler reads 64 bits
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = list(dict.fromkeys(self.logprob_token_ids))
         if self.top_k == -1:
             self.top_k = 0
         if self.logprobs is True:
@@ -346,12 +359,22 @@ class SamplingParams:
             raise SamplingParamsError(
                 "min_tokens", self.min_tokens, f"must be at most max_tokens ({self.max_tokens})"
             )
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
-            raise SamplingParamsError("seed", self.seed, "must be in [0, 2**63) or -1/None")
+        if self.seed is not None and not (
+            isinstance(self.seed, int)
+            and not isinstance(self.seed, bool)
+            and 0 <= self.seed < 2**64
+        ):
+            raise SamplingParamsError("seed", self.seed, "must be a 64-bit integer or None")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check_int(name, value, minimum=0, rule="must be non-negative or None")
+                _check_int(name, value, minimum=-1, rule="must be non-negative, -1 or None")
+        if self.logprob_token_ids is not None:
+            if not self.logprob_token_ids:
+                raise SamplingParamsError(
+                    "logprob_token_ids", self.logprob_token_ids, "must not be empty when given"
+                )
+            _check_token_ids("logprob_token_ids", self.logprob_token_ids)
         if not all(isinstance(s, str) for s in self.stop):
             raise SamplingParamsError("stop", self.stop, "must be a string or a list of strings")
         if any(not s for s in self.stop):
@@ -472,14 +495,21 @@ def _check_token_ids(name: str, ids: list) -> None:
 def _normalize_logit_bias(logit_bias) -> dict[int, float]:
     if not isinstance(logit_bias, dict):
         raise SamplingParamsError("logit_bias", logit_bias, "must be a dict {token_id: bias}")
+    bad_keys = []
+    for key in logit_bias:
+        try:
+            int(key)
+        except (TypeError, ValueError):
+            bad_keys.append(key)
+    if bad_keys:  # every bad key named, not only the first
+        raise SamplingParamsError(
+            "logit_bias",
+            bad_keys if len(bad_keys) > 1 else bad_keys[0],
+            "keys must be integer token ids (or int-like strings)",
+        )
     out = {}
     for key, bias in logit_bias.items():
-        try:
-            token_id = int(key)
-        except (TypeError, ValueError):
-            raise SamplingParamsError(
-                "logit_bias", key, "keys must be integer token ids (or int-like strings)"
-            ) from None
+        token_id = int(key)
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
             raise SamplingParamsError("logit_bias", {key: bias}, "values must be numbers")
         out[token_id] = min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, float(bias)))
@@ -489,24 +519,52 @@ def _normalize_logit_bias(logit_bias) -> dict[int, float]:
 def verify_for_model(params: SamplingParams, *, vocab_size: int, max_logprobs: int) -> None:
     """The checks that need the model: token ids inside the vocabulary and the logprobs cap.
 
+    Resolves, in place, ``logprobs`` / ``prompt_logprobs`` of -1 to ``vocab_size`` and, with
+    ``logprob_token_ids``, an unset ``logprobs`` to 0 (the step must rank the distribution);
+    a second call changes nothing.
+
     Raises:
         SamplingParamsError: naming the field, the limit and the value.
     """
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
-        if value is not None and value > max_logprobs:
+        if value == -1:
+            if max_logprobs < vocab_size:
+                raise SamplingParamsError(
+                    name,
+                    value,
+                    f"(the whole vocabulary, {vocab_size} tokens) needs the engine's "
+                    f"max_logprobs to cover the vocabulary (start it with --max-logprobs -1); "
+                    f"it is {max_logprobs}",
+                )
+            setattr(params, name, vocab_size)
+        elif value is not None and value > max_logprobs:
             raise SamplingParamsError(
                 name, value, f"must be at most the engine's max_logprobs ({max_logprobs})"
             )
+    if params.logprob_token_ids is not None:
+        if max_logprobs < vocab_size:
+            raise SamplingParamsError(
+                "logprob_token_ids",
+                params.logprob_token_ids,
+                f"needs the engine's max_logprobs to cover the vocabulary ({vocab_size} tokens; "
+                f"start it with --max-logprobs -1), it is {max_logprobs}",
+            )
+        if params.logprobs is None:
+            params.logprobs = 0
     checks = {
         "stop_token_ids": params.stop_token_ids,
         "allowed_token_ids": params.allowed_token_ids or [],
         "logit_bias": list(params.logit_bias or {}),
         "bad_words": params.bad_words_token_ids or [],
+        "logprob_token_ids": params.logprob_token_ids or [],
     }
     for name, ids in checks.items():
         bad = [t for t in ids if t >= vocab_size]
-        if bad:
+        if bad:  # every bad id named; "out of vocabulary" as vLLM words it (clients match it)
             raise SamplingParamsError(
-                name, bad[0], f"token ids must be below the vocabulary size ({vocab_size})"
+                name,
+                bad if len(bad) > 1 else bad[0],
+                f"has token ids out of vocabulary (they must be below the vocabulary size "
+                f"{vocab_size})",
             )

@@ -38,6 +38,23 @@ class PromptError(ValueError):
     parameter = "prompt"
 
 
+def check_prompt_text(text: str) -> None:
+    """Refuse a prompt string no UTF-8 can encode (a lone surrogate such as ``"\\ud800"``),
+    in the words the server's 400 uses.
+
+    Raises:
+        PromptError: naming the code point and its position.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        raise PromptError(
+            f"prompt holds a lone surrogate U+{code:04X} at character {error.start}, which is "
+            "not valid Unicode"
+        ) from None
+
+
 def is_token_id_list(ids) -> bool:
     """True when ``ids`` is a sequence of Python ints (bools are not token ids).
 
@@ -67,7 +84,10 @@ def check_prompt_vocab(ids: list[int], vocab_size: int) -> None:
         return
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        raise PromptError(  # "out of vocabulary": vLLM's words, which clients match
+            f"prompt token id {bad[0]} is out of vocabulary: outside the vocabulary "
+            f"[0, {vocab_size})"
+        )
 
 
 class SequenceStatus(enum.Enum):

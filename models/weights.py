@@ -28,6 +28,7 @@ import safetensors
 from flax import nnx
 
 from models.config_cache import read_cached_config, write_cached_config
+from models.config_checks import check_config_shapes
 from models.dtypes import DTYPES as _DTYPES
 from models.dummy_init import dummy_normal
 from models.merged_linear import MergedColumnParallelLinear
@@ -180,18 +181,37 @@ def _path_str(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
+def safe_open(file: str, framework: str):
+    """``safetensors.safe_open``, with a file it cannot read (truncated: its header names
+    bytes past the end; a corrupt header) refused by name.
+
+    Raises:
+        ValueError: naming the file and safetensors' reason.
+    """
+    try:
+        return safetensors.safe_open(file, framework=framework)
+    except (safetensors.SafetensorError, OSError) as error:
+        raise ValueError(
+            f"weight file {file} is not a readable safetensors file (truncated or corrupt?): "
+            f"{error}"
+        ) from None
+
+
 def _weight_files(model_dir: str) -> dict[str, str]:
     """HF tensor name -> safetensors file path, from the index or the single file."""
     index_path = os.path.join(model_dir, _INDEX_FILE)
     single_path = os.path.join(model_dir, _SINGLE_FILE)
     if os.path.isfile(index_path):
         with open(index_path) as f:
-            weight_map = json.load(f).get("weight_map")
+            try:
+                weight_map = json.load(f).get("weight_map")
+            except (ValueError, AttributeError) as error:
+                raise ValueError(f"{index_path} is not a JSON object: {error}") from None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index_path} has no 'weight_map' object")
         return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
     if os.path.isfile(single_path):
-        with safetensors.safe_open(single_path, framework="numpy") as f:
+        with safe_open(single_path, "numpy") as f:
             return {name: single_path for name in f.keys()}
     raise ValueError(
         f"no weights in {model_dir}: expected {_SINGLE_FILE} or {_INDEX_FILE} "
@@ -259,9 +279,7 @@ class _TensorReader:
         if key not in self._handles:
             if not os.path.isfile(file):
                 raise ValueError(f"weight file {file} named by the index does not exist")
-            self._handles[key] = self._stack.enter_context(
-                safetensors.safe_open(file, framework=framework)
-            )
+            self._handles[key] = self._stack.enter_context(safe_open(file, framework))
         return self._handles[key]
 
     def __contains__(self, name: str) -> bool:
@@ -458,7 +476,9 @@ def load_config(model_dir: str, cache_dir: str | None = None) -> Any:
     with transformers is then stored for the next start.
 
     Raises:
-        ValueError: the directory or its ``config.json`` does not exist.
+        ValueError: the directory or its ``config.json`` does not exist, or the config cannot be
+            read or holds impossible shapes (``check_config_shapes``); the message names the
+            file and the field.
     """
     if not os.path.isdir(model_dir):
         raise ValueError(f"model directory {model_dir} does not exist")
@@ -468,10 +488,15 @@ def load_config(model_dir: str, cache_dir: str | None = None) -> Any:
     if cache_dir is not None:
         cached = read_cached_config(model_dir, cache_dir)
         if cached is not None:
+            check_config_shapes(cached, config_path)
             return cached
     import transformers  # seconds (it imports PyTorch when installed): only when needed
 
-    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception as error:  # transformers' own checks: one line naming the file
+        raise ValueError(f"{config_path}: {' '.join(str(error).split())}") from None
+    check_config_shapes(config, config_path)
     if cache_dir is not None:
         write_cached_config(model_dir, cache_dir, config)
     return config

@@ -22,8 +22,8 @@ stored). A second token tile reads every weight again: the kernel is for ``T`` u
 ``max_block_t`` (decode); larger steps belong to XLA's GEMM.
 
 HBM bytes: ``out * in`` weight bytes per token tile, plus ``x``, the partials and the output.
-Tiles: ``W8GemvTiling`` (unmeasured defaults; ``scripts/benchmark_quantized_linear.py``
-``--methods fp8gemv,int8gemv`` times them beside bf16).
+Tiles: ``W8GemvTiling``; ``benchmarks/quant_kernels.py`` sweeps them beside bf16 and XLA's
+W8A8 (first H100 figures: docs/benchmarks.md, "Quantized kernels (issue 25)").
 
 Backend: Pallas Triton on GPU (``interpret=True`` on CPU; the e4m3 -> bfloat16 convert needs
 compute capability >= 8.9). Triton's dot needs every dimension >= 16 and power-of-two tiles:

@@ -158,9 +158,11 @@ def start_server(
     tool_call_parser=None,
     reasoning_parser=None,
     enable_dev_endpoints=False,
+    app_options=None,
     **kw,
 ):
-    """A ``RunningServer`` over a freshly spawned core (``spawn_client(**kw)``)."""
+    """A ``RunningServer`` over a freshly spawned core (``spawn_client(**kw)``);
+    ``app_options``: more ``build_app`` keywords (its on/off serving flags)."""
     from jaxpaged.config import default_model_path
     from jaxpaged.entrypoints.openai.api_server import build_app
 
@@ -177,6 +179,7 @@ def start_server(
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
         enable_dev_endpoints=enable_dev_endpoints,
+        **(app_options or {}),
     )
     return RunningServer(app)
 

@@ -78,11 +78,14 @@ def test_normalisations():
         (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
         (dict(max_tokens=0), "max_tokens must be at least 1, got 0"),
         (dict(min_tokens=5, max_tokens=4), r"min_tokens must be at most max_tokens \(4\), got 5"),
-        (dict(seed=2**64), "seed must be in"),
+        (dict(seed=2**64), "seed must be a 64-bit integer"),
+        (dict(seed=-(2**63) - 1), "seed must be a 64-bit integer"),
         (dict(n=2**70, temperature=1.0), r"n must be below 2\*\*63, got 1180591620717411303424"),
         (dict(top_k=2**63), r"top_k must be below 2\*\*63"),
-        (dict(logprobs=-2), "logprobs must be non-negative or None, got -2"),
-        (dict(prompt_logprobs=-1), "prompt_logprobs must be non-negative"),
+        (dict(logprobs=-2), "logprobs must be non-negative, -1 or None, got -2"),
+        (dict(prompt_logprobs=-2), "prompt_logprobs must be non-negative, -1 or None"),
+        (dict(logprob_token_ids=[]), "logprob_token_ids must not be empty"),
+        (dict(logprob_token_ids=[-3]), "logprob_token_ids must contain only non-negative"),
         (dict(stop=["ok", ""]), "stop cannot contain an empty string"),
         (dict(stop=[3]), "stop must be a string or a list of strings"),
         (dict(stop_token_ids=[-1]), "stop_token_ids must contain only non-negative integer ids"),
@@ -106,7 +109,7 @@ def test_model_checks_name_the_limit():
     ):
         verify_for_model(SamplingParams(logprobs=6), vocab_size=100, max_logprobs=5)
     with pytest.raises(
-        ValueError, match=r"logit_bias token ids must be below the vocabulary size \(100\), got 100"
+        ValueError, match=r"logit_bias has token ids out of vocabulary .*size 100\), got 100"
     ):
         verify_for_model(SamplingParams(logit_bias={100: 1}), vocab_size=100, max_logprobs=5)
     verify_for_model(

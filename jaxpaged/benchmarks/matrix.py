@@ -479,7 +479,18 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", default=None, metavar="SUBSTRING",
                         help="run only the rows whose name contains one of these")  # fmt: skip
+    parser.add_argument("--rows", nargs="+", default=None, metavar="NAME",
+                        help="run only these rows (exact names)")  # fmt: skip
     parser.add_argument("--list", action="store_true", help="print the rows and exit")
+    parser.add_argument(
+        "--workers", type=int, default=1,
+        help="split the rows over this many processes sharing the device (compiles overlap; "
+        "jaxpaged/benchmarks/matrix_shards.py); needs --out",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=None,
+        help="the rows' gpu_memory_utilization (default: the engine's); --workers sets it",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write the results as JSON to this path")
     parser.add_argument(
         "--compilation-cache-dir", default=None,
@@ -503,15 +514,32 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
     try:
         rows = select(ROWS, args.only)
+        if args.rows is not None:
+            unknown = set(args.rows) - {row.name for row in ROWS}
+            if unknown:
+                raise ValueError(f"--rows names no row: {sorted(unknown)}; --list shows them")
+            rows = [row for row in rows if row.name in args.rows]
+        if args.workers > 1 and (not args.out or args.resume):
+            raise ValueError("--workers needs --out and takes no --resume")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.gpu_memory_utilization is not None:
+        COMMON_ENGINE_ARGS["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.list:
         for row in rows:
             print(
                 f"{row.name:<30} {row.model:<28} {row.workload:<18} {json.dumps(dict(row.engine))}"
             )
         return 0
+    if args.workers > 1:
+        from jaxpaged.benchmarks.matrix_shards import run_sharded
+
+        passthrough = ["--shrink"] if args.shrink else []
+        if args.compilation_cache_dir:
+            passthrough += ["--compilation-cache-dir", args.compilation_cache_dir]
+        report = run_sharded(rows, args.workers, args.out, passthrough)
+        return _print_report(report)
     import jax
     from tqdm.auto import tqdm
 
@@ -539,12 +567,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             if args.out:
                 report["total_s"] = round(time.perf_counter() - start, 2)
                 pathlib.Path(args.out).write_text(json.dumps(report, indent=1, default=float))
+        report["total_s"] = round(time.perf_counter() - start, 2)
+    return _print_report(report)
+
+
+def _print_report(report: dict) -> int:
+    """The table and the summary line; 1 when a row failed to compile or to match."""
     print(header())
     for record in report["rows"]:
         print(format_row(record))
     bad = [r["name"] for r in report["rows"] if r["compiled"] == "error" or r["matches"] is False]
-    print(f"{len(report['rows'])} rows in {time.perf_counter() - start:.0f} s on "
-          f"{report['device']} at {report['commit']}; failing: {', '.join(bad) or 'none'}")  # fmt: skip
+    print(f"{len(report['rows'])} rows in {report.get('total_s', 0):.0f} s on "
+          f"{report.get('device')} at {report.get('commit')}; failing: {', '.join(bad) or 'none'}")  # fmt: skip
     return 1 if bad else 0
 
 

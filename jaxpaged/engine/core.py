@@ -53,7 +53,7 @@ from jaxpaged.engine.core_messages import (
     params_from_wire,
 )
 from jaxpaged.lora.metrics import lora_stats
-from jaxpaged.sampling_params import RequestOutputKind
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.sequence import EngineSleepingError, PromptError, is_token_id_list
 
 logger = logging.getLogger(__name__)
@@ -146,11 +146,12 @@ class EngineCore:
                     f"max_num_queued_requests is {limit}; retry later"
                 )
             sampling = params_from_wire(params)  # built (and validated) once
-            # Stop strings are the API process's (it has the text): checked, then dropped.
-            sampling.stop = []
-            sampling.output_kind = RequestOutputKind.DELTA
-            if (sampling.best_of or sampling.n) > sampling.n:
-                sampling.output_kind = RequestOutputKind.FINAL_ONLY  # best-of ranks at the end
+            if isinstance(sampling, SamplingParams):  # (a beam search is final-only)
+                # Stop strings are the API process's (it has the text): checked, then dropped.
+                sampling.stop = []
+                sampling.output_kind = RequestOutputKind.DELTA
+                if (sampling.best_of or sampling.n) > sampling.n:
+                    sampling.output_kind = RequestOutputKind.FINAL_ONLY  # ranked at the end
             ids = prompt_token_ids
             if not is_token_id_list(ids):  # msgpack gives ints: coerce anything else, as before
                 try:
@@ -375,7 +376,10 @@ def run_engine_core(
             num_clients=len(output_addresses),
         )
     except BaseException as error:
-        logger.exception("engine core failed to start")
+        if isinstance(error, ValueError):  # the user's arguments or model: the message says it
+            logger.error("engine core failed to start: %s", error)
+        else:
+            logger.exception("engine core failed to start")
         ready_pipe.send_bytes(encode(Kind.DEAD, f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from error
     context = zmq.Context()

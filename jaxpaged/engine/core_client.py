@@ -41,6 +41,7 @@ from collections.abc import Callable
 
 import zmq
 
+from jaxpaged.beam_search import BeamSearchParams
 from jaxpaged.engine.client_outputs import ClientRequestState
 from jaxpaged.engine.core import QueueFullError
 from jaxpaged.engine.core_messages import (
@@ -60,7 +61,7 @@ from jaxpaged.engine.core_process import (
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.metrics import ServerMetrics
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import SamplingParams, verify_for_model
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
 from jaxpaged.sequence import check_prompt_vocab
 
 logger = logging.getLogger(__name__)
@@ -332,7 +333,7 @@ class EngineCoreClient:
         self,
         request_id: str,
         prompt: dict,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         *,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
@@ -356,10 +357,16 @@ class EngineCoreClient:
         # The core checks these too; checking them here also keeps an id that no message can
         # carry (JSON allows any integer: 2**70 fails msgpack's encode) from becoming a 500.
         check_prompt_vocab(ids, self.info["vocab_size"])
-        verify_for_model(
-            params, vocab_size=self.info["vocab_size"], max_logprobs=self.info["max_logprobs"]
+        if isinstance(params, BeamSearchParams):  # the core checks it; its beams come at the end
+            state_params = beam_search_view(params)
+        else:
+            verify_for_model(
+                params, vocab_size=self.info["vocab_size"], max_logprobs=self.info["max_logprobs"]
+            )
+            state_params = params
+        state = ClientRequestState(
+            request_id, prompt.get("prompt"), ids, state_params, self.tokenizer
         )
-        state = ClientRequestState(request_id, prompt.get("prompt"), ids, params, self.tokenizer)
         stream = RequestStream(request_id, self)
         accepted = asyncio.get_running_loop().create_future()
         self._acks[request_id] = accepted
@@ -619,3 +626,16 @@ def _rebuild_error(name: str, message: str, parameter: str | None) -> Exception:
     if name == QueueFullError.__name__:
         return QueueFullError(message)
     return RequestRefusedError(message, parameter)
+
+
+def beam_search_view(params: BeamSearchParams) -> SamplingParams:
+    """The ``SamplingParams`` the API process's output state reads for a beam search: one
+    completion per beam, sent once at the end, detokenized without special tokens (its
+    temperature is never used here)."""
+    return SamplingParams(
+        n=params.beam_width,
+        max_tokens=params.max_tokens,
+        ignore_eos=params.ignore_eos,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )

@@ -56,6 +56,7 @@ import enum
 import msgpack
 import numpy as np
 
+from jaxpaged.beam_search import BeamSearchParams
 from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.outputs import CompletionOutput, Logprob
@@ -122,8 +123,11 @@ def decode(frame: bytes) -> tuple[Kind, object]:
 
 
 # ------------------------------------------------------------------------- sampling params
-def params_to_wire(params: SamplingParams) -> dict:
-    """The fields of ``params`` as a dict (only those that differ from the defaults)."""
+def params_to_wire(params: SamplingParams | BeamSearchParams) -> dict:
+    """The fields of ``params`` as a dict (only those that differ from the defaults); a beam
+    search is ``{"beam_search": its fields}``."""
+    if isinstance(params, BeamSearchParams):
+        return {"beam_search": dataclasses.asdict(params)}
     out = {}
     for field in dataclasses.fields(SamplingParams):
         value = getattr(params, field.name)
@@ -137,12 +141,15 @@ def params_to_wire(params: SamplingParams) -> dict:
     return out
 
 
-def params_from_wire(values: dict) -> SamplingParams:
-    """Rebuild (and so re-validate) the ``SamplingParams`` of ``params_to_wire``.
+def params_from_wire(values: dict) -> SamplingParams | BeamSearchParams:
+    """Rebuild (and so re-validate) the ``SamplingParams`` (or ``BeamSearchParams``) of
+    ``params_to_wire``.
 
     Raises:
         SamplingParamsError: a field out of range (the constructor's checks).
     """
+    if "beam_search" in values:
+        return BeamSearchParams(**values["beam_search"])
     values = dict(values)
     if "output_kind" in values:
         values["output_kind"] = RequestOutputKind[values["output_kind"]]
@@ -177,12 +184,18 @@ def lora_from_wire(wire: list | None) -> LoRARequest | None:
 
 # --------------------------------------------------------------------------------- outputs
 def logprobs_to_wire(steps: list | None) -> list | None:
-    """Logprobs positions (``{token_id: Logprob}`` or None each) as ``[[token_id, logprob,
-    rank], ...]`` or None each (the decoded text stays behind); None stays None."""
+    """Logprobs positions (``{token_id: Logprob}`` or None each; a beam's are ``{token_id:
+    float}``, rank None) as ``[[token_id, logprob, rank], ...]`` or None each (the decoded
+    text stays behind); None stays None."""
     if steps is None:
         return None
     return [
-        None if step is None else [[t, lp.logprob, lp.rank] for t, lp in step.items()]
+        None
+        if step is None
+        else [
+            [t, lp, None] if isinstance(lp, float) else [t, lp.logprob, lp.rank]
+            for t, lp in step.items()
+        ]
         for step in steps
     ]
 

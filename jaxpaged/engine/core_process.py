@@ -180,7 +180,9 @@ def start_core_process(
 
     Raises:
         ValueError: ``num_clients`` < 1 or ``max_num_queued_requests`` < 0.
-        RuntimeError: the core failed to build its engine (its message) or exited.
+        ValueError: the core refused its engine arguments or model (its message: a bad
+            argument, an unreadable or impossible checkpoint).
+        RuntimeError: the core failed to build its engine otherwise (its message) or exited.
     """
     if num_clients < 1:
         raise ValueError(f"num_clients must be at least 1, got {num_clients}")
@@ -215,6 +217,8 @@ def start_core_process(
     if kind is Kind.DEAD:
         reader.close()
         shutil.rmtree(ipc_dir, ignore_errors=True)
+        if str(payload).startswith("ValueError: "):  # bad arguments or model: the user's
+            raise ValueError(str(payload).removeprefix("ValueError: "))
         raise RuntimeError(f"the engine core failed to start: {payload}")
     return StartedCore(process, reader, payload, ipc_dir, input_address, output_addresses)
 

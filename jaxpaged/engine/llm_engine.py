@@ -37,6 +37,7 @@ from jaxpaged.sequence import (
     Sequence,
     SequenceGroup,
     SequenceStatus,
+    check_prompt_text,
     check_prompt_vocab,
     is_token_id_list,
 )
@@ -288,6 +289,7 @@ class LLMEngine:
                 "skip_tokenizer_init=True: give {'prompt_token_ids': [...]} instead"
             )
         if isinstance(prompt, str):
+            check_prompt_text(prompt)
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
@@ -296,6 +298,7 @@ class LLMEngine:
                     raise ValueError("prompt_token_ids must be a list of ints")
                 return prompt.get("prompt"), list(ids)
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                check_prompt_text(prompt["prompt"])
                 return prompt["prompt"], list(self.tokenizer.encode(prompt["prompt"]))
         raise ValueError(
             "a prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "

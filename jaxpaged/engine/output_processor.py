@@ -162,7 +162,9 @@ class OutputProcessor:
         params = seq.sampling_params
         entry = runner_output.logprobs.get(seq.seq_id)
         if seq_state.logprobs is not None and entry is not None:
-            seq_state.logprobs.append(self.logprobs_builder.build(entry, params.logprobs))
+            seq_state.logprobs.append(
+                self.logprobs_builder.build(entry, params.logprobs, params.logprob_token_ids)
+            )
         if not detokenize:
             return
         stop = seq_state.detokenizer.update(

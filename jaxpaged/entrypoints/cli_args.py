@@ -163,6 +163,8 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="split the reply's <think>...</think> into the message's reasoning field: "
         "deepseek_r1 or qwen3 (default: none, all text is content)",
     )
+    for flag, help_text in SERVE_SWITCHES.items():
+        serve.add_argument(flag, action="store_true", help=help_text)
     serve.add_argument(
         "--enable-dev-endpoints",
         action="store_true",
@@ -177,6 +179,19 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="uvicorn's log level (default: info)",
     )
     add_engine_args(serve)
+
+
+# vLLM's on/off serving flags (all off by default) -> their help; each is a build_app keyword.
+SERVE_SWITCHES = {
+    "--return-tokens-as-token-ids": "write logprob tokens as 'token_id:<id>' unless a request "
+    "sets return_tokens_as_token_ids (for tokens JSON cannot carry)",
+    "--enable-prompt-tokens-details": "add usage.prompt_tokens_details.cached_tokens (prompt "
+    "tokens read from the prefix cache) to responses",
+    "--enable-tokenizer-info-endpoint": "serve GET /tokenizer_info (the tokenizer's "
+    "configuration and chat template; off because it reveals the template)",
+    "--enable-server-load-tracking": "count generation requests in flight for GET /load "
+    "(otherwise it reports 0)",
+}
 
 
 def serve_options(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict:
@@ -239,7 +254,13 @@ def serve_options(args: argparse.Namespace, environ: Mapping[str, str] | None = 
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         enable_dev_endpoints=bool(args.enable_dev_endpoints or env_dev_mode),
+        **{_switch_key(flag): getattr(args, _switch_key(flag)) for flag in SERVE_SWITCHES},
     )
+
+
+def _switch_key(flag: str) -> str:
+    """``--enable-x-y`` -> ``enable_x_y`` (argparse's attribute and the build_app keyword)."""
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def check_api_server_count(api_server_count: int, data_parallel_size: int = 1) -> None:

@@ -170,11 +170,10 @@ class LLM:
         ``cum_logprob / len ** length_penalty``, best first.
 
         Raises:
+            TypeError: ``prompts`` is neither a prompt nor a list of them.
             ValueError: for a bad prompt or parameter (nothing is queued then).
         """
-        if isinstance(prompts, (str, Mapping)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         request_ids = self._add_requests(prompts, [params] * len(prompts))
         outputs = self._run_engine(request_ids, use_tqdm=use_tqdm)
         engine = self.llm_engine
@@ -200,13 +199,12 @@ class LLM:
                 the base model); needs ``enable_lora=True``.
 
         Raises:
-            ValueError: for a bad prompt, a bad adapter, or a parameter list of the wrong
-                length. Requests are
-                validated before any is queued, so one bad prompt queues nothing.
+            TypeError: ``prompts`` is neither a prompt nor a list of them (None, a number).
+            ValueError: for a bad prompt (a lone surrogate in its text, ids outside the
+                vocabulary, ...), a bad adapter, or a parameter list of the wrong length.
+                Requests are validated before any is queued, so one bad prompt queues nothing.
         """
-        if isinstance(prompts, (str, Mapping)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -309,3 +307,19 @@ class LLM:
                         bar.set_postfix_str(f"output: {output_tokens / elapsed:.1f} toks/s")
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]
+
+
+def _prompt_list(prompts) -> list:
+    """``prompts`` as a list: one prompt (a string or a prompt dict) or a sequence of them.
+
+    Raises:
+        TypeError: anything else (None, a number, ...), named by its type.
+    """
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
+        return list(prompts)
+    raise TypeError(
+        "prompts must be a string, a prompt dict ({'prompt': str} or {'prompt_token_ids': "
+        f"[...]}}) or a list of them, got {type(prompts).__name__}"
+    )

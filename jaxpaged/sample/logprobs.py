@@ -192,9 +192,20 @@ class LogprobsBuilder:
             self._text[token_id] = text
         return text
 
-    def build(self, entry: TokenLogprobs, num_top: int) -> dict[int, Logprob]:
-        """The chosen token first, then the ``num_top`` best tokens (ranks 1..num_top)."""
+    def build(
+        self, entry: TokenLogprobs, num_top: int, only: list[int] | None = None
+    ) -> dict[int, Logprob]:
+        """The chosen token first, then the ``num_top`` best tokens (ranks 1..num_top) or,
+        with ``only`` (``logprob_token_ids``), those ids in their order; ``only`` needs
+        ``entry`` to rank the whole vocabulary (``top_ids`` of every token)."""
         out = {entry.token_id: Logprob(entry.logprob, entry.rank, self.decoded(entry.token_id))}
+        if only is not None:
+            where = {token_id: i for i, token_id in enumerate(entry.top_ids)}
+            for token_id in only:
+                i = where[token_id]
+                if token_id not in out:
+                    out[token_id] = Logprob(entry.top_logprobs[i], i + 1, self.decoded(token_id))
+            return out
         for rank, (token_id, logprob) in enumerate(
             zip(entry.top_ids[:num_top], entry.top_logprobs[:num_top], strict=True), start=1
         ):

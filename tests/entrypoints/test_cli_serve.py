@@ -222,3 +222,18 @@ def test_unknown_parser_names_fail_at_startup_before_the_engine(argv, message, c
     assert error.startswith("jaxpaged: error: ") and message in error
     if "parser '" in message:
         assert "hermes" in error or "deepseek_r1" in error  # the known names are listed
+
+
+def test_vllm_serving_switches_are_off_by_default_and_reach_run_server():
+    off = serve_options(_serve_args(), environ={})
+    switches = (
+        "return_tokens_as_token_ids",
+        "enable_prompt_tokens_details",
+        "enable_tokenizer_info_endpoint",
+        "enable_server_load_tracking",
+    )
+    assert [off[name] for name in switches] == [False] * 4
+    on = serve_options(
+        _serve_args("--return-tokens-as-token-ids", "--enable-server-load-tracking"), environ={}
+    )
+    assert [on[name] for name in switches] == [True, False, False, True]

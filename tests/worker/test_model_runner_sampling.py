@@ -288,7 +288,7 @@ def test_step_never_copies_the_logits_state(stories_llm, num_seqs, decode_only):
         (SamplingParams(n=2, best_of=9), "needs 9 sequences at once .* max_num_seqs is 8"),
         (
             SamplingParams(allowed_token_ids=[3, 512]),
-            "allowed_token_ids .* below the vocabulary size",
+            "allowed_token_ids has token ids out of vocabulary",
         ),
         (SamplingParams(logit_bias={9999: 1.0}), "logit_bias"),
         (SamplingParams(stop_token_ids=[600]), "stop_token_ids"),
@@ -306,8 +306,11 @@ def test_engine_rejects_what_the_model_cannot_serve(stories_llm, params, message
 def test_max_logprobs_is_an_engine_argument():
     from jaxpaged.config import EngineArgs
 
-    with pytest.raises(ValueError, match="max_logprobs must be non-negative, got -1"):
-        EngineArgs(max_logprobs=-1, **SMALL_ENGINE).create_engine_config()
+    with pytest.raises(ValueError, match="max_logprobs must be non-negative or -1, got -2"):
+        EngineArgs(max_logprobs=-2, **SMALL_ENGINE).create_engine_config()
+    # -1 (vLLM's "no cap") is the whole vocabulary of stories260k.
+    config = EngineArgs(max_logprobs=-1, **SMALL_ENGINE).create_engine_config()
+    assert config.model_config.max_logprobs == 512
 
 
 def test_prompt_logprobs_of_one_token_chunks_in_decode_only_buckets(stories_llm, hf_model):

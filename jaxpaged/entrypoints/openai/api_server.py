@@ -8,7 +8,8 @@ takes the same flags as ``jaxpaged serve``.
 Routes (vLLM's, ``reference/vllm_surface.md`` section 2.2): ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (200, or 503 once the engine
 core has died), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
-(Prometheus text). With an API key, only ``/v1/*`` paths require
+(Prometheus text), ``POST /invocations`` (SageMaker), ``GET /load`` and, with its flag,
+``GET /tokenizer_info`` (``optional_routes.py``). With an API key, only ``/v1/*`` paths require
 ``Authorization: Bearer <key>`` (401 otherwise), as in vLLM. With ``--skip-tokenizer-init``
 there is no tokenizer: prompts must be token ids and outputs carry no text.
 
@@ -48,6 +49,7 @@ from jaxpaged.entrypoints.openai.errors import (
     error_response,
     install_error_handlers,
 )
+from jaxpaged.entrypoints.openai.optional_routes import ServerLoad, add_optional_routes
 from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -80,6 +82,10 @@ def build_app(
     api_server_index: int = 0,
     api_server_count: int = 1,
     multiprocess_metrics_dir: str | None = None,
+    return_tokens_as_token_ids: bool = False,
+    enable_prompt_tokens_details: bool = False,
+    enable_tokenizer_info_endpoint: bool = False,
+    enable_server_load_tracking: bool = False,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
@@ -107,6 +113,11 @@ def build_app(
         multiprocess_metrics_dir: the ``PROMETHEUS_MULTIPROC_DIR`` of several API processes;
             ``/metrics`` then renders every process's values (``render_multiprocess``). None:
             this process's own registries.
+        return_tokens_as_token_ids: logprob tokens written ``token_id:<id>`` unless a request
+            sets ``return_tokens_as_token_ids`` (vLLM's ``--return-tokens-as-token-ids``).
+        enable_prompt_tokens_details: usage carries ``prompt_tokens_details.cached_tokens``.
+        enable_tokenizer_info_endpoint: serve ``GET /tokenizer_info``.
+        enable_server_load_tracking: ``GET /load`` counts the generation requests in flight.
         enable_auto_tool_choice / tool_call_parser: serve ``tool_choice="auto"``, reading
             calls with the named parser (``tool_parsers``); the flag needs a parser.
         reasoning_parser: split ``<think>…</think>`` into ``reasoning``
@@ -145,14 +156,18 @@ def build_app(
         tokenizer=tokenizer,
         served_model_names=names,
         max_model_len=max_model_len,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
     )
+    chat_template = load_chat_template(chat_template)
     completion = OpenAIServingCompletion(**common)
     chat = OpenAIServingChat(
         **common,
-        chat_template=load_chat_template(chat_template),
+        chat_template=chat_template,
         enable_auto_tool_choice=enable_auto_tool_choice,
         **parsers,
     )
+    load = ServerLoad(enable_server_load_tracking)
     models = OpenAIServingModels(
         engine, names, model, max_model_len, api_server_count=api_server_count
     )
@@ -166,6 +181,7 @@ def build_app(
             await models.init_static_loras(lora_modules)
             yield
         finally:
+            chat.close()
             await engine.shutdown()
 
     app = FastAPI(title="jaxpaged OpenAI-compatible server", lifespan=lifespan)
@@ -199,18 +215,31 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return await _cancel_on_disconnect(raw_request, completion.create_completion(request))
+        return await load.call(
+            _cancel_on_disconnect(raw_request, completion.create_completion(request))
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await _cancel_on_disconnect(raw_request, chat.create_chat_completion(request))
+        return await load.call(
+            _cancel_on_disconnect(raw_request, chat.create_chat_completion(request))
+        )
+
+    add_optional_routes(
+        app,
+        load=load,
+        handlers={ChatCompletionRequest: chat_completions, CompletionRequest: completions},
+        tokenizer=tokenizer,
+        chat_template=chat_template,
+        enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
+    )
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         completion.check_model(request.model)
         completion.require_tokenizer("/tokenize")
         if request.messages is not None:
-            text = chat.render_messages(
+            text = await chat.render_messages(
                 request.messages,
                 chat_template=request.chat_template,
                 add_generation_prompt=request.add_generation_prompt,
@@ -237,7 +266,8 @@ def build_app(
         bad = [t for t in request.tokens if not 0 <= t < len(tokenizer)]
         if bad:
             raise BadRequestError(
-                f"token id {bad[0]} is outside the vocabulary [0, {len(tokenizer)})",
+                f"token id {bad[0]} is out of vocabulary: outside the vocabulary "
+                f"[0, {len(tokenizer)})",
                 param="tokens",
             )
         return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
@@ -318,6 +348,7 @@ def run_server(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     enable_dev_endpoints: bool = False,
+    **response_options,
 ) -> int:
     """Start the engine core for ``engine_args`` (``EngineArgs``) and serve until interrupted;
     returns the exit status (0, or 1 when an API process of several died).
@@ -327,6 +358,9 @@ def run_server(
     that many API processes over one core (``multi_api_server.run_multi_api_server``), whose
     metrics live in ``multiprocess_metrics_dir`` (``PROMETHEUS_MULTIPROC_DIR``, exported by
     ``jaxpaged serve``). The parser options are ``build_app``'s (every API process gets them).
+    ``response_options``: ``build_app``'s ``return_tokens_as_token_ids``,
+    ``enable_prompt_tokens_details``, ``enable_tokenizer_info_endpoint`` and
+    ``enable_server_load_tracking``.
 
     Raises:
         ValueError: invalid engine arguments (checked before the core starts),
@@ -347,6 +381,7 @@ def run_server(
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
         enable_dev_endpoints=enable_dev_endpoints,
+        **response_options,
     )
     resolve_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     if enable_dev_endpoints and data_parallel_size != 1:

@@ -91,9 +91,18 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
         ctx = first.get("ctx") or {}
         return f"the request body is not valid JSON: {ctx.get('error', first.get('msg'))}", None
     message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    field_error = getattr((first.get("ctx") or {}).get("error"), "parameter", None)
+    if param is None and field_error is not None:
+        # A body-level validator's FieldValueError: its message names the value already (the
+        # input would be the whole body).
+        return message, field_error
     if "input" in first and first.get("type") != "missing":
         got = repr(first["input"])
         message = f"{message} (got {got[:100]}{'...' if len(got) > 100 else ''})"
+    if first.get("type") not in (None, "value_error"):
+        # pydantic's error type, as pydantic (and so vLLM's 400) writes it: clients match on
+        # it ("greater_than_equal", "int_parsing", ...).
+        message = f"{message} [type={first['type']}]"
     if param is None:  # a body-level validator names its field on its error (FieldValueError)
         return message, getattr((first.get("ctx") or {}).get("error"), "parameter", None)
     return f"{param}: {message}", param

@@ -4,15 +4,16 @@ Field names, defaults and shapes follow the OpenAI API and vLLM's
 ``vllm/entrypoints/openai/protocol.py``: vLLM-only sampling knobs (``top_k``, ``min_p``,
 ``ignore_eos``, ``stop_token_ids``, ...) ride in the request body. Every field of vLLM's
 completion and chat requests is declared here; the handlers honour it or, for a value other
-than its neutral one, answer 400 naming it (``serving_engine.UNSUPPORTED_FIELDS``). Fields vLLM
-does not know are accepted and logged as ignored (``extra="allow"``), as vLLM does.
+than its neutral one, answer 400 naming it (``serving_engine.UNSUPPORTED_FIELDS``). A top-level
+field this protocol does not declare is a 400 naming it as well: where vLLM logs and ignores
+it, nothing a client sends is silently dropped here. (Messages keep their extra keys, such as
+``tool_calls``: the chat template reads them.)
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -26,16 +27,14 @@ from pydantic import (
 
 from jaxpaged.sequence import is_token_id_list
 
-logger = logging.getLogger(__name__)
-
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
 class OpenAIRequest(OpenAIBaseModel):
-    """A request body: its strings must be valid Unicode, and fields this protocol does not
-    declare are logged as ignored (vLLM's behaviour)."""
+    """A request body: its strings must be valid Unicode, and a field this protocol does not
+    declare is refused by name (``FieldValueError``; vLLM logs and ignores it)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -45,9 +44,14 @@ class OpenAIRequest(OpenAIBaseModel):
         _check_unicode(data, "")
         if isinstance(data, dict):
             fields = cls.model_fields  # a descriptor: read once, not once per key
-            unknown = sorted(k for k in data if k not in fields)
+            unknown = [k for k in data if k not in fields]
             if unknown:
-                logger.warning("request fields ignored (not in the protocol): %s", unknown)
+                raise FieldValueError(
+                    f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: not "
+                    "part of this endpoint's protocol (vLLM's), and this server refuses what "
+                    "it would otherwise ignore",
+                    parameter=unknown[0],
+                )
         return data
 
 
@@ -113,16 +117,32 @@ class ErrorResponse(OpenAIBaseModel):
 
 # ---------------------------------------------------------------------------- shared pieces
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool | None = True
-    """With ``stream``: one extra chunk with empty ``choices`` and the usage, before [DONE]."""
+    model_config = ConfigDict(extra="forbid")  # an unknown option is a 400 naming it
+
+    include_usage: bool | None = False
+    """With ``stream``: one extra chunk with empty ``choices`` and the usage, before [DONE]
+    (vLLM's default: false, so ``{}`` sends no usage)."""
     continuous_usage_stats: bool | None = False
-    """With ``stream``: usage (so far) in every chunk as well."""
+    """With ``stream`` and ``include_usage``: usage (so far) in every chunk as well, the first
+    one included."""
+
+
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int | None = None
+    """Prompt tokens whose KV came from the prefix cache."""
 
 
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+    """With ``--enable-prompt-tokens-details``: ``{"cached_tokens": n}``."""
+
+
+# vLLM's bounds of 64-bit request integers (``seed``, ``priority``).
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
 
 
 class _SamplingFields(OpenAIRequest):
@@ -136,7 +156,8 @@ class _SamplingFields(OpenAIRequest):
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    """Any 64-bit integer (vLLM's range); -1 or None: the engine's seed."""
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -152,14 +173,26 @@ class _SamplingFields(OpenAIRequest):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
-    """Keep only the prompt's last k tokens (left truncation), before the length check."""
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT64_MAX)
+    """Keep only k tokens of the prompt (``truncation_side``), before the length check; -1:
+    ``max_model_len`` tokens (vLLM's); 0 is refused (no prompt would be left)."""
+    truncation_side: Literal["left", "right"] | None = None
+    """With ``truncate_prompt_tokens``: "left" (default) keeps the last k tokens, "right" the
+    first k."""
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
     """Words never generated; each must be one token (``SamplingParams.bad_words``)."""
     prompt_logprobs: int | None = None
+    """Logprobs of each prompt token and its top k; -1: the whole vocabulary."""
+    logprob_token_ids: Annotated[list[StrictInt], Field(min_length=1)] | None = None
+    """vLLM's: logprobs of these token ids at each generated position (with the sampled
+    token's) instead of the top-k; needs ``logprobs`` (chat: ``logprobs: true``)."""
     return_tokens_as_token_ids: bool | None = None
-    """With logprobs: tokens are written ``token_id:<id>`` (for tokens JSON cannot carry)."""
+    """With logprobs: tokens are written ``token_id:<id>`` (for tokens JSON cannot carry);
+    None: the server's ``--return-tokens-as-token-ids``."""
+    return_token_ids: bool | None = None
+    """Add ``prompt_token_ids`` and each choice's ``token_ids`` to the response (streamed:
+    prompt ids in the first chunk, each chunk's new ids)."""
     request_id: str | None = None
     """The response's id becomes ``<cmpl|chatcmpl>-<request_id>``; None: a random one."""
     # Structured outputs (entrypoints/openai/structured_outputs.py): at most one of
@@ -183,14 +216,44 @@ class _SamplingFields(OpenAIRequest):
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    # Later vLLM releases' fields, refused unless neutral as well:
+    watermarking: bool | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    stream_interval: int | None = None
+    session_id: str | None = None
+    routed_experts_prompt_start: int = 0
+    return_token_offsets: bool | None = False
+    return_mm_kwargs: bool = True
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options can only be set when stream is true")
+            raise FieldValueError(
+                "stream_options can only be set when stream is true", parameter="stream_options"
+            )
         if self.stream and self.prompt_logprobs is not None:
             # vLLM's rule: prompt logprobs come with the whole response only.
-            raise ValueError("prompt_logprobs are not available when stream is true")
+            raise FieldValueError(
+                "prompt_logprobs are not available when stream is true",
+                parameter="prompt_logprobs",
+            )
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise FieldValueError(
+                f"prompt_logprobs must be a non-negative value or -1, got {self.prompt_logprobs}",
+                parameter="prompt_logprobs",
+            )
+        if self.truncate_prompt_tokens == 0:
+            raise FieldValueError(
+                "truncate_prompt_tokens must be at least 1 or -1 (max_model_len), got 0",
+                parameter="truncate_prompt_tokens",
+            )
+        if self.logprob_token_ids is not None and self.use_beam_search:
+            raise FieldValueError(
+                "logprob_token_ids is not supported with beam search",
+                parameter="logprob_token_ids",
+            )
         return self
 
 
@@ -202,8 +265,12 @@ class CompletionRequest(_SamplingFields):
     # list of 128 ids failing as list[str] first cost 20 us of error building per request.
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: int | None = 16
+    """Tokens to generate; 0 only with ``echo`` (prompt scoring: the prompt and its logprobs
+    come back, nothing is generated)."""
     echo: bool = False
     logprobs: int | None = None
+    """Top logprobs per token (the sampled token's too, listed first); -1: the whole
+    vocabulary, where ``--max-logprobs`` allows it."""
     suffix: str | None = None
     add_special_tokens: bool = True
     """Add the tokenizer's special tokens (BOS) to text prompts."""
@@ -224,6 +291,32 @@ class CompletionRequest(_SamplingFields):
         raise ValueError(
             "must be a string, a list of strings, a list of token ids or a list of token-id lists"
         )
+
+    @model_validator(mode="after")
+    def _check_completion_fields(self):
+        if self.logprobs is not None and self.logprobs < -1:
+            raise FieldValueError(
+                f"logprobs must be a non-negative value or -1, got {self.logprobs}",
+                parameter="logprobs",
+            )
+        if self.max_tokens is not None and self.max_tokens < (0 if self.echo else 1):
+            raise FieldValueError(
+                f"max_tokens must be at least 1, got {self.max_tokens} (0 is allowed with echo: "
+                "prompt scoring)",
+                parameter="max_tokens",
+            )
+        if self.logprob_token_ids is not None:
+            if self.logprobs is None:
+                raise FieldValueError(
+                    "logprob_token_ids needs logprobs to be set", parameter="logprob_token_ids"
+                )
+            if self.echo and self.max_tokens == 0:
+                raise FieldValueError(
+                    "logprob_token_ids is not supported with echo and max_tokens 0 (no tokens "
+                    "are generated)",
+                    parameter="logprob_token_ids",
+                )
+        return self
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -252,7 +345,11 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """With ``return_token_ids``: the generated ids (vLLM puts them on each choice)."""
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    """With ``return_token_ids``: the prompt's ids; the key is always present (null)."""
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -270,6 +367,10 @@ class CompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    """With ``return_token_ids``: the prompt's ids, in the choice's first chunk only."""
+    token_ids: list[int] | None = None
+    """With ``return_token_ids``: this chunk's new ids."""
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -360,6 +461,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    """Alternatives per token with ``logprobs``; -1: the whole vocabulary (vLLM's)."""
     tools: list[ChatCompletionToolsParam] | None = None
     """Functions the model may call (``chat_tools``); the chat template renders them."""
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = (
@@ -383,6 +485,8 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    return_prompt_text: bool | None = None  # refused unless neutral (UNSUPPORTED_FIELDS)
+    media_io_kwargs: dict[str, Any] | None = None  # no multimodal inputs
 
     @model_validator(mode="before")
     @classmethod
@@ -394,8 +498,19 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _check_chat_fields(self):
-        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.top_logprobs is not None and self.top_logprobs < -1:
+            raise FieldValueError(
+                f"top_logprobs must be a non-negative value or -1, got {self.top_logprobs}",
+                parameter="top_logprobs",
+            )
+        if self.top_logprobs is not None and self.top_logprobs != 0 and not self.logprobs:
+            raise FieldValueError(
+                "top_logprobs requires logprobs to be true", parameter="top_logprobs"
+            )
+        if self.logprob_token_ids is not None and not self.logprobs:
+            raise FieldValueError(
+                "logprob_token_ids needs logprobs to be true", parameter="logprob_token_ids"
+            )
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         self._check_tools()
@@ -463,6 +578,8 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """With ``return_token_ids``: the generated ids."""
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -473,6 +590,9 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    """With ``return_token_ids``: the rendered prompt's ids (vLLM: on the response, not the
+    choices)."""
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -488,6 +608,8 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """With ``return_token_ids``: this chunk's new ids."""
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -497,6 +619,8 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    """With ``return_token_ids``: the prompt's ids, in the first chunk only."""
 
 
 # ----------------------------------------------------------------------------------- models

@@ -8,10 +8,16 @@ each choice first gets a chunk whose delta is ``{"role": "assistant", "content":
 content deltas, the last with ``finish_reason``. Tool calls and reasoning (``chat_tools``): the
 reply is read by a per-choice ``ChatChoiceParser``, streamed as ``reasoning`` / ``content`` /
 ``tool_calls`` deltas.
+
+A request's own ``chat_template`` is a client's program: it is rendered in a sandboxed worker
+process with limits on time, memory, output and ``range`` (``template_sandbox.py``); a failure
+is a 400. The server's and the tokenizer's templates are the operator's and render in process
+(transformers' ``apply_chat_template``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -38,6 +44,7 @@ from jaxpaged.entrypoints.openai.protocol import (
     ChatMessage,
     ChatMessageParam,
     DeltaMessage,
+    UsageInfo,
 )
 from jaxpaged.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -45,9 +52,9 @@ from jaxpaged.entrypoints.openai.serving_engine import (
     sse,
     sse_error,
     stable_text,
-    usage_of,
 )
 from jaxpaged.entrypoints.openai.structured_outputs import structured_outputs_from_request
+from jaxpaged.entrypoints.openai.template_sandbox import TemplateLimitError, TemplateSandbox
 from jaxpaged.sampling_params import StructuredOutputsParams
 
 
@@ -97,8 +104,13 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning_parser = reasoning_parser
         # "auto" reads calls only with --enable-auto-tool-choice (vLLM's rule).
         self._auto_tool_parser = tool_parser if enable_auto_tool_choice else None
+        self.template_sandbox = TemplateSandbox()  # its worker starts on first use
 
-    def render_messages(
+    def close(self) -> None:
+        """Stop the template sandbox's worker process (if it runs)."""
+        self.template_sandbox.close()
+
+    async def render_messages(
         self,
         messages: Sequence[ChatMessageParam],
         *,
@@ -113,7 +125,8 @@ class OpenAIServingChat(OpenAIServing):
         the template, which may render them (vLLM passes them the same way).
 
         Raises:
-            BadRequestError: no template anywhere, a non-text content part, or a template error.
+            BadRequestError: no template anywhere, a non-text content part, a template error,
+                or a request's template breaking a sandbox limit.
         """
         self.require_tokenizer("a chat request")
         # A request's template is inline Jinja only: reading a path a client names would let
@@ -128,6 +141,20 @@ class OpenAIServingChat(OpenAIServing):
                 param="messages",
             )
         conversation = template_messages([_message_dict(m, i) for i, m in enumerate(messages)])
+        if chat_template:  # the client's own program: sandboxed, in a worker process
+            try:
+                return await asyncio.to_thread(
+                    self._render_sandboxed,
+                    chat_template,
+                    conversation,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    documents=documents,
+                    tools=tools,
+                    chat_template_kwargs=chat_template_kwargs or {},
+                )
+            except TemplateLimitError as error:
+                raise BadRequestError(str(error), param="chat_template") from error
         try:
             return self.tokenizer.apply_chat_template(
                 conversation,
@@ -139,10 +166,59 @@ class OpenAIServingChat(OpenAIServing):
                 tokenize=False,
                 **(chat_template_kwargs or {}),
             )
-        except (jinja2.TemplateError, ValueError) as error:
+        except (jinja2.TemplateError, ValueError, TypeError, OverflowError) as error:
             raise BadRequestError(
                 f"the chat template failed on these messages: {error}", param="messages"
             ) from error
+
+    def _render_sandboxed(
+        self,
+        template: str,
+        conversation: list[dict],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        documents,
+        tools: list[dict] | None,
+        chat_template_kwargs: dict,
+    ) -> str:
+        """What ``apply_chat_template(tokenize=False)`` gives, rendered by the sandbox: the
+        template sees the tokenizer's special tokens, ``chat_template_kwargs``, ``messages``,
+        ``tools``, ``documents`` and ``add_generation_prompt``; ``continue_final_message``
+        cuts the text after the last message, as transformers does (a marker after it).
+
+        Raises:
+            TemplateLimitError: the sandbox's, or the final message lost by the template.
+        """
+        if continue_final_message:
+            conversation = [dict(m) for m in conversation]
+            final = conversation[-1]["content"]
+            conversation[-1]["content"] = final + _CONTINUE_MARK
+        special = {
+            key: value
+            for key, value in getattr(self.tokenizer, "special_tokens_map", {}).items()
+            if isinstance(value, (str, list))
+        }
+        context = {
+            **special,
+            **chat_template_kwargs,
+            "messages": conversation,
+            "tools": tools,
+            "documents": documents,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        text = self.template_sandbox.render(template, context)
+        if continue_final_message:
+            where = text.rfind(_CONTINUE_MARK.strip())
+            if where < 0 or final.strip() not in text:
+                raise TemplateLimitError(
+                    "continue_final_message is set but the chat template dropped the final message"
+                )
+            if text[where : where + len(_CONTINUE_MARK)] == _CONTINUE_MARK:
+                text = text[:where]
+            else:  # the template trimmed the spacing after the message
+                text = text[:where].rstrip()
+        return text
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -160,7 +236,7 @@ class OpenAIServingChat(OpenAIServing):
         check_tool_request(
             request, enable_auto_tools=self.enable_auto_tool_choice, tool_parser=self.tool_parser
         )
-        prompt_text = self.render_messages(
+        prompt_text = await self.render_messages(
             request.messages,
             chat_template=request.chat_template,
             add_generation_prompt=request.add_generation_prompt,
@@ -177,7 +253,7 @@ class OpenAIServingChat(OpenAIServing):
                 prompt_text,
                 await self.encode(prompt_text, add_special_tokens=request.add_special_tokens),
             ),
-            request.truncate_prompt_tokens,
+            request,
         )
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
@@ -187,7 +263,11 @@ class OpenAIServingChat(OpenAIServing):
         values["max_tokens"] = (
             max_tokens if max_tokens is not None else self.max_model_len - len(ids)
         )
-        values["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
+        values["logprobs"] = (
+            (request.top_logprobs or 0)
+            if request.logprobs and not request.logprob_token_ids
+            else None
+        )
         if request.echo and request.prompt_logprobs is None and request.logprobs:
             values["prompt_logprobs"] = request.top_logprobs or 0  # vLLM's rule
         structured_field = self._constraint_values(request, values)
@@ -268,11 +348,13 @@ class OpenAIServingChat(OpenAIServing):
     def _logprobs(self, request, completion, start: int):
         if not request.logprobs or completion.logprobs is None:
             return None
+        # logprob_token_ids: every requested id is an alternative (vLLM's return_all).
+        num_top = None if request.logprob_token_ids else request.top_logprobs or 0
         return self.chat_logprobs(
             completion.token_ids[start:],
             completion.logprobs[start:],
-            request.top_logprobs or 0,
-            bool(request.return_tokens_as_token_ids),
+            num_top,
+            self.as_token_ids(request),
         )
 
     @staticmethod
@@ -314,14 +396,16 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs=self._logprobs(request, completion, 0),
                     finish_reason=finish_reason,
                     stop_reason=completion.stop_reason,
+                    token_ids=list(completion.token_ids) if request.return_token_ids else None,
                 )
             )
         return ChatCompletionResponse(
             id=request_id,
             model=model,
             choices=choices,
-            usage=usage_of([final]),
+            usage=self.usage([final]),
             prompt_logprobs=self.prompt_logprobs(final),
+            prompt_token_ids=list(final.prompt_token_ids) if request.return_token_ids else None,
         )
 
     async def _stream(
@@ -335,8 +419,10 @@ class OpenAIServingChat(OpenAIServing):
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = include_usage and bool(options.continuous_usage_stats)
+        return_ids = bool(request.return_token_ids)
+        plain = not (continuous_usage or return_ids)  # the fast chunk path
 
-        def chunk(choices, usage=None) -> str:
+        def chunk(choices, usage=None, prompt_token_ids=None) -> str:
             response = ChatCompletionStreamResponse(
                 id=request_id, created=created, model=model, choices=choices
             )
@@ -344,11 +430,25 @@ class OpenAIServingChat(OpenAIServing):
             for choice, model_choice in zip(data["choices"], choices, strict=True):
                 # A delta carries only what it adds (role first, then content), as OpenAI's do.
                 choice["delta"] = model_choice.delta.model_dump(exclude_none=True)
+                if not return_ids:
+                    del choice["token_ids"]
             if usage is None:
                 del data["usage"]
             else:
-                data["usage"] = usage.model_dump()
+                data["usage"] = usage.model_dump(exclude_none=True)
+            if prompt_token_ids is None:
+                del data["prompt_token_ids"]
+            else:
+                data["prompt_token_ids"] = list(prompt_token_ids)
             return sse(json.dumps(data))
+
+        def running_usage(output, completion_tokens: int) -> UsageInfo:
+            prompt_tokens = len(output.prompt_token_ids)
+            return UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            )
 
         sent_text: dict[int, str] = {}
         sent_tokens: dict[int, int] = {}
@@ -358,15 +458,35 @@ class OpenAIServingChat(OpenAIServing):
         head = content_chunk_head(request_id, created, model)
         parsers: dict[int, ChatChoiceParser | None] = {}
         try:
+            first_output = None
+            if continuous_usage or return_ids:
+                # The first chunk carries the prompt's usage / ids: wait for the core's first
+                # output, which knows them.
+                async for output in stream:
+                    first_output = output
+                    break
             for index in range(request.n):
                 yield chunk(
                     [
                         ChatCompletionResponseStreamChoice(
-                            index=index, delta=DeltaMessage(role="assistant", content="")
+                            index=index,
+                            delta=DeltaMessage(role="assistant", content=""),
+                            token_ids=[] if return_ids else None,
                         )
-                    ]
+                    ],
+                    usage=(
+                        running_usage(first_output, 0)
+                        if continuous_usage and first_output is not None
+                        else None
+                    ),
+                    prompt_token_ids=(
+                        first_output.prompt_token_ids
+                        if return_ids and index == 0 and first_output is not None
+                        else None
+                    ),
                 )
-            async for output in stream:
+            outputs = stream if first_output is None else _prepend(first_output, stream)
+            async for output in outputs:
                 final = output
                 for completion in output.outputs:
                     index = completion.index
@@ -381,6 +501,7 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     tokens_sent = sent_tokens.get(index, 0)
                     logprobs = self._logprobs(request, completion, tokens_sent)
+                    new_ids = list(completion.token_ids[tokens_sent:]) if return_ids else None
                     sent_text[index] = text
                     sent_tokens[index] = len(completion.token_ids)
                     if finished:
@@ -395,7 +516,8 @@ class OpenAIServingChat(OpenAIServing):
                             message.content = echo + (message.content or "")
                         finish_reason = parser.finish_reason(completion.finish_reason)
                         if message is None and not finished:
-                            # Held back (a possible marker): its logprobs go with the next.
+                            # Held back (a possible marker): its logprobs and token ids go
+                            # with the next.
                             sent_tokens[index] = tokens_sent
                             continue
                         choice = ChatCompletionResponseStreamChoice(
@@ -404,11 +526,13 @@ class OpenAIServingChat(OpenAIServing):
                             logprobs=logprobs,
                             finish_reason=finish_reason,
                             stop_reason=completion.stop_reason,
+                            token_ids=new_ids,
                         )
-                        yield chunk([choice], usage_of([output]) if continuous_usage else None)
+                        usage = running_usage(output, len(completion.token_ids))
+                        yield chunk([choice], usage if continuous_usage else None)
                         continue
                     content = (echo if first else "") + delta
-                    if logprobs is None and not continuous_usage:  # the per-token common case
+                    if logprobs is None and plain:  # the per-token common case
                         yield content_chunk_sse(
                             head, index, content, completion.finish_reason,
                             completion.stop_reason,
@@ -420,15 +544,28 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
+                        token_ids=new_ids,
                     )
-                    yield chunk([choice], usage_of([output]) if continuous_usage else None)
+                    usage = running_usage(output, len(completion.token_ids))
+                    yield chunk([choice], usage if continuous_usage else None)
             if include_usage:
-                yield chunk([], usage_of([final]))
+                yield chunk([], self.usage([final]))
         except Exception as error:  # headers are sent: report in-band, as vLLM does
             yield sse_error(error_from_exception(error))
         finally:
             stream.close()
         yield SSE_DONE
+
+
+# transformers' marker (``render_jinja_template``) for the end of the message to continue.
+_CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+async def _prepend(first, stream) -> AsyncIterator:
+    """``first``, then the rest of ``stream``."""
+    yield first
+    async for output in stream:
+        yield output
 
 
 def _message_dict(message: ChatMessageParam, position: int) -> dict:

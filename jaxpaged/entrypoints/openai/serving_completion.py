@@ -6,6 +6,13 @@ string, a list of strings, a list of token ids or a list of such lists; with sev
 the text (of the first chunk when streaming); empty deltas are not sent; with
 ``stream_options.include_usage`` a last chunk with empty ``choices`` carries the usage; the
 stream ends with ``data: [DONE]``.
+
+Prompt scoring (``echo`` with ``max_tokens: 0``, as lm-evaluation-harness sends it): one token
+is computed (vLLM's way: usage counts it, ``token_ids`` lists it) but not in the text; the
+choice holds the prompt's text, and with ``logprobs`` the prompt tokens' logprobs (the first
+one null). ``return_token_ids`` adds
+``prompt_token_ids`` and ``token_ids`` to each choice, and with ``echo`` leaves the prompt's
+text out of ``text`` (vLLM's rule: the ids carry it).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from jaxpaged.beam_search import BeamSearchParams
 from jaxpaged.engine.core_client import RequestStream
 from jaxpaged.entrypoints.openai.errors import BadRequestError, error_from_exception
 from jaxpaged.entrypoints.openai.protocol import (
@@ -24,6 +32,7 @@ from jaxpaged.entrypoints.openai.protocol import (
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
+    UsageInfo,
 )
 from jaxpaged.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -32,7 +41,6 @@ from jaxpaged.entrypoints.openai.serving_engine import (
     sse,
     sse_error,
     stable_text,
-    usage_of,
 )
 from jaxpaged.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from jaxpaged.outputs import RequestOutput
@@ -53,23 +61,35 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         arrival_time = time.monotonic()
         lora_request = self.check_model(request.model)
-        self.check_supported(request)
+        if request.use_beam_search:
+            self.check_supported(request, allowed=("use_beam_search", "length_penalty"))
+            _check_beam_search_fields(request)
+        else:
+            self.check_supported(request)
         prompts = [
-            self.truncate(p, request.truncate_prompt_tokens)
+            self.truncate(p, request)
             for p in await self._prompts(request.prompt, request.add_special_tokens)
         ]
+        scoring = _is_scoring(request)
         params = []
         for _, ids in prompts:
-            self.check_length(len(ids), request.max_tokens, "prompt")
+            if request.use_beam_search:
+                self.check_length(len(ids), request.max_tokens, "prompt")
+                params.append(self._beam_search_params(request, len(ids)))
+                continue
+            # Scoring computes one token (vLLM's way), which must fit too.
+            self.check_length(len(ids), 1 if scoring else request.max_tokens, "prompt")
             values = self.common_sampling_values(request)
             values["max_tokens"] = (
-                request.max_tokens
+                1
+                if scoring
+                else request.max_tokens
                 if request.max_tokens is not None
                 else self.max_model_len - len(ids)
             )
-            values["logprobs"] = request.logprobs
+            values["logprobs"] = None if request.logprob_token_ids else request.logprobs
             prompt_logprobs = request.prompt_logprobs
-            if request.echo and request.logprobs is not None:
+            if prompt_logprobs is None and request.echo:
                 prompt_logprobs = request.logprobs  # echoed prompt tokens get logprobs too
             values["prompt_logprobs"] = prompt_logprobs
             params.append(self.sampling_params(values))
@@ -90,6 +110,26 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         return await self._full(request, request_id, model, streams)
 
+    def _beam_search_params(self, request: CompletionRequest, num_prompt_tokens: int):
+        """vLLM's beam search of a completion request: ``n`` beams ranked by
+        ``log_softmax(logits / temperature)``, where an unset or 0 temperature is 1 (the
+        model's own log-probabilities, which vLLM's beam search ranks by), and
+        ``length_penalty``."""
+        max_tokens = request.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt_tokens
+        try:
+            return BeamSearchParams(
+                beam_width=request.n,
+                max_tokens=max_tokens,
+                ignore_eos=request.ignore_eos,
+                temperature=request.temperature or 1.0,
+                length_penalty=request.length_penalty,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+            )
+        except ValueError as error:  # SamplingParamsError names its field
+            raise BadRequestError(str(error), param=getattr(error, "parameter", None)) from None
+
     async def _prompts(
         self, prompt, add_special_tokens: bool
     ) -> list[tuple[str | None, list[int]]]:
@@ -109,25 +149,38 @@ class OpenAIServingCompletion(OpenAIServing):
         ]
 
     def _prompt_text(self, output: RequestOutput) -> str:
+        """The prompt as given, or a token-id prompt decoded with its special tokens (vLLM
+        echoes ``tokenizer.decode(ids)``: ``[1, 365]`` comes back as ``"<s> ..."``)."""
         if output.prompt is not None:
             return output.prompt
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(output.prompt_token_ids)
 
     def _logprobs(self, request, output, completion, start: int, text_offset: int, echo: bool):
-        """Logprobs of output tokens ``start:`` (and of the prompt when ``echo``), or None."""
+        """Logprobs of output tokens ``start:`` (none when scoring) and of the prompt when
+        ``echo``, or None."""
         if request.logprobs is None or completion.logprobs is None:
             return None
-        token_ids = list(completion.token_ids[start:])
-        steps = list(completion.logprobs[start:])
+        scoring = _is_scoring(request)
+        token_ids = [] if scoring else list(completion.token_ids[start:])
+        steps = [] if scoring else list(completion.logprobs[start:])
         if echo:
             prompt_steps = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
             token_ids = list(output.prompt_token_ids) + token_ids
             steps = list(prompt_steps) + steps
+        # -1 (the whole vocabulary) and logprob_token_ids return every entry of a step.
+        num_top = None if request.logprobs == -1 or request.logprob_token_ids else request.logprobs
         return self.completion_logprobs(
-            token_ids, steps, text_offset, bool(request.return_tokens_as_token_ids)
+            token_ids, steps, text_offset, self.as_token_ids(request), num_top
         )
+
+    def _echo_text(self, request: CompletionRequest, output: RequestOutput) -> str:
+        """The prompt text put in front of a choice's text: none without ``echo`` or with
+        ``return_token_ids`` (vLLM's rule)."""
+        if not request.echo or request.return_token_ids:
+            return ""
+        return self._prompt_text(output)
 
     async def _full(
         self,
@@ -144,21 +197,25 @@ class OpenAIServingCompletion(OpenAIServing):
             for stream in streams:
                 stream.close()
         choices = []
+        scoring = _is_scoring(request)
         for prompt_index, output in enumerate(finals):
-            prompt_text = self._prompt_text(output) if request.echo else ""
-            for completion in output.outputs:
+            prompt_text = self._echo_text(request, output)
+            for rank, completion in enumerate(output.outputs):
+                # Beams come ranked, best first: their rank is the choice's index.
+                position = rank if request.use_beam_search else completion.index
                 choices.append(
                     CompletionResponseChoice(
-                        index=prompt_index * request.n + completion.index,
-                        text=prompt_text + completion.text,
+                        index=prompt_index * request.n + position,
+                        text=prompt_text + ("" if scoring else completion.text),
                         logprobs=self._logprobs(request, output, completion, 0, 0, request.echo),
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
                         prompt_logprobs=self.prompt_logprobs(output),
+                        **_token_ids(request, output, completion.token_ids, first=True),
                     )
                 )
         return CompletionResponse(
-            id=request_id, model=model, choices=choices, usage=usage_of(finals)
+            id=request_id, model=model, choices=choices, usage=self.usage(finals)
         )
 
     async def _stream(
@@ -172,6 +229,8 @@ class OpenAIServingCompletion(OpenAIServing):
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = include_usage and bool(options.continuous_usage_stats)
+        scoring = _is_scoring(request)
+        plain = not (continuous_usage or request.return_token_ids)  # the fast chunk path
         sent_text: dict[int, str] = {}  # choice index -> text streamed so far
         sent_tokens: dict[int, int] = {}
         # Choices whose finish_reason was sent: with n > 1, a choice that stopped early stays
@@ -187,7 +246,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     if index in done:
                         continue
                     finished = completion.finish_reason is not None
-                    text = stable_text(completion.text, finished)
+                    text = "" if scoring else stable_text(completion.text, finished)
                     first = index not in sent_text
                     previous = sent_text.get(index, "")
                     delta = text[len(previous) :]
@@ -201,7 +260,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         # tokenizer there is no text: each new token is a chunk of "" text.
                         continue
                     echo = request.echo and first
-                    prefix = self._prompt_text(output) if echo else ""
+                    prefix = self._echo_text(request, output) if echo else ""
                     start = sent_tokens.get(index, 0)
                     logprobs = self._logprobs(
                         request, output, completion, start, len(previous), echo
@@ -210,7 +269,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     sent_tokens[index] = len(completion.token_ids)
                     if finished:
                         done.add(index)
-                    if logprobs is None and not continuous_usage:  # the per-token common case
+                    if logprobs is None and plain:  # the per-token common case
                         yield text_chunk_sse(
                             head, index, prefix + delta, completion.finish_reason,
                             completion.stop_reason,
@@ -227,22 +286,29 @@ class OpenAIServingCompletion(OpenAIServing):
                                 logprobs=logprobs,
                                 finish_reason=completion.finish_reason,
                                 stop_reason=completion.stop_reason,
+                                **_token_ids(
+                                    request, output, completion.token_ids[start:], first=first
+                                ),
                             )
                         ],
                     )
-                    if continuous_usage:
-                        chunk.usage = usage_of([output])
+                    if continuous_usage:  # this choice's, as vLLM counts them
+                        prompt_tokens = len(output.prompt_token_ids)
+                        chunk.usage = UsageInfo(
+                            prompt_tokens=prompt_tokens,
+                            completion_tokens=len(completion.token_ids),
+                            total_tokens=prompt_tokens + len(completion.token_ids),
+                        )
                     yield sse(chunk)
-            if include_usage:
-                yield sse(
-                    CompletionStreamResponse(
-                        id=request_id,
-                        created=created,
-                        model=model,
-                        choices=[],
-                        usage=usage_of(latest),
-                    )
+            if include_usage:  # without null keys, as vLLM sends it
+                final_chunk = CompletionStreamResponse(
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=self.usage(latest),
                 )
+                yield sse(final_chunk.model_dump_json(exclude_none=True))
         except Exception as error:  # headers are sent: report in-band, as vLLM does
             yield sse_error(error_from_exception(error))
         finally:
@@ -270,6 +336,73 @@ def text_chunk_sse(head: str, index: int, text: str, finish_reason, stop_reason)
     """``sse(CompletionStreamResponse)`` of one choice's text, without logprobs or usage."""
     return (
         f'{head}{index},"text":{_encode(text)},"logprobs":null,'
-        f'"finish_reason":{_encode(finish_reason)},"stop_reason":{_encode(stop_reason)}}}],'
-        '"usage":null}\n\n'
+        f'"finish_reason":{_encode(finish_reason)},"stop_reason":{_encode(stop_reason)},'
+        '"prompt_token_ids":null,"token_ids":null}],"usage":null}\n\n'
     )
+
+
+# Completion fields beam search does not read -> their neutral values (anything else: a 400).
+_BEAM_SEARCH_UNUSED = {
+    "best_of": (None,),
+    "stream": (False,),
+    "echo": (False,),
+    "logprobs": (None,),
+    "prompt_logprobs": (None,),
+    "logprob_token_ids": (None,),
+    "top_p": (None, 1.0),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0.0),
+    "seed": (None,),
+    "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0),
+    "repetition_penalty": (None, 1.0),
+    "stop": (None, [], ""),
+    "stop_token_ids": (None, []),
+    "min_tokens": (0,),
+    "logit_bias": (None, {}),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "skip_special_tokens": (True,),
+}
+
+
+def _check_beam_search_fields(request: CompletionRequest) -> None:
+    """Refuse what beam search would ignore (vLLM ignores it; streaming it refuses too).
+
+    Raises:
+        BadRequestError: naming the field (a structured-outputs constraint too: beam search
+            is unconstrained).
+    """
+    field = structured_outputs_from_request(request)[1]
+    if field is not None:
+        raise BadRequestError(
+            f"{field} is not supported with beam search (use_beam_search): beam search does "
+            "not take structured-output constraints",
+            param=field,
+        )
+    for name, neutral in _BEAM_SEARCH_UNUSED.items():
+        if name not in request.model_fields_set:
+            continue
+        value = getattr(request, name)
+        if not any(value == n and type(value) is type(n) for n in neutral) and value is not None:
+            what = "streaming is" if name == "stream" else f"{name} is"
+            raise BadRequestError(
+                f"{what} not supported with beam search (use_beam_search), got {value!r}",
+                param=name,
+            )
+
+
+def _is_scoring(request: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens: 0``: the prompt (and its logprobs) comes back, no output."""
+    return request.echo and request.max_tokens == 0
+
+
+def _token_ids(request: CompletionRequest, output: RequestOutput, new_ids, *, first: bool):
+    """A choice's ``prompt_token_ids`` (in its first chunk) and ``token_ids`` with
+    ``return_token_ids``; nothing otherwise (the keys stay, null)."""
+    if not request.return_token_ids:
+        return {}
+    return {
+        "prompt_token_ids": list(output.prompt_token_ids) if first else None,
+        "token_ids": list(new_ids),  # scoring too: the one computed token (vLLM's answer)
+    }

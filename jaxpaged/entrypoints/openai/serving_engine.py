@@ -34,6 +34,7 @@ from jaxpaged.entrypoints.openai.protocol import (
     CompletionLogProbs,
     ErrorResponse,
     PromptLogprob,
+    PromptTokenUsageInfo,
     UsageInfo,
 )
 from jaxpaged.entrypoints.openai.structured_outputs import (
@@ -61,7 +62,7 @@ _NEUTRAL_VALUES = {
 # vLLM request fields this server does not implement -> the values that mean "not used".
 # Anything else is refused by name (check_supported).
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "use_beam_search": (False,),  # LLM.beam_search serves beam search offline
+    "use_beam_search": (False,),  # completions serve it (serving_completion), chat does not
     "length_penalty": (1.0,),  # only beam search reads it
     "priority": (0,),  # the scheduler is first-come first-served
     "logits_processors": (None, []),
@@ -69,6 +70,17 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "kv_transfer_params": (None, {}),
     "vllm_xargs": (None, {}),
     "mm_processor_kwargs": (None, {}),
+    "watermarking": (None, False),
+    "ec_transfer_params": (None, {}),
+    "repetition_detection": (None,),
+    "thinking_token_budget": (None, -1),  # -1: unlimited (vLLM's "unset")
+    "stream_interval": (None, 1),  # every token is streamed as it comes
+    "session_id": (None,),  # no session-aware routing or caching here
+    "routed_experts_prompt_start": (0,),
+    "return_token_offsets": (None, False),  # render endpoints only, in vLLM
+    "return_mm_kwargs": (True,),
+    "return_prompt_text": (None, False),
+    "media_io_kwargs": (None, {}),
     "prompt_embeds": (None,),
     "suffix": (None,),
     "reasoning_effort": (None,),
@@ -107,6 +119,10 @@ class OpenAIServing:
         tokenizer: the API process's tokenizer; None with ``--skip-tokenizer-init``.
         served_model_names: accepted ``model`` values; the first is echoed in responses.
         max_model_len: the engine's context limit in tokens.
+        return_tokens_as_token_ids: ``--return-tokens-as-token-ids``: logprob tokens are
+            written ``token_id:<id>`` unless a request says otherwise.
+        enable_prompt_tokens_details: ``--enable-prompt-tokens-details``: usage carries
+            ``prompt_tokens_details.cached_tokens`` (prompt tokens read from the prefix cache).
     """
 
     def __init__(
@@ -115,11 +131,16 @@ class OpenAIServing:
         tokenizer,
         served_model_names: Sequence[str],
         max_model_len: int,
+        *,
+        return_tokens_as_token_ids: bool = False,
+        enable_prompt_tokens_details: bool = False,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.served_model_names = list(served_model_names)
         self.max_model_len = max_model_len
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self._sampling_fields = set(inspect.signature(SamplingParams).parameters)
         # Base names and LoRA adapters (``serving_models``); set by the app, None: base only.
         self.models = None
@@ -185,9 +206,9 @@ class OpenAIServing:
                 param=input_name,
             )
 
-    def check_supported(self, request) -> None:
-        """Refuse every field of ``UNSUPPORTED_FIELDS`` the request sets to a value other than
-        a neutral one, and a ``response_format`` other than text.
+    def check_supported(self, request, allowed: tuple[str, ...] = ()) -> None:
+        """Refuse every field of ``UNSUPPORTED_FIELDS`` (but ``allowed``, which the caller
+        serves) the request sets to a value other than a neutral one.
 
         Raises:
             BadRequestError: naming the field and the value.
@@ -196,7 +217,7 @@ class OpenAIServing:
         # neutral (tests/entrypoints/openai/test_serving_engine.py checks that).
         given = request.model_fields_set & type(request).model_fields.keys()  # no extras
         for name, neutral in UNSUPPORTED_FIELDS.items():
-            if name not in given:
+            if name not in given or name in allowed:
                 continue
             value = getattr(request, name)
             if any(value == n and type(value) is type(n) for n in neutral) or value is None:
@@ -213,16 +234,37 @@ class OpenAIServing:
             return f"{prefix}-{request.request_id}"
         return random_id(prefix)
 
-    @staticmethod
     def truncate(
-        prompt: tuple[str | None, list[int]], truncate_prompt_tokens: int | None
+        self, prompt: tuple[str | None, list[int]], request
     ) -> tuple[str | None, list[int]]:
-        """Keep the last ``truncate_prompt_tokens`` ids (vLLM's left truncation); a truncated
-        prompt loses its text (echo and outputs decode the ids kept)."""
+        """Keep ``request.truncate_prompt_tokens`` ids (-1: ``max_model_len``): the last ones
+        (``truncation_side`` "left", the default) or the first ones ("right"), as vLLM does; a
+        truncated prompt loses its text (echo and outputs decode the ids kept)."""
         text, ids = prompt
-        if truncate_prompt_tokens is None or len(ids) <= truncate_prompt_tokens:
+        keep = request.truncate_prompt_tokens
+        if keep == -1:
+            keep = self.max_model_len
+        if keep is None or len(ids) <= keep:
             return text, ids
-        return None, ids[-truncate_prompt_tokens:]
+        if request.truncation_side == "right":
+            return None, ids[:keep]
+        return None, ids[-keep:]
+
+    def as_token_ids(self, request) -> bool:
+        """Whether logprob tokens are written ``token_id:<id>``: the request's
+        ``return_tokens_as_token_ids``, else the server's flag."""
+        if request.return_tokens_as_token_ids is not None:
+            return bool(request.return_tokens_as_token_ids)
+        return self.return_tokens_as_token_ids
+
+    def usage(self, outputs: Sequence[RequestOutput | None]) -> UsageInfo:
+        """``usage_of(outputs)``, with ``prompt_tokens_details`` under
+        ``--enable-prompt-tokens-details``."""
+        usage = usage_of(outputs)
+        if self.enable_prompt_tokens_details:
+            cached = sum(o.num_cached_tokens or 0 for o in outputs if o is not None)
+            usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached)
+        return usage
 
     def sampling_params(self, values: dict) -> SamplingParams:
         """``SamplingParams`` from request fields; None values take the engine's defaults.
@@ -277,6 +319,7 @@ class OpenAIServing:
             allowed_token_ids=request.allowed_token_ids,
             bad_words=request.bad_words or None,
             prompt_logprobs=request.prompt_logprobs,
+            logprob_token_ids=request.logprob_token_ids,
             # structured_outputs / guided_* / response_format (400 naming a bad or second one)
             structured_outputs=structured_outputs_from_request(request)[0],
         )
@@ -350,11 +393,13 @@ class OpenAIServing:
         steps: Sequence[dict | None],
         text_offset: int,
         as_token_ids: bool = False,
+        num_top: int | None = None,
     ) -> CompletionLogProbs:
         """OpenAI completions ``logprobs`` for ``token_ids``; ``steps[i]`` maps token id ->
-        ``Logprob`` (vLLM's shape; the sampled token and the top-k), None where there are none
-        (the first prompt token). ``text_offset``: where the first token starts in the text.
-        ``as_token_ids``: tokens written ``token_id:<id>``."""
+        ``Logprob`` (vLLM's shape: the sampled token first, then the top-k), None where there
+        are none (the first prompt token). ``text_offset``: where the first token starts in the
+        text. ``as_token_ids``: tokens written ``token_id:<id>``. ``top_logprobs`` keeps each
+        step's order and its first ``num_top + 1`` entries (vLLM's; None: all of them)."""
         out = CompletionLogProbs()
         for token_id, step in zip(token_ids, steps, strict=True):
             token = self._token_text(token_id, step.get(token_id) if step else None, as_token_ids)
@@ -367,11 +412,11 @@ class OpenAIServing:
                 continue
             sampled = step.get(token_id)
             out.token_logprobs.append(None if sampled is None else _logprob_value(sampled))
+            entries = list(step.items())
+            if num_top is not None:
+                entries = entries[: num_top + 1]
             out.top_logprobs.append(
-                {
-                    self._token_text(t, lp, as_token_ids): _logprob_value(lp)
-                    for t, lp in _ranked(step)
-                }
+                {self._token_text(t, lp, as_token_ids): _logprob_value(lp) for t, lp in entries}
             )
         return out
 
@@ -382,8 +427,10 @@ class OpenAIServing:
         num_top: int,
         as_token_ids: bool = False,
     ) -> ChatCompletionLogProbs:
-        """OpenAI chat ``logprobs.content`` for ``token_ids`` with ``num_top`` alternatives;
-        ``as_token_ids``: tokens written ``token_id:<id>``."""
+        """OpenAI chat ``logprobs.content`` for ``token_ids`` with the first ``num_top``
+        entries of each step as alternatives, in the step's order (the sampled token first, as
+        vLLM lists them; -1 or None: all of them); ``as_token_ids``: tokens written
+        ``token_id:<id>``."""
         content = []
         for token_id, step in zip(token_ids, steps, strict=True):
             step = step or {}
@@ -394,7 +441,9 @@ class OpenAIServing:
                     logprob=_logprob_value(lp),
                     bytes=list(text.encode("utf-8", errors="replace")),
                 )
-                for t, lp in _ranked(step)[:num_top]
+                for t, lp in (
+                    list(step.items()) if num_top in (None, -1) else list(step.items())[:num_top]
+                )
             ]
             sampled = step.get(token_id)
             content.append(
@@ -416,16 +465,6 @@ def _short(value) -> str:
 def _logprob_value(logprob) -> float:
     value = float(getattr(logprob, "logprob", logprob))
     return max(value, _MIN_LOGPROB)
-
-
-def _ranked(step: dict) -> list:
-    """(token id, Logprob) pairs by rank (or by descending logprob when there is no rank)."""
-
-    def key(item):
-        rank = getattr(item[1], "rank", None)
-        return (rank if rank is not None else 0, -_logprob_value(item[1]))
-
-    return sorted(step.items(), key=key)
 
 
 def usage_of(outputs: Sequence[RequestOutput | None]) -> UsageInfo:

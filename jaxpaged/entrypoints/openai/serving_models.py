@@ -25,10 +25,14 @@ from collections.abc import Sequence
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
 
 from jaxpaged.entrypoints.openai.errors import BadRequestError, NotFoundError
-from jaxpaged.entrypoints.openai.protocol import ModelCard, ModelList, ModelPermission
+from jaxpaged.entrypoints.openai.protocol import (
+    ModelCard,
+    ModelList,
+    ModelPermission,
+    OpenAIRequest,
+)
 from jaxpaged.lora.request import LoRARequest
 
 
@@ -104,15 +108,16 @@ def check_lora_modules(
             raise ValueError(f"--lora-modules {module.name}: {error}") from None
 
 
-class LoadLoRAAdapterRequest(BaseModel):
-    """Body of ``POST /v1/load_lora_adapter``."""
+class LoadLoRAAdapterRequest(OpenAIRequest):
+    """Body of ``POST /v1/load_lora_adapter`` (an undeclared field is a 400 naming it)."""
 
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
-    """Body of ``POST /v1/unload_lora_adapter``."""
+class UnloadLoRAAdapterRequest(OpenAIRequest):
+    """Body of ``POST /v1/unload_lora_adapter``; ``lora_int_id``, when given, must be the
+    adapter's."""
 
     lora_name: str
     lora_int_id: int | None = None
@@ -214,8 +219,12 @@ class OpenAIServingModels:
         """
         self._check_runtime_updates()
         name = body.lora_name
-        if not name or not body.lora_path:
-            raise BadRequestError("Both 'lora_name' and 'lora_path' must be provided.")
+        for field, value in (("lora_name", name), ("lora_path", body.lora_path)):
+            if not value:
+                raise BadRequestError(
+                    f"Both 'lora_name' and 'lora_path' must be provided: {field} is empty.",
+                    param=field,
+                )
         if name in self.lora_requests or name in self.base_model_names:
             raise BadRequestError(
                 f"The lora adapter '{name}' has already been loaded.", param="lora_name"
@@ -236,11 +245,18 @@ class OpenAIServingModels:
             BadRequestError: several API processes (400).
         """
         self._check_runtime_updates()
-        request = self.lora_requests.pop(body.lora_name, None)
+        request = self.lora_requests.get(body.lora_name)
         if request is None:
             raise NotFoundError(
                 f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name"
             )
+        if body.lora_int_id is not None and body.lora_int_id != request.lora_int_id:
+            raise BadRequestError(
+                f"lora_int_id {body.lora_int_id} is not the id of adapter '{body.lora_name}' "
+                f"({request.lora_int_id})",
+                param="lora_int_id",
+            )
+        del self.lora_requests[body.lora_name]
         await self.engine.remove_lora(request.lora_int_id)
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 

@@ -89,7 +89,12 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(http, serve
     _error(_complete(http, prompt=["text", [1, 2]]), 400, "prompt", "list of token ids")
     _error(_complete(http, prompt=[]), 400, "prompt", "must not be empty")
     _error(_complete(http, prompt=[1, 99999]), 400, "prompt", "outside the vocabulary")
-    _error(_complete(http, stream_options={"include_usage": True}), 400, None, "stream is true")
+    _error(
+        _complete(http, stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+        "stream is true",
+    )
     _error(_complete(http, suffix="!"), 400, "suffix", "not supported")
     long_prompt = list(range(3, 3 + 120))
     too_long = _error(_complete(http, prompt=long_prompt, max_tokens=16), 400, "prompt")
@@ -127,7 +132,9 @@ def test_ids_beyond_64_bits_are_a_400_naming_the_field_and_leave_nothing_behind(
     ids were a 500 that left the request counted as outstanding in the client."""
     huge = 2**70
     before = server.engine.core.num_outstanding
-    _error(_complete(http, prompt=[1, huge]), 400, "prompt", f"token id {huge} is outside")
+    _error(
+        _complete(http, prompt=[1, huge]), 400, "prompt", f"token id {huge} is out of vocabulary"
+    )
     _error(_complete(http, prompt=[[1], [2, -huge]]), 400, "prompt", "outside the vocabulary")
     _error(_complete(http, stop_token_ids=[huge]), 400, "stop_token_ids", "vocabulary size")
     _error(_complete(http, logit_bias={str(huge): 1}), 400, "logit_bias", "vocabulary size")
@@ -166,7 +173,7 @@ def _value(samples, name, **labels):
 def test_metrics_parse_and_move_across_a_request(http, server, stories_llm):
     before = _metrics(http)
     prompt = "Once upon a time"
-    response = _complete(http, prompt=prompt, max_tokens=5, temperature=0, extra_body=None)
+    response = _complete(http, prompt=prompt, max_tokens=5, temperature=0)
     assert response.status_code == 200
     server.wait_idle()
     after = _metrics(http)

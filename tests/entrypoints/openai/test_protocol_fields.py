@@ -57,7 +57,7 @@ def test_every_vllm_request_field_is_declared(model, fields):
 @pytest.mark.parametrize(
     "route, field, value",
     [
-        ("completions", "use_beam_search", True),
+        ("chat/completions", "use_beam_search", True),
         ("completions", "length_penalty", 0.5),
         ("completions", "priority", 1),
         ("completions", "logits_processors", ["my.Processor"]),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.live_server import MODEL_NAME
@@ -111,7 +113,7 @@ def test_model_without_any_chat_template_is_a_400(server):
     assert not getattr(tokenizer, "chat_template", None)
     chat = OpenAIServingChat(server.engine, tokenizer, [MODEL_NAME], 128, chat_template=None)
     with pytest.raises(BadRequestError, match="no chat template"):
-        chat.render_messages([ChatMessageParam(role="user", content="hi")])
+        asyncio.run(chat.render_messages([ChatMessageParam(role="user", content="hi")]))
 
 
 def test_chat_template_flag_accepts_a_file_or_inline_jinja(tmp_path):
@@ -131,7 +133,7 @@ def test_formatted_content_chunk_equals_the_pydantic_chunk_byte_for_byte(
     content, finish_reason, stop_reason
 ):
     """The per-token fast path against the general ``chunk`` of ``_stream``: the models
-    dumped, ``None`` dropped from the delta, no usage, ``json.dumps``."""
+    dumped, ``None`` dropped from the delta, no usage or token ids, ``json.dumps``."""
     import json
 
     from jaxpaged.entrypoints.openai.protocol import (
@@ -151,7 +153,8 @@ def test_formatted_content_chunk_equals_the_pydantic_chunk_byte_for_byte(
         id='c-"1"', created=7, model="m/é", choices=[choice]
     ).model_dump()
     data["choices"][0]["delta"] = {"content": content}
-    del data["usage"]
+    # Without return_token_ids, neither id key is sent (chunk() drops them).
+    del data["usage"], data["prompt_token_ids"], data["choices"][0]["token_ids"]
     head = content_chunk_head('c-"1"', 7, "m/é")
     assert content_chunk_sse(head, 1, content, finish_reason, stop_reason) == (
         f"data: {json.dumps(data)}\n\n"

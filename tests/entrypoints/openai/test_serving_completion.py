@@ -83,7 +83,9 @@ def test_token_id_prompts_and_echo(client, greedy_reference, stories_llm):
 
     tokenizer = stories_llm.get_tokenizer()
     reference = greedy_reference([PROMPTS[0], {"prompt_token_ids": ids[1]}], 6)
-    prompt_texts = [PROMPTS[0], tokenizer.decode(ids[1], skip_special_tokens=True)]
+    # A token-id prompt is echoed decoded with its special tokens (vLLM's echo).
+    prompt_texts = [PROMPTS[0], tokenizer.decode(ids[1])]
+    assert prompt_texts[1].startswith(tokenizer.bos_token)
     echoed = [
         client.completions.create(
             model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=0, echo=True

@@ -60,8 +60,8 @@ def test_unsupported_fields_are_refused_only_when_set_to_a_non_neutral_value():
     serving.check_supported(CompletionRequest(**body))
     with pytest.raises(BadRequestError, match="priority"):
         serving.check_supported(CompletionRequest(**body | {"priority": 3}))
-    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], suffix="s")
-    serving.check_supported(chat)  # not a chat field: an ignored extra, as before
+    with pytest.raises(ValueError, match="unknown field suffix"):  # not a chat field
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], suffix="s")
 
 
 def test_completion_logprobs_follow_openai_shape():
@@ -76,8 +76,15 @@ def test_completion_logprobs_follow_openai_shape():
     assert out.text_offset == [3, 6, 7]
     assert out.token_logprobs == [None, -0.5, -9999.0]
     assert out.top_logprobs[0] is None
-    assert list(out.top_logprobs[2]) == ["bb", "a", "c"]  # by rank
+    # The step's order (the engine's: sampled token first, then by rank), as vLLM lists them.
+    assert list(out.top_logprobs[2]) == ["c", "bb", "a"]
     assert out.top_logprobs[2]["c"] == -9999.0
+    # logprobs=k keeps k + 1 entries: the sampled token and the k best (OpenAI's rule).
+    capped = serving.completion_logprobs([5, 7, 9], steps, text_offset=3, num_top=1)
+    assert list(capped.top_logprobs[2]) == ["c", "bb"] and list(capped.top_logprobs[1]) == [
+        "a",
+        "bb",
+    ]
 
 
 def test_chat_logprobs_limit_alternatives_and_give_bytes():

@@ -108,6 +108,20 @@ def test_models_route_adapters_and_runtime_load_unload(lora_server, adapter_path
         assert gone.status_code == 404
         bad = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope"})
         assert bad.status_code == 400 and "is not a directory" in bad.json()["error"]["message"]
+        # Each bad body names its field.
+        for body, field in [
+            ({"lora_name": "x", "lora_path": "/nope"}, "lora_path"),
+            ({"lora_name": "", "lora_path": adapter_paths[third]}, "lora_name"),
+            ({"lora_name": "x"}, "lora_path"),
+            (
+                {"lora_name": "x", "lora_path": adapter_paths[third], "load_inplace": True},
+                "load_inplace",
+            ),
+            ({"lora_name": SPECS[0].name, "lora_int_id": 99}, "lora_int_id"),
+        ]:
+            route = "unload" if "lora_int_id" in body else "load"
+            answer = client.post(f"/v1/{route}_lora_adapter", json=body)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == field, body
         metrics = client.get("/metrics").text
     info = [line for line in metrics.splitlines() if line.startswith("jaxpaged:lora_requests_info")]
     assert len(info) == 1
