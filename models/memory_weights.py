@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.weights import ParamPlan, hf_names, merged_output_sizes, plan_params, read_param
+from models.hf_names import hf_names, merged_output_sizes
+from models.weights import ParamPlan, plan_params, read_param
 
 # What check_tensor's messages call the source of the tensors.
 SOURCE = "update_weights' params"

@@ -5,7 +5,7 @@ then its state is filled either from safetensors files (one ``model.safetensors`
 ``model.safetensors.index.json``) by HF name, or with deterministic random values
 (``load_format="dummy"``, for benchmarks: no weight file is read, a config-only directory works).
 A fused parameter (``qkv_proj``, ``gate_up_proj``; ``models.merged_linear``) is filled from the
-tensors of its parts (:data:`FUSED_MODULES`, :func:`hf_names`). A checkpoint that stores such a
+tensors of its parts (``models.hf_names``: :data:`FUSED_MODULES`, :func:`hf_names`). A checkpoint that stores such a
 module fused (Phi-3) is read through row-block views that stand in for the parts' tensors
 (:func:`fused_checkpoint_views`). Stacked expert parameters (``models.moe``, ``[E, ...]``) are
 filled from one checkpoint tensor (or fused pair) per expert (:func:`expert_hf_names`).
@@ -31,7 +31,13 @@ from models.config_cache import read_cached_config, write_cached_config
 from models.config_checks import check_config_shapes
 from models.dtypes import DTYPES as _DTYPES
 from models.dummy_init import dummy_normal
-from models.merged_linear import MergedColumnParallelLinear
+from models.hf_names import EXPERT_PARAMS as EXPERT_PARAMS  # re-exported: the name map
+from models.hf_names import FUSED_MODULES as FUSED_MODULES
+from models.hf_names import check_tensor as check_tensor
+from models.hf_names import expert_hf_names as expert_hf_names
+from models.hf_names import hf_names as hf_names
+from models.hf_names import is_expert_param as is_expert_param
+from models.hf_names import merged_output_sizes as merged_output_sizes
 from models.quantization.config import QuantizationConfig, resolve_quantization
 from models.quantized_weights import (
     dummy_quantized_layers,
@@ -84,101 +90,6 @@ def resolve_dtype(dtype: str | Any, hf_config: Any) -> jnp.dtype:
     if resolved not in {jnp.dtype(d) for d in _DTYPES.values()}:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     return resolved
-
-
-# Fused modules of the models (``models.merged_linear``) -> the checkpoint modules of their
-# parts, in column order: one parameter is filled from several HF tensors.
-FUSED_MODULES = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
-
-
-# Stacked expert parameters (``models.moe.MoEExperts``, leaves of an ``experts`` module) -> the
-# per-expert checkpoint modules of their parts, in column order (Mixtral: w1 gate, w3 up, w2 down).
-EXPERT_PARAMS = {
-    "gate_up_proj": ("w1", "w3"),
-    "down_proj": ("w2",),
-}
-
-
-def is_expert_param(path: tuple) -> bool:
-    """Whether ``path`` is a stacked expert parameter ``[E, in, out]`` (see :data:`EXPERT_PARAMS`)."""
-    return len(path) >= 2 and str(path[-2]) == "experts" and str(path[-1]) in EXPERT_PARAMS
-
-
-def expert_hf_names(path: tuple, num_experts: int) -> tuple[tuple[str, ...], ...]:
-    """Per expert, the HF tensors (``[out, in]``, so transposed) that fill its slice of the
-    stacked parameter ``path``, in column order:
-    ``('model', 'layers', 0, 'block_sparse_moe', 'experts', 'gate_up_proj')``, expert ``e`` ->
-    ``('model.layers.0.block_sparse_moe.experts.e.w1.weight', '....experts.e.w3.weight')``."""
-    prefix = ".".join(str(p) for p in path[:-1])
-    parts = EXPERT_PARAMS[str(path[-1])]
-    return tuple(tuple(f"{prefix}.{e}.{part}.weight" for part in parts) for e in range(num_experts))
-
-
-def hf_names(path: tuple) -> tuple[tuple[str, ...], bool]:
-    """HF tensor names of an NNX parameter path, and whether the HF tensors are transposed.
-
-    ``('model', 'layers', 0, 'self_attn', 'o_proj', 'kernel')`` ->
-    ``(('model.layers.0.self_attn.o_proj.weight',), True)``: HF ``nn.Linear`` stores
-    ``[out, in]``, ``nnx.Linear`` ``[in, out]``. Embeddings and norm weights map as they are.
-    A fused module (:data:`FUSED_MODULES`) names one tensor per part, in column order:
-    ``(..., 'self_attn', 'qkv_proj', 'bias')`` -> ``(('model.layers.0.self_attn.q_proj.bias',
-    '...k_proj.bias', '...v_proj.bias'), False)``; the parameter's last (output) axis holds
-    their columns as ``models.merged_linear`` lays them out. A stacked expert parameter gives its
-    expert 0's names (all experts: :func:`expert_hf_names`).
-    """
-    *parents, module, leaf = (str(p) for p in path)
-    if is_expert_param(path):
-        return expert_hf_names(path, 1)[0], True
-    if leaf == "kernel":
-        suffix, transposed = "weight", True
-    elif leaf in ("embedding", "weight"):
-        suffix, transposed = "weight", False
-    elif leaf == "bias":
-        suffix, transposed = "bias", False
-    else:
-        raise ValueError(f"no HF name for parameter path {_path_str(path)!r}")
-    parts = FUSED_MODULES.get(module, (module,))
-    return tuple(".".join([*parents, part, suffix]) for part in parts), transposed
-
-
-def merged_output_sizes(model: nnx.Module) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Module path (``str`` parts, as ``nnx`` flat-state paths minus the leaf) -> the
-    ``output_sizes`` of each :class:`~models.merged_linear.MergedColumnParallelLinear` in
-    ``model`` (abstract or concrete); the loaders split fused parameters by them."""
-    return {
-        tuple(str(p) for p in path): node.output_sizes
-        for path, node in nnx.iter_graph(model)
-        if isinstance(node, MergedColumnParallelLinear)
-    }
-
-
-def check_tensor(
-    reader: _TensorReader, path: tuple, name: str, expected: tuple[int, ...], model_dir: str
-) -> None:
-    """Check that the checkpoint holds tensor ``name`` of shape ``expected`` (HF layout, e.g.
-    ``[out, in]`` for a linear weight) for the parameter ``path``.
-
-    Raises:
-        ValueError: the tensor is missing or has another shape; the message names the
-            parameter, the HF tensor, both shapes and ``model_dir``.
-    """
-    if name not in reader:
-        raise ValueError(
-            f"parameter {_path_str(path)} (HF name {name!r}) is missing from {model_dir}"
-        )
-    shape = reader.shape(name)
-    if shape != tuple(expected):
-        raise ValueError(
-            f"parameter {_path_str(path)} (HF name {name!r}) has shape {shape} in {model_dir}; "
-            f"expected {tuple(expected)}"
-        )
-
-
-def _path_str(path: tuple) -> str:
-    return ".".join(str(p) for p in path)
 
 
 def safe_open(file: str, framework: str):
