@@ -18,7 +18,6 @@ exit status.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import time
 from collections.abc import Sequence
 
 from jaxpaged.benchmarks.matrix_rows import MatrixRow
+from jaxpaged.entrypoints.env import child_env_with_memory_fraction
 
 # Device memory a worker may take in all: the matrix's default (0.9) split N ways.
 TOTAL_MEMORY_FRACTION = 0.9
@@ -58,7 +58,7 @@ def run_sharded(rows: Sequence[MatrixRow], workers: int, out: str, passthrough: 
     for k, shard in enumerate(shards):
         shard_out = f"{out}.shard{k}"
         pathlib.Path(shard_out).unlink(missing_ok=True)
-        env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{fraction:.3f}")
+        env = child_env_with_memory_fraction(fraction)
         command = [sys.executable, "-m", "jaxpaged.entrypoints.cli", "bench", "matrix",
                    "--rows", *[r.name for r in shard], "--out", shard_out, "--no-tqdm",
                    "--gpu-memory-utilization", f"{fraction:.3f}", *passthrough]  # fmt: skip

@@ -36,6 +36,12 @@ def set_jax_memory_fraction(gpu_memory_utilization: float) -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{gpu_memory_utilization:.4f}")
 
 
+def child_env_with_memory_fraction(fraction: float) -> dict[str, str]:
+    """This process's environment for a child process whose JAX GPU pool is ``fraction`` of the
+    card (``XLA_PYTHON_CLIENT_MEM_FRACTION``; ``jaxpaged bench matrix --workers``)."""
+    return dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{fraction:.3f}")
+
+
 @contextlib.contextmanager
 def prometheus_multiproc_dir():
     """A fresh directory exported as ``PROMETHEUS_MULTIPROC_DIR`` for the block (removed, and
