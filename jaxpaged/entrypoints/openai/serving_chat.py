@@ -247,6 +247,7 @@ class OpenAIServingChat(OpenAIServing):
             if request.tools
             else None,
         )
+        self.check_text_fits(prompt_text, request, "messages")
         # The template writes the special tokens; add_special_tokens adds the tokenizer's too.
         prompt_text, ids = self.truncate(
             (

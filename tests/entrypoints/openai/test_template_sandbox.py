@@ -147,3 +147,18 @@ def test_a_request_template_sees_tools_and_parsed_tool_call_arguments(http, stor
     )
     assert "tools: get_weather" in expected and '{"city": "Paris"}' in expected
     assert tokens == tokenizer.encode(expected, add_special_tokens=False)
+
+
+def test_a_rendered_text_too_long_for_the_context_is_refused_before_tokenizing(http, server):
+    """Just under the sandbox's output cap (16 M characters): rendered fast, then it was
+    tokenized in full (18 s of CPU, 5.7 GB). Now its length alone refuses it."""
+    template = '{{ range(99999)|join("x"*160) }}'
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2, "chat_template": template}
+    start = time.monotonic()
+    response = http.post("/v1/chat/completions", json=body)
+    assert time.monotonic() - start < 6.0
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "characters" in error["message"]
+    stats = server.wait_idle()
+    assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
