@@ -33,7 +33,9 @@ _ALIASES = {
     "guided_grammar": "grammar",
     "structural_tag": "structural_tag",
 }
-_BACKENDS = ("xgrammar", "auto")
+# A request cannot pick the grammar backend: the engine's (--structured-outputs-config) serves
+# every request, so a named backend would be silently overridden; only "auto" is accepted.
+_BACKENDS = ("auto",)
 # Field names the engine's errors use for a constraint (SamplingParamsError.parameter).
 _ENGINE_FIELDS = {*STRUCTURED_OUTPUT_KINDS, "whitespace_pattern", "structured_outputs"}
 
@@ -64,8 +66,8 @@ def structured_outputs_from_request(request) -> tuple[StructuredOutputsParams | 
     backend = request.guided_decoding_backend
     if backend is not None and backend not in _BACKENDS:
         raise BadRequestError(
-            f"guided_decoding_backend must be one of {list(_BACKENDS)} (the engine's backend "
-            f"is set by --structured-outputs-config), got {backend!r}",
+            f"guided_decoding_backend must be one of {list(_BACKENDS)}: the backend is the "
+            f"engine's, set by --structured-outputs-config; got {backend!r}",
             param="guided_decoding_backend",
         )
     if not sources:

@@ -117,6 +117,9 @@ def test_streamed_constrained_chat_concatenates_to_valid_json(client):
         ),
         ("chat", {"response_format": {"type": "yaml"}}, "response_format"),
         ("completions", {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+        # A named backend would be silently replaced by the engine's: refused, not ignored.
+        ("chat", {"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+        ("completions", {"guided_decoding_backend": "guidance"}, "guided_decoding_backend"),
         (
             "completions",
             {"guided_json": {"type": "string"}, "guided_whitespace_pattern": " *"},
