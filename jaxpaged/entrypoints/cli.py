@@ -82,7 +82,12 @@ def _bench(kind: str, argv: list[str]) -> int:
     """Run benchmark ``kind`` on its own flags ``argv`` (parsed by its module, whose usage
     line reads ``jaxpaged bench KIND``)."""
     module = importlib.import_module(BENCHMARKS[kind][0])
-    return module.main(argv, prog=f"jaxpaged bench {kind}")
+    prog = f"jaxpaged bench {kind}"
+    try:
+        return module.main(argv, prog=prog)
+    except ValueError as error:  # bad engine arguments or workload (a prompt too long, ...)
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
 
 
 def _serve(args: argparse.Namespace) -> int:

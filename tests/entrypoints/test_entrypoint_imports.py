@@ -94,3 +94,15 @@ def test_bench_without_a_known_kind_is_a_usage_error(capsys):
             cli.main(argv)
         assert exited.value.code == 2
     assert "invalid choice: 'nonsense'" in capsys.readouterr().err
+
+
+def test_a_bench_refused_workload_is_one_error_line_and_exit_2(capsys):
+    """A prompt longer than the context: one line naming the benchmark, no traceback."""
+    code = cli.main(
+        ["bench", "throughput", "--input-len", "100", "--output-len", "4", "--num-prompts", "1",
+         "--max-model-len", "64", "--dtype", "float32"]
+    )  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("jaxpaged bench throughput: error: ")
+    assert "Traceback" not in "\n".join(err)
