@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from jaxpaged.sequence import check_prompt_text
+
 ChatMessage = Mapping[str, object]
 Conversation = Sequence[ChatMessage]
 
@@ -70,4 +72,5 @@ def chat_prompt(tokenizer, conversation: Conversation, **kwargs) -> dict:
     """``{"prompt": text, "prompt_token_ids": ids}`` for the engine; ``kwargs`` as for
     ``render_chat_prompt``."""
     text = render_chat_prompt(tokenizer, conversation, **kwargs)
+    check_prompt_text(text)  # a lone surrogate: our message, not the tokenizer's TypeError
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

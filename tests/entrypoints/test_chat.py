@@ -100,3 +100,12 @@ def test_llm_chat_passes_tools_to_the_template(stories_llm):
         use_tqdm=False,
     )  # fmt: skip
     assert out.prompt.startswith("tools: get_weather\nsystem: You tell stories.")
+
+
+def test_llm_chat_refuses_a_lone_surrogate_as_generate_does(stories_llm):
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ValueError, match="lone surrogate U\\+D800 at character 3"):
+        stories_llm.chat([{"role": "user", "content": "hi \ud800"}], chat_template=template)
+    out = stories_llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2),
+                           chat_template=template)  # fmt: skip
+    assert len(out[0].outputs[0].token_ids) == 2
