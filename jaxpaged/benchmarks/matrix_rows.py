@@ -249,6 +249,10 @@ ROWS: tuple[MatrixRow, ...] = (
     MatrixRow("beam-search", "llama-3-8b", _BF16, workload="beam"),
     MatrixRow("structured-outputs", "stories260k", {"dtype": "float32", "attention_backend": "pallas"},
               workload="structured_outputs"),
+    # Async scheduling runs a constrained step as two executables (forward, then sample).
+    MatrixRow("structured-outputs-async", "stories260k",
+              {"dtype": "float32", "attention_backend": "pallas", "async_scheduling": True},
+              workload="structured_outputs"),
 )  # fmt: skip
 
 
