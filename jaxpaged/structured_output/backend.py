@@ -29,6 +29,7 @@ import json
 import logging
 
 from jaxpaged.sampling_params import SamplingParamsError, StructuredOutputsParams
+from jaxpaged.structured_output.backend_base import GrammarBackendBase, short
 
 logger = logging.getLogger(__name__)
 
@@ -50,34 +51,15 @@ def import_xgrammar():
     return xgrammar
 
 
-class XGrammarBackend:
-    """Constraint -> grammar -> compiled grammar -> matchers, with xgrammar.
-
-    Args:
-        load_tokenizer: returns the HF tokenizer (called once, on the first ``compile``).
-        vocab_size: the model's vocabulary (logits width; may exceed the tokenizer's).
-        stop_token_ids: the only tokens a complete grammar allows (the engine's EOS).
-        disable_any_whitespace, disable_additional_properties: engine-wide defaults
-            (``StructuredOutputsConfig``), or-ed with each request's own.
-    """
+class XGrammarBackend(GrammarBackendBase):
+    """Constraint -> grammar -> compiled grammar -> matchers, with xgrammar. Arguments: as
+    ``GrammarBackendBase``'s."""
 
     name = "xgrammar"
 
-    def __init__(
-        self,
-        load_tokenizer,
-        *,
-        vocab_size: int,
-        stop_token_ids: list[int] | None,
-        disable_any_whitespace: bool = False,
-        disable_additional_properties: bool = False,
-    ):
+    def __init__(self, load_tokenizer, **settings):
+        super().__init__(load_tokenizer, **settings)
         self.xgr = import_xgrammar()
-        self._load_tokenizer = load_tokenizer
-        self.vocab_size = vocab_size
-        self.stop_token_ids = stop_token_ids
-        self.disable_any_whitespace = disable_any_whitespace
-        self.disable_additional_properties = disable_additional_properties
         self._compiler = None
         self._batch = None
 
@@ -102,7 +84,7 @@ class XGrammarBackend:
         except Exception as error:  # xgrammar raises RuntimeError / ValueError / TypeError
             message = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
             raise SamplingParamsError(
-                kind, _short(getattr(params, kind)), f"cannot be compiled by xgrammar: {message}"
+                kind, short(getattr(params, kind)), f"cannot be compiled by xgrammar: {message}"
             ) from None
 
     def _grammar(self, params: StructuredOutputsParams):
@@ -116,11 +98,11 @@ class XGrammarBackend:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as error:
                     raise SamplingParamsError(
-                        "json", _short(params.json), f"is not valid JSON: {error}"
+                        "json", short(params.json), f"is not valid JSON: {error}"
                     ) from None
             if not isinstance(schema, (dict, bool)):
                 raise SamplingParamsError(
-                    "json", _short(params.json), "must be a JSON schema object"
+                    "json", short(params.json), "must be a JSON schema object"
                 )
             return g.from_json_schema(
                 json.dumps(schema), any_whitespace=any_whitespace, strict_mode=True
@@ -139,7 +121,7 @@ class XGrammarBackend:
             tag = json.loads(text)
         except json.JSONDecodeError as error:
             raise SamplingParamsError(
-                "structural_tag", _short(text), f"is not valid JSON: {error}"
+                "structural_tag", short(text), f"is not valid JSON: {error}"
             ) from None
         if isinstance(tag, dict) and "structures" in tag:
             items = [
@@ -199,9 +181,3 @@ class XGrammarBackend:
     def accept_tokens(self, matchers: list, tokens: list[int]) -> list[bool]:
         """Advance each matcher by one token; whether each was allowed."""
         return self.xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
-
-
-def _short(value, limit: int = 200):
-    """A long schema or grammar shortened for an error message."""
-    text = value if isinstance(value, str) else json.dumps(value)
-    return text if len(text) <= limit else text[:limit] + "..."

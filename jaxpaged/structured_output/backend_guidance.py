@@ -21,6 +21,7 @@ import copy
 import json
 
 from jaxpaged.sampling_params import SamplingParamsError, StructuredOutputsParams
+from jaxpaged.structured_output.backend_base import GrammarBackendBase, short
 
 
 def import_llguidance():
@@ -56,26 +57,14 @@ class _Matcher:
         return self.m.is_stopped()
 
 
-class GuidanceBackend:
-    """Constraint -> llguidance grammar -> matchers. Arguments as ``XGrammarBackend``'s."""
+class GuidanceBackend(GrammarBackendBase):
+    """Constraint -> llguidance grammar -> matchers. Arguments: as ``GrammarBackendBase``'s."""
 
     name = "guidance"
 
-    def __init__(
-        self,
-        load_tokenizer,
-        *,
-        vocab_size: int,
-        stop_token_ids: list[int] | None,
-        disable_any_whitespace: bool = False,
-        disable_additional_properties: bool = False,
-    ):
+    def __init__(self, load_tokenizer, **settings):
+        super().__init__(load_tokenizer, **settings)
         self.llg = import_llguidance()
-        self._load_tokenizer = load_tokenizer
-        self.vocab_size = vocab_size
-        self.stop_token_ids = stop_token_ids
-        self.disable_any_whitespace = disable_any_whitespace
-        self.disable_additional_properties = disable_additional_properties
         self._tokenizer = None
         self._executor = None
 
@@ -100,7 +89,7 @@ class GuidanceBackend:
         if error:
             raise SamplingParamsError(
                 kind,
-                _short(getattr(params, kind)),
+                short(getattr(params, kind)),
                 f"cannot be compiled by llguidance: {error.strip().splitlines()[0]}",
             )
         return grammar
@@ -114,11 +103,11 @@ class GuidanceBackend:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as error:
                     raise SamplingParamsError(
-                        "json", _short(params.json), f"is not valid JSON: {error}"
+                        "json", short(params.json), f"is not valid JSON: {error}"
                     ) from None
             if not isinstance(schema, dict):
                 raise SamplingParamsError(
-                    "json", _short(params.json), "must be a JSON schema object"
+                    "json", short(params.json), "must be a JSON schema object"
                 )
             schema = copy.deepcopy(schema)
             if params.disable_additional_properties or self.disable_additional_properties:
@@ -172,8 +161,3 @@ def _close_objects(schema) -> None:
     elif isinstance(schema, list):
         for item in schema:
             _close_objects(item)
-
-
-def _short(value, limit: int = 200):
-    text = value if isinstance(value, str) else json.dumps(value)
-    return text if len(text) <= limit else text[:limit] + "..."
