@@ -66,10 +66,7 @@ class OpenAIServingCompletion(OpenAIServing):
             _check_beam_search_fields(request)
         else:
             self.check_supported(request)
-        prompts = [
-            self.truncate(p, request)
-            for p in await self._prompts(request.prompt, request.add_special_tokens)
-        ]
+        prompts = [self.truncate(p, request) for p in await self._prompts(request)]
         scoring = _is_scoring(request)
         params = []
         for _, ids in prompts:
@@ -130,23 +127,26 @@ class OpenAIServingCompletion(OpenAIServing):
         except ValueError as error:  # SamplingParamsError names its field
             raise BadRequestError(str(error), param=getattr(error, "parameter", None)) from None
 
-    async def _prompts(
-        self, prompt, add_special_tokens: bool
-    ) -> list[tuple[str | None, list[int]]]:
-        """(text or None, token ids) per prompt; ``add_special_tokens`` (default): text prompts
-        get the tokenizer's BOS, as in ``LLM.generate``."""
+    async def _prompts(self, request) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) per prompt of ``request``; ``add_special_tokens`` (default):
+        text prompts get the tokenizer's BOS, as in ``LLM.generate``. A text too long for the
+        context is refused before it is tokenized (``check_text_fits``)."""
+        prompt = request.prompt
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
             prompt = [prompt]
         if not prompt:
             raise BadRequestError("prompt must not be empty", param="prompt")
-        return [
-            (p, await self.encode(p, add_special_tokens=add_special_tokens))
-            if isinstance(p, str)
-            else (None, list(p))
-            for p in prompt
-        ]
+        prompts = []
+        for p in prompt:
+            if isinstance(p, str):
+                self.check_text_fits(p, request, "prompt")
+                ids = await self.encode(p, add_special_tokens=request.add_special_tokens)
+                prompts.append((p, ids))
+            else:
+                prompts.append((None, list(p)))
+        return prompts
 
     def _prompt_text(self, output: RequestOutput) -> str:
         """The prompt as given, or a token-id prompt decoded with its special tokens (vLLM

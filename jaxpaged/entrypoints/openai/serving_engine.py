@@ -207,7 +207,7 @@ class OpenAIServing:
         if len(text) > limit:
             raise BadRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"the {input_name} render to {len(text)} characters, more than "
+                f"the {input_name} hold {len(text)} characters, more than "
                 f"{self.max_model_len} tokens of at most {self._longest_token_chars} characters "
                 f"each ({limit}). Please reduce the length of the {input_name}.",
                 param=input_name,

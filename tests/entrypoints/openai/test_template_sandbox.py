@@ -162,3 +162,17 @@ def test_a_rendered_text_too_long_for_the_context_is_refused_before_tokenizing(h
     assert error["param"] == "messages" and "characters" in error["message"]
     stats = server.wait_idle()
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
+
+
+def test_a_completion_prompt_too_long_for_the_context_is_refused_before_tokenizing(http):
+    body = {"model": MODEL_NAME, "prompt": "x" * 4_000_000, "max_tokens": 2}
+    start = time.monotonic()
+    response = http.post("/v1/completions", json=body)
+    assert time.monotonic() - start < 6.0
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and "characters" in error["message"]
+    # Truncation asks for the whole text to be tokenized: not refused by its length.
+    short = {"model": MODEL_NAME, "prompt": "Once upon a time " * 40, "max_tokens": 2,
+             "truncate_prompt_tokens": 16}  # fmt: skip
+    assert http.post("/v1/completions", json=short).status_code == 200
