@@ -172,12 +172,19 @@ def test_256_concurrent_streams_half_leaving_early_all_end_and_leak_no_block(ser
 
 
 def test_tokenizing_a_multi_megabyte_prompt_does_not_stall_health(server):
+    """A prompt far too long for the context is a 400 before it is tokenized; one that asks to
+    be truncated (``truncate_prompt_tokens``) is tokenized in full, in a worker thread, while
+    /health keeps answering."""
     prompt = "Once upon a time there was a cat. " * 100_000  # 3.4 MB
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4}
 
     async def scenario():
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as http:
-            body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4}
-            big = asyncio.create_task(http.post("/v1/completions", json=body))
+            start = time.monotonic()
+            refused = await http.post("/v1/completions", json=body)
+            refused_after = time.monotonic() - start
+            truncating = body | {"truncate_prompt_tokens": 16}
+            big = asyncio.create_task(http.post("/v1/completions", json=truncating))
             latencies = []
             start = time.monotonic()
             while not big.done():
@@ -185,11 +192,13 @@ def test_tokenizing_a_multi_megabyte_prompt_does_not_stall_health(server):
                 assert (await http.get("/health")).status_code == 200
                 latencies.append((before - start, time.monotonic() - before))
                 await asyncio.sleep(0.02)
-            return (await big), time.monotonic() - start, latencies
+            return refused, refused_after, (await big), time.monotonic() - start, latencies
 
-    response, took, latencies = asyncio.run(scenario())
-    # Too long for the model: a 400 that came only after the whole text was tokenized.
-    assert response.status_code == 400 and "maximum context length" in response.text
+    refused, refused_after, response, took, latencies = asyncio.run(scenario())
+    assert refused.status_code == 400 and "characters" in refused.text, refused.text
+    assert refused_after < min(1.0, took / 4)  # not tokenized
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == 16
     # Before the tokenizer ran in a thread, /health waited for the whole tokenization.
     assert took > 1.0 and len(latencies) >= 10
     worst = max(latency for _, latency in latencies)

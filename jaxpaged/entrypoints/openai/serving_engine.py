@@ -18,6 +18,7 @@ never silently dropped (``check_supported``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import uuid
@@ -89,6 +90,36 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 # prompt never stalls the event loop (tokenizers releases the GIL while it encodes).
 _THREAD_TOKENIZE_CHARS = 4096
 
+
+# Texts on which a tokenizer's characters-per-token bound is checked before it is trusted:
+# whitespace runs (a normalizer or pre-tokenizer may drop or merge them), combining marks
+# and Hangul jamo (Unicode normalization may compose several characters into one).
+_BOUND_PROBES = (" " * 512, "\n" * 512, "\t" * 512, "a" + " " * 511, "e\u0301" * 256,
+                 "\u1100\u1161\u11a8" * 170, "\u00a0" * 512)  # fmt: skip
+
+
+def chars_per_token_bound(tokenizer) -> int | None:
+    """The most characters of text one token of ``tokenizer`` covers, ``L``: the longest token
+    string of its vocabulary (added and special tokens included). Byte-level BPE token strings
+    spell one character per byte and SentencePiece ones one per character, so no token covers
+    more text than its string's length. Tokenizers whose normalizer or pre-tokenizer drops or
+    composes characters (WordPiece drops whitespace) break that; the bound is therefore
+    checked on ``_BOUND_PROBES`` and refused (None) when any probe holds more than ``L``
+    characters per token, or when the tokenizer has no ``convert_ids_to_tokens``.
+
+    Returns:
+        ``L`` (int, characters), or None when no bound is known.
+    """
+    if not hasattr(tokenizer, "convert_ids_to_tokens"):
+        return None
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    bound = max((len(t) for t in tokens if t is not None), default=0)
+    for probe in _BOUND_PROBES:
+        if len(probe) > bound * len(tokenizer.encode(probe, add_special_tokens=False)):
+            return None
+    return bound or None
+
+
 # OpenAI clamps -inf logprobs to this for JSON (vLLM does the same).
 _MIN_LOGPROB = -9999.0
 
@@ -139,7 +170,6 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.served_model_names = list(served_model_names)
         self.max_model_len = max_model_len
-        self._longest_token_chars: int | None = None  # check_text_fits, on first use
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self._sampling_fields = set(inspect.signature(SamplingParams).parameters)
@@ -187,28 +217,32 @@ class OpenAIServing:
         )
         return list(ids)
 
+    @functools.cached_property
+    def _chars_per_token(self) -> int:
+        """``chars_per_token_bound`` of the tokenizer, 0 when it has none (computed once)."""
+        return chars_per_token_bound(self.tokenizer) or 0
+
     def check_text_fits(self, text: str, request, input_name: str) -> None:
-        """Refuse, before tokenizing, a text that cannot fit ``max_model_len`` tokens: no token
-        of the vocabulary spells more than ``L`` characters (its longest token string), so a
-        text of more than ``max_model_len * L`` characters has more than ``max_model_len``
-        tokens. A rendered hostile chat template of 16 M characters took 18 s of CPU and
-        5.7 GB to tokenize before this check. Requests that truncate their prompt
-        (``truncate_prompt_tokens``) are tokenized in full, as asked.
+        """Refuse, before tokenizing, a text that cannot fit ``max_model_len`` tokens: when no
+        token covers more than ``L`` characters of text (``chars_per_token_bound``), a text of
+        more than ``max_model_len * L`` characters has more than ``max_model_len`` tokens. A
+        rendered hostile chat template of 16 M characters took 18 s of CPU and 5.7 GB to
+        tokenize before this check. Requests that truncate their prompt
+        (``truncate_prompt_tokens``) are tokenized in full, as asked, and so is every text
+        when the tokenizer admits no such bound.
 
         Raises:
             BadRequestError: naming ``input_name``.
         """
         if self.tokenizer is None or request.truncate_prompt_tokens is not None:
             return
-        if self._longest_token_chars is None:
-            tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
-            self._longest_token_chars = max(len(t) for t in tokens if t is not None)
-        limit = self.max_model_len * self._longest_token_chars
-        if len(text) > limit:
+        chars_per_token = self._chars_per_token
+        limit = self.max_model_len * chars_per_token
+        if chars_per_token and len(text) > limit:
             raise BadRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"the {input_name} hold {len(text)} characters, more than "
-                f"{self.max_model_len} tokens of at most {self._longest_token_chars} characters "
+                f"{self.max_model_len} tokens of at most {chars_per_token} characters "
                 f"each ({limit}). Please reduce the length of the {input_name}.",
                 param=input_name,
             )

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 
+import hypothesis
 import pytest
 
 from jaxpaged.entrypoints.openai.errors import BadRequestError
@@ -17,6 +18,7 @@ from jaxpaged.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from jaxpaged.entrypoints.openai.serving_engine import (
     UNSUPPORTED_FIELDS,
     OpenAIServing,
+    chars_per_token_bound,
     merge_streams,
     stable_text,
     usage_of,
@@ -197,3 +199,57 @@ def test_choices_of_several_prompts_with_n_2_are_indexed_prompt_major():
         for choice in json.loads(event.removeprefix("data: "))["choices"]:
             texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
     assert texts == {0: "<7><7>", 1: "<8><9>", 2: "<7><7>", 3: "<8><9>"}
+
+
+def _wordpiece_tokenizer():
+    """A BERT-style tokenizer built offline: its pre-tokenizer drops whitespace, so a text of
+    spaces has no tokens at all and no characters-per-token bound holds."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "##b": 3}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+
+@pytest.fixture(scope="module")
+def stories_tokenizer(stories_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(stories_dir)
+
+
+def test_the_characters_per_token_bound_is_refused_for_a_tokenizer_that_drops_whitespace():
+    tokenizer = _wordpiece_tokenizer()
+    assert tokenizer.encode("a" + " " * 100_000, add_special_tokens=False) == [1]
+    assert chars_per_token_bound(tokenizer) is None
+    assert chars_per_token_bound(_Tokenizer()) is None  # no vocabulary to read
+    serving = OpenAIServing(None, tokenizer, ["m"], 8)
+    # Far past 8 tokens of any length, yet one token: tokenized, not refused.
+    serving.check_text_fits("a" + " " * 100_000, CompletionRequest(prompt="x"), "prompt")
+
+
+def test_a_text_over_max_model_len_tokens_of_the_longest_token_is_refused_naming_the_field(
+    stories_tokenizer,
+):
+    bound = chars_per_token_bound(stories_tokenizer)
+    assert bound is not None and bound > 1
+    serving = OpenAIServing(None, stories_tokenizer, ["m"], 16)
+    request = CompletionRequest(prompt="x")
+    serving.check_text_fits("z" * (16 * bound), request, "prompt")  # at the limit: passes
+    with pytest.raises(BadRequestError, match="maximum context length is 16") as error:
+        serving.check_text_fits("z" * (16 * bound + 1), request, "prompt")
+    assert error.value.param == "prompt"
+    # Truncating requests are tokenized in full, as asked.
+    truncating = CompletionRequest(prompt="x", truncate_prompt_tokens=4)
+    serving.check_text_fits("z" * (16 * bound + 1), truncating, "prompt")
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(text=hypothesis.strategies.text(max_size=300))
+def test_no_text_has_more_characters_per_token_than_the_bound(stories_tokenizer, text):
+    """The bound's claim, on arbitrary Unicode (combining marks, whitespace runs, specials)."""
+    bound = chars_per_token_bound(stories_tokenizer)
+    ids = stories_tokenizer.encode(text, add_special_tokens=False)
+    assert len(text) <= bound * len(ids)
