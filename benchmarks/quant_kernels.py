@@ -19,6 +19,9 @@ What it measures, in this order:
      what ``linear_backend="auto"`` runs where its table says ``xla``;
    - ``w4a16``: the same repacked weights through the Pallas kernel, sweeping
      ``W4A16Tiling``s (decode tilings for T <= 32, prefill tilings above);
+   - ``w4a16-wgmma``: the same repacked weights through the Hopper tensor-core kernel
+     (``pallas_kernels.w4a16_wgmma``, Mosaic GPU; T >= 64), sweeping ``WgmmaTiling``s; its
+     first GPU compile and check happen here;
    - ``w8gemv-fp8`` / ``w8gemv-int8``: the weight-only 8-bit GEMV (T <= 32), sweeping
      ``W8GemvTiling``s;
    - ``fp8-w8a8`` / ``int8-w8a8``: XLA's W8A8 (dynamic per-token activation quantization, then
@@ -59,6 +62,7 @@ from pallas_kernels.w4a16_matmul import (
     w4a16_matmul,
     w4a16_matmul_reference,
 )
+from pallas_kernels.w4a16_wgmma import WgmmaTiling, w4a16_wgmma
 from pallas_kernels.w8_gemv import W8GemvTiling, w8_gemv, w8_gemv_reference
 
 FULL = dict(hidden=4096, q=4096, kv=1024, inter=14336)
@@ -93,6 +97,12 @@ W4A16_PREFILL = [
     T4(block_t=64, block_n=256, block_k=16, split_k=1, num_warps=8, num_stages=4),
     T4(block_t=128, block_n=128, block_k=16, num_warps=8),  # K split when programs are few
 ]
+W4A16_WGMMA = [  # T >= 64 (shared memory: the eight planes' activation tiles dominate)
+    WgmmaTiling(tile_m=64, tile_n=64, stages=2),
+    WgmmaTiling(tile_m=64, tile_n=128, stages=1),
+    WgmmaTiling(tile_m=128, tile_n=64, stages=1),
+]
+WGMMA_MIN_TOKENS = 64
 W8_DECODE_1 = [
     T8(),
     T8(max_block_t=1, block_n=32, block_k=256, dot=False, bits=True),
@@ -169,6 +179,11 @@ def linear_fn(kernel: str, tiling, interpret: bool) -> Callable:
         return lambda x, p: w4a16_matmul(
             x, p["qweight"], p["scales"], p["zeros"], group_size=GROUP,
             tiling=fit_w4(tiling, x.shape[1]), interpret=interpret,
+        )  # fmt: skip
+    if kernel == "w4a16-wgmma":
+        return lambda x, p: w4a16_wgmma(
+            x, p["qweight"], p["scales"], p["zeros"], group_size=GROUP, tiling=tiling,
+            interpret=interpret,
         )  # fmt: skip
     if kernel == "w4a16-ref":
         return lambda x, p: w4a16_matmul_reference(
@@ -339,6 +354,10 @@ def main() -> int:
         later += [
             (i, 0, ("w4a16", t, "w4", c, "w4")) for i, c in enumerate(cands[1:max_candidates])
         ]
+        if t >= WGMMA_MIN_TOKENS and not args.tiny:  # tiny shapes: a plane is < one group
+            measure("w4a16-wgmma", t, "w4", W4A16_WGMMA[0], "w4")
+            later += [(i, 0, ("w4a16-wgmma", t, "w4", c, "w4"))
+                      for i, c in enumerate(W4A16_WGMMA[1:max_candidates])]  # fmt: skip
         measure("w4a16-xla", t, "w4", None, "w4")
         measure("awq-xla", t, "awq", None, "w4")
     for t in tokens:
