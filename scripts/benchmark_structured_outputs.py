@@ -20,6 +20,15 @@ H200 / H100, Llama-3-8B shape (the command of docs/benchmarks.md)::
 
 CPU smoke test: ``--num-prompts 8 --input-len 8 --output-len 8 --tpot-requests 1`` on the
 default stories260k.
+
+``--host-only`` measures just the host's part, no model: per step, the time to fill the bitmask
+rows of ``--batch-sizes`` matchers and to advance them by one token each (a random allowed one),
+for each grammar backend installed, on a synthetic vocabulary of ``--vocab-size`` tokens. The
+engine fills the rows between a step's forward and its sampling (async scheduling) or before the
+step (sync), so this is what a step can hide behind the device (async) or adds to it (sync)::
+
+    python scripts/benchmark_structured_outputs.py --host-only --vocab-size 128256 \
+        --batch-sizes 1,64,256,512 --steps 20
 """
 
 from __future__ import annotations
@@ -75,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="grammar tokenizer: random byte-level tokens, as many as the model's vocab_size",
     )
     parser.add_argument("--out", type=str, default=None, help="write the results as JSON")
+    parser.add_argument(
+        "--host-only", action="store_true", help="time the host's mask work only (no model)"
+    )
+    parser.add_argument("--vocab-size", type=int, default=128256, help="--host-only vocabulary")
+    parser.add_argument(
+        "--batch-sizes", type=str, default="1,64,256,512", help="--host-only matchers per step"
+    )
+    parser.add_argument("--steps", type=int, default=20, help="--host-only steps per figure")
     add_engine_args(parser)
     return parser
 
@@ -156,16 +173,97 @@ def _commit() -> str | None:
         return None
 
 
+def host_mask_cost(schema, vocab_size: int, batch_sizes: list[int], steps: int) -> list[dict]:
+    """Median milliseconds per step to fill ``B`` bitmask rows and to accept one token in each
+    of ``B`` matchers (the grammar's allowed tokens drawn at random, seed 0), per backend.
+
+    Returns:
+        Rows ``{"backend", "batch_size", "fill_ms", "accept_ms", "compile_s"}``; a backend
+        whose package does not import is left out.
+    """
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from jaxpaged.sampling_params import StructuredOutputsParams
+    from jaxpaged.structured_output.backend import XGrammarBackend
+    from jaxpaged.structured_output.backend_guidance import GuidanceBackend
+    from jaxpaged.structured_output.bitmask import ALL_ALLOWED, allowed_tokens, num_words
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = AutoTokenizer.from_pretrained(synthetic_tokenizer(vocab_size, tmp))
+        params = StructuredOutputsParams(json=schema)
+        for cls in (XGrammarBackend, GuidanceBackend):
+            try:
+                backend = cls(
+                    lambda: tokenizer, vocab_size=vocab_size, stop_token_ids=[vocab_size - 1]
+                )
+            except ValueError as error:  # the package is not installed
+                print(f"{cls.name}: skipped ({error})", file=sys.stderr)
+                continue
+            start = time.perf_counter()
+            compiled = backend.compile(backend.check(params))
+            compile_s = time.perf_counter() - start
+            rng = np.random.default_rng(0)
+            for batch in batch_sizes:
+                matchers = [backend.matcher(compiled) for _ in range(batch)]
+                bitmask = np.full((batch, num_words(vocab_size)), ALL_ALLOWED, np.int32)
+                fill, accept = [], []
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    backend.fill_bitmask(matchers, bitmask, list(range(batch)))
+                    fill.append(time.perf_counter() - start)
+                    tokens = [
+                        int(rng.choice(np.flatnonzero(allowed_tokens(row, vocab_size))))
+                        for row in bitmask
+                    ]
+                    start = time.perf_counter()
+                    if not all(backend.accept_tokens(matchers, tokens)):
+                        raise RuntimeError(f"{cls.name} rejected a token its own mask allowed")
+                    accept.append(time.perf_counter() - start)
+                rows.append({
+                    "backend": cls.name, "batch_size": batch, "compile_s": compile_s,
+                    "fill_ms": 1000 * float(np.median(fill)),
+                    "accept_ms": 1000 * float(np.median(accept)),
+                })  # fmt: skip
+    return rows
+
+
+def main_host_only(args) -> int:
+    import os
+
+    rows = host_mask_cost(
+        _schema(args), args.vocab_size, [int(b) for b in args.batch_sizes.split(",")], args.steps
+    )
+    print(f"host mask work per step, vocab {args.vocab_size}, {os.cpu_count()} CPUs")
+    print("| backend | B | fill ms/step | accept ms/step | µs per row |\n|---|---:|---:|---:|---:|")
+    for r in rows:
+        per_row = 1000 * (r["fill_ms"] + r["accept_ms"]) / r["batch_size"]
+        print(f"| {r['backend']} | {r['batch_size']} | {r['fill_ms']:.2f} | {r['accept_ms']:.2f} "
+              f"| {per_row:.1f} |")  # fmt: skip
+    if args.out:
+        result = {"rows": rows, "vocab_size": args.vocab_size, "cpus": os.cpu_count(),
+                  "commit": _commit()}  # fmt: skip
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _schema(args) -> dict:
+    if args.json_schema:
+        return json.loads(pathlib.Path(args.json_schema).read_text())
+    return DEFAULT_SCHEMA
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.host_only:
+        return main_host_only(args)
     import jax
 
     from jaxpaged import LLM, StructuredOutputsParams
 
-    args = build_parser().parse_args(argv)
     set_jax_memory_fraction(args.gpu_memory_utilization)
-    schema = DEFAULT_SCHEMA
-    if args.json_schema:
-        schema = json.loads(pathlib.Path(args.json_schema).read_text())
+    schema = _schema(args)
     with tempfile.TemporaryDirectory() as tmp:
         if args.synthetic_vocab:
             with open(pathlib.Path(args.model) / "config.json") as f:

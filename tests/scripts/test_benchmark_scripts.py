@@ -226,3 +226,16 @@ def test_profile_step_traces_a_window_and_refuses_one_the_run_never_reaches(
     with pytest.raises(SystemExit):
         profile_step.main([*flags, "--trace-steps", "0"])
     assert "--trace-steps >= 1" in capsys.readouterr().err
+
+
+def test_structured_outputs_host_only_times_each_backend_on_masks_it_accepts():
+    """``--host-only``: every backend that imports is timed, and each step's random tokens are
+    drawn from the backend's own mask, which its matchers must then accept (else it raises)."""
+    from scripts.benchmark_structured_outputs import host_mask_cost
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    rows = host_mask_cost(schema, vocab_size=600, batch_sizes=[1, 3], steps=3)
+    backends = {r["backend"] for r in rows}
+    assert "guidance" in backends  # a runtime dependency
+    assert [r["batch_size"] for r in rows if r["backend"] == "guidance"] == [1, 3]
+    assert all(r["fill_ms"] > 0 and r["accept_ms"] >= 0 and r["compile_s"] > 0 for r in rows)
