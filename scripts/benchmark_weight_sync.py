@@ -66,11 +66,10 @@ def hf_named_copy(llm) -> dict:
 
     from models.weights import hf_names, merged_output_sizes
 
-    runner = llm.llm_engine.worker.model_runner
-    merged = merged_output_sizes(runner.abstract_model())
+    weights = llm.llm_engine.worker.model_runner.weights
+    merged = merged_output_sizes(weights.abstract_model())
     out = {}
-    for index, path in enumerate(runner.weight_paths):
-        weight = runner.weight(index)
+    for path, weight in zip(weights.paths, weights.arrays, strict=True):
         names, transposed = hf_names(path)
         sizes = merged.get(tuple(str(p) for p in path[:-1]), (weight.shape[-1],))
         start = 0

@@ -34,13 +34,13 @@ from jaxpaged.sample.sampler import sample
 from jaxpaged.structured_output.bitmask import apply_token_bitmask, num_words
 from jaxpaged.worker.beam_candidates import top_logprobs
 from jaxpaged.worker.buckets import make_buckets, round_up_to_bucket
+from jaxpaged.worker.device_weights import DeviceWeights, array_specs
 from jaxpaged.worker.executables import ExecutableTable
 from jaxpaged.worker.input_prep import PackedInputBuilder
 from jaxpaged.worker.step_buffer import PackedLayout
 from jaxpaged.worker.step_timeline import StepTimeline
 from models.attention_metadata import AttentionMetadata
 from models.lora import LoRABatch
-from models.memory_weights import flatten_own_layout
 
 # Smallest token bucket of a step that carries a prefill chunk; decode-only steps use the
 # sequence buckets, which start at 1.
@@ -119,14 +119,8 @@ class ModelRunner:
         lora_manager=None,
     ):
         self.lora_manager = lora_manager
-        # Split once: jitting a pure function of the flat state keeps the HLO free of baked-in
-        # weights and avoids re-traversing NNX objects every step (milliseconds on big models).
-        # The weights travel as a flat list of arrays: each dispatch then flattens its arguments
-        # in C++, with no Python callback per NNX variable (hundreds per step on 8B models).
-        self._graphdef, state = nnx.split(model)
-        self._weights, self._weights_treedef = jax.tree.flatten(state)
-        # Each weight's parameter path (nnx.to_flat_state's), in the order of self._weights.
-        self.weight_paths: list[tuple] = list(flatten_own_layout(state))
+        # The parameters as one flat list of arrays, split from the module once (device_weights).
+        self.weights = DeviceWeights(model, mesh)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
@@ -198,11 +192,9 @@ class ModelRunner:
         # could not lower against them (ExecutableTable); and one-device weights lower to the
         # same module (the same persistent-cache key) whether their loader committed them to
         # the device (orbax) or not (safetensors, dummy).
-        self._weight_specs = self._spec(self._weights)
-        self._weight_shardings = [w.sharding for w in self._weights]
-        self._kv_cache_specs = self._spec(kv_caches)
-        self._logits_state_spec = self._spec(self.logits_state)
-        self._prev_tokens_spec = self._spec(self._prev_tokens)
+        self._kv_cache_specs = array_specs(kv_caches, mesh)
+        self._logits_state_spec = array_specs(self.logits_state, mesh)
+        self._prev_tokens_spec = array_specs(self._prev_tokens, mesh)
         # Set by the benchmarks to time each step on the device (``StepTimeline``).
         self.timeline: StepTimeline | None = None
         # Scheduled tokens and the bucket tokens they were padded to, over every dispatch.
@@ -239,65 +231,6 @@ class ModelRunner:
         """Whether the steps have a device KV cache (False before allocation and in sleep)."""
         return all(isinstance(c, jax.Array) for pair in self.kv_caches for c in pair)
 
-    def weight(self, index: int) -> jax.Array | None:
-        """The array of weight ``index`` (order of ``weight_paths``); None once released."""
-        return self._weights[index]
-
-    def weight_spec(self, index: int) -> jax.ShapeDtypeStruct:
-        """Shape and dtype the steps were compiled for at weight ``index``."""
-        return self._weight_specs[index]
-
-    def weight_sharding(self, index: int):
-        """Where weight ``index`` lives (its sharding at start-up)."""
-        return self._weight_shardings[index]
-
-    def release_weight(self, index: int) -> None:
-        """Drop the runner's reference to weight ``index`` (its memory is freed unless someone
-        else holds the array); no step may run until ``set_weight`` fills it again."""
-        self._weights[index] = None
-
-    @property
-    def has_weights(self) -> bool:
-        """Whether every weight is there (False after ``release_weight``, e.g. in sleep)."""
-        return all(w is not None for w in self._weights)
-
-    def abstract_model(self) -> nnx.Module:
-        """The model with shapes and dtypes only (``jax.ShapeDtypeStruct`` parameters)."""
-        specs = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in self._weight_specs]
-        return nnx.merge(self._graphdef, jax.tree.unflatten(self._weights_treedef, specs))
-
-    def set_weight(self, index: int, value: jax.Array) -> None:
-        """Run the steps on ``value`` for weight ``index`` from now on (``update_weights``).
-
-        Raises:
-            ValueError: a shape, dtype or (tensor parallelism) sharding other than the one
-                the steps were compiled for; the weight is then unchanged.
-        """
-        spec = self._weight_specs[index]
-        if value.shape != spec.shape or value.dtype != spec.dtype:
-            raise ValueError(
-                f"weight {'.'.join(map(str, self.weight_paths[index]))} must be "
-                f"{spec.dtype}{list(spec.shape)}, got {value.dtype}{list(value.shape)}"
-            )
-        if spec.sharding is not None and not value.sharding.is_equivalent_to(
-            spec.sharding, value.ndim
-        ):
-            raise ValueError(
-                f"weight {'.'.join(map(str, self.weight_paths[index]))} must have sharding "
-                f"{spec.sharding}, got {value.sharding}"
-            )
-        self._weights[index] = value
-
-    def _spec(self, tree):
-        """``tree``'s arrays as ``jax.ShapeDtypeStruct`` s; with a mesh they keep their
-        shardings (without one, everything is on the one device)."""
-
-        def spec(x):
-            sharding = getattr(x, "sharding", None) if self._mesh is not None else None
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-        return jax.tree.map(spec, tree)
-
     @property
     def _executables(self) -> dict[BucketKey, jax.stages.Compiled]:
         """The executables got so far, by bucket."""
@@ -307,15 +240,6 @@ class ModelRunner:
     def num_compilations(self) -> int:
         """Executables got so far (each an XLA compilation or a persistent-cache load)."""
         return self._executable_table.num_compilations
-
-    @property
-    def model_state(self) -> nnx.State:
-        """The model's parameters as an NNX state (the arrays the steps run on, not copies)."""
-        return jax.tree.unflatten(self._weights_treedef, self._weights)
-
-    def model(self) -> nnx.Module:
-        """The model the steps run (merged from its graph and ``model_state``)."""
-        return nnx.merge(self._graphdef, self.model_state)
 
     # ----------------------------------------------------------------- buckets and compilation
     def all_bucket_keys(self) -> list[BucketKey]:
@@ -402,10 +326,10 @@ class ModelRunner:
         layout = self._layout(key)
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         lora_weights = self._lora_weights()
-        lora_spec = None if lora_weights is None else self._spec(lora_weights)
+        lora_spec = None if lora_weights is None else array_specs(lora_weights, self._mesh)
         if key.part == "forward":
             return self._jitted_forward.lower(
-                self._weight_specs,
+                self.weights.specs,
                 self._kv_cache_specs,
                 self._prev_tokens_spec,
                 packed,
@@ -425,12 +349,12 @@ class ModelRunner:
                 variant=key.variant,
             ).compile()
         return self._jitted_step.lower(
-            self._weight_specs,
+            self.weights.specs,
             self._kv_cache_specs,
             self._logits_state_spec,
             self._prev_tokens_spec,
             packed,
-            None if lora_weights is None else self._spec(lora_weights),
+            None if lora_weights is None else array_specs(lora_weights, self._mesh),
             layout=layout,
             decode_only=key.decode_only,
             num_beam_candidates=key.num_beam_candidates,
@@ -454,7 +378,7 @@ class ModelRunner:
         layout = PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
         packed = self._prepare_inputs([], layout, [], profile=True)
         out, self.kv_caches, self.logits_state = self.executable(key)(
-            self._weights,
+            self.weights.arrays,
             self.kv_caches,
             self.logits_state,
             self._prev_tokens,
@@ -536,7 +460,7 @@ class ModelRunner:
             cu_q_lens=arrays["cu_q_lens"],
             decode_only=decode_only,
         )
-        model = nnx.merge(self._graphdef, jax.tree.unflatten(self._weights_treedef, weights))
+        model = self.weights.model(weights)
         lora = None
         if lora_weights is not None:
             lora = LoRABatch(arrays["lora_slots"], lora_weights, self.lora_manager.max_loras)
@@ -607,7 +531,7 @@ class ModelRunner:
         self.num_bucket_tokens += key.num_tokens
         executable = self.executable(key)
         out, self.kv_caches, self.logits_state = executable(
-            self._weights,
+            self.weights.arrays,
             self.kv_caches,
             self.logits_state,
             self._prev_tokens,
@@ -641,7 +565,7 @@ class ModelRunner:
         # One forward executable per bucket serves every sampler variant.
         forward = self.executable(dataclasses.replace(key, part="forward"))
         logits, self.kv_caches = forward(
-            self._weights, self.kv_caches, self._prev_tokens, packed, self._lora_weights()
+            self.weights.arrays, self.kv_caches, self._prev_tokens, packed, self._lora_weights()
         )
         self._prev_scheduled = scheduled
         return ForwardStep(scheduled, sample_key, packed, logits)

@@ -1,8 +1,9 @@
-"""Replace the weights a ``ModelRunner`` steps on with a pytree from memory, leaf by leaf.
+"""Replace the weights a ``ModelRunner`` steps on (its ``DeviceWeights``) with a pytree from
+memory, leaf by leaf.
 
 Checking comes first and is complete (``models.memory_weights``): nothing is replaced unless
 every parameter is there with its shape and a float dtype. Then, parameter by parameter, the
-runner drops its reference to the old array (freed at once unless the caller holds it too),
+engine drops its reference to the old array (freed at once unless the caller holds it too),
 makes the new value (cast, transposed, fused as the loaders do) and places it where the old one
 lived. Peak device memory stays within one parameter of one copy of the weights, and usually at
 it: an array already in the engine's dtype and placement is used as it is (no copy; JAX arrays
@@ -30,8 +31,8 @@ from models.weights import assemble_param
 _ASSEMBLE = jax.jit(assemble_param, static_argnames=("transposed", "expert", "dtype"))
 
 
-def update_runner_weights(
-    runner,
+def update_device_weights(
+    weights,
     params: Any,
     *,
     hf_config: Any,
@@ -40,11 +41,11 @@ def update_runner_weights(
     tensor_parallel_size: int = 1,
     on_leaf: Callable[[int], None] | None = None,
 ) -> int:
-    """Check ``params`` against ``runner``'s weights, then place them; returns the number of
-    weights replaced.
+    """Check ``params`` against ``weights``, then place them; returns the number of weights
+    replaced.
 
     Args:
-        runner: the engine's ``ModelRunner``.
+        weights: the ``DeviceWeights`` the engine's steps run on.
         params: ``{HF name: array}`` or the engine's own layout (``models.memory_weights``).
         hf_config: the model's HF config (tied embeddings).
         dtype: the engine's parameter dtype; float inputs are cast to it.
@@ -64,35 +65,35 @@ def update_runner_weights(
                 "(LLM.get_weights())"
             )
         plan = plan_hf_update(
-            runner.abstract_model(), hf_config, params, dtype, view, assemble=_ASSEMBLE
+            weights.abstract_model(), hf_config, params, dtype, view, assemble=_ASSEMBLE
         )
     else:
-        current = [(path, _current(runner, i)) for i, path in enumerate(runner.weight_paths)]
+        current = [(path, _current(weights, i)) for i, path in enumerate(weights.paths)]
         plan = plan_own_update(current, params, dtype)
         del current  # holds every old array: they must be freed one by one below
     # Arrays the caller passed are never dropped early: a new value may be one of them.
     passed = {id(leaf) for leaf in jax.tree.leaves(params)}
     replaced = 0
-    for index, path in enumerate(runner.weight_paths):
+    for index, path in enumerate(weights.paths):
         make = plan.makers.get(path)
         if make is None:  # not a parameter of the map, or the engine's own array passed back
             continue
-        if id(runner.weight(index)) not in passed:
-            runner.release_weight(index)  # frees it now unless someone else holds it
+        if id(weights.get(index)) not in passed:
+            weights.release(index)  # frees it now unless someone else holds it
         new = make()
-        sharding = runner.weight_sharding(index)
+        sharding = weights.sharding(index)
         if not new.sharding.is_equivalent_to(sharding, new.ndim):
             new = jax.device_put(new, sharding)
-        runner.set_weight(index, new)
+        weights.set(index, new)
         replaced += 1
         if on_leaf is not None:
             on_leaf(index)
     return replaced
 
 
-def _current(runner, index: int):
-    weight = runner.weight(index)
-    return runner.weight_spec(index) if weight is None else weight
+def _current(weights, index: int):
+    array = weights.get(index)
+    return weights.specs[index] if array is None else array
 
 
 def device_bytes_in_use(device: jax.Device) -> int:
@@ -118,4 +119,4 @@ def device_bytes_in_use(device: jax.Device) -> int:
     return total
 
 
-__all__ = ["device_bytes_in_use", "update_runner_weights"]
+__all__ = ["device_bytes_in_use", "update_device_weights"]

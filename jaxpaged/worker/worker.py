@@ -49,7 +49,7 @@ from jaxpaged.worker.memory_pool import configure_memory_pool
 from jaxpaged.worker.model_runner import ModelRunner, PendingStep
 from jaxpaged.worker.step_timeline import StepTimeline
 from jaxpaged.worker.swap import BlockMover
-from jaxpaged.worker.weight_update import update_runner_weights
+from jaxpaged.worker.weight_update import update_device_weights
 from models.attention import kv_cache_head_dim
 from models.attention_backends import resolve_attention_backend
 from models.kv_scales import attach_kv_scales, read_kv_scales
@@ -400,7 +400,7 @@ class Worker:
         quant_config = self.config.model_config.quant_config
         if quant_config is None:
             return ""
-        stored, unquantized = quantized_weight_bytes(self.model_runner.model())
+        stored, unquantized = quantized_weight_bytes(self.model_runner.weights.model())
         tp = self.tensor_parallel_size
         freed = (unquantized - stored) // tp
         blocks = freed * tp // self.kv_cache_spec.bytes_per_block
@@ -431,19 +431,11 @@ class Worker:
         Raises:
             RuntimeError: the weights were released by ``sleep(level=2)``.
         """
-        if not self.model_runner.has_weights:
+        if not self.model_runner.weights.complete:
             raise RuntimeError(
                 "the weights were released by sleep(level=2); update_weights() restores them"
             )
-        # Built directly (nnx.to_pure_dict's State objects sit in reference cycles, which would
-        # keep these arrays alive past an update until the next cyclic collection).
-        runner, weights = self.model_runner, {}
-        for index, path in enumerate(runner.weight_paths):
-            node = weights
-            for key in path[:-1]:
-                node = node.setdefault(key, {})
-            node[path[-1]] = runner.weight(index)
-        return weights
+        return self.model_runner.weights.nested()
 
     def update_weights(self, params, *, on_leaf=None) -> int:
         """Place ``params`` (``{HF name: array}`` or our own layout) into the steps' weights,
@@ -460,8 +452,8 @@ class Worker:
             what = "quantization" if mc.quant_config is not None else "enable_lora"
             raise ValueError(f"update_weights is not supported with {what} yet")
         self._release_model()  # its variables hold the old arrays: they must be freed as we go
-        replaced = update_runner_weights(
-            self.model_runner,
+        replaced = update_device_weights(
+            self.model_runner.weights,
             params,
             hf_config=self.hf_config,
             dtype=self.dtype,
@@ -492,13 +484,12 @@ class Worker:
         self.model_runner.release_kv_caches()
         if level == 2:
             self._release_model()
-            for index in range(len(self.model_runner.weight_paths)):
-                self.model_runner.release_weight(index)
+            self.model_runner.weights.release_all()
 
     @property
     def has_weights(self) -> bool:
         """Whether the weights are there (False after ``sleep(level=2)`` until an update)."""
-        return self.model_runner.has_weights
+        return self.model_runner.weights.complete
 
     def wake_up(self) -> None:
         """Re-allocate the KV cache at the shapes the steps were compiled for (its contents

@@ -72,7 +72,7 @@ def test_greedy_tokens_and_logprobs_equal_its_plain_jax_forward(my_llm, golden):
     outputs = my_llm.generate(
         [{"prompt_token_ids": c["prompt_ids"]} for c in cases], params, use_tqdm=False
     )
-    model = my_llm.llm_engine.worker.model_runner.model()
+    model = my_llm.llm_engine.worker.model_runner.weights.model()
     for output, case in zip(outputs, cases, strict=True):
         new = list(output.outputs[0].token_ids)
         assert new == case["greedy_new_ids"]

@@ -75,7 +75,7 @@ def _prefill_logits(model, prompts, *, num_kv_heads, head_dim, num_layers, mesh=
 
 def _engine_model(llm):
     runner = llm.llm_engine.worker.model_runner
-    return runner.model()
+    return runner.weights.model()
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_tensor_parallel_engine_matches_golden_and_one_device_logits(tp, golden,
             local = pallas_kernels.kv_cache_shape(engine.num_blocks, 16, 4 // tp, 8)
             assert [s.data.shape for s in cache.addressable_shards] == [local] * tp
     _check_stories_param_shardings(
-        _flat(engine.worker.model_runner.model_state), engine.worker.mesh, tp
+        _flat(engine.worker.model_runner.weights.state()), engine.worker.mesh, tp
     )
     _check_step_updates_cache_shards_in_place(engine.worker.model_runner, num_seqs=len(cases))
 
@@ -223,7 +223,7 @@ def test_replicated_kv_heads_qwen2_matches_one_device(tmp_path, stories_dir):
     assert [
         s.data.shape for s in engine.worker.model_runner.kv_caches[0][0].addressable_shards
     ] == [local] * 4
-    params = _flat(engine.worker.model_runner.model_state)
+    params = _flat(engine.worker.model_runner.weights.state())
     for name, local_shape in [("qkv_proj.bias", (3 * 16,)), ("qkv_proj.kernel", (64, 3 * 16))]:
         value = params[f"model.layers.0.self_attn.{name}"]
         assert [s.data.shape for s in value.addressable_shards] == [local_shape] * 4
@@ -264,7 +264,7 @@ def test_mixtral_experts_split_over_tp_match_hf_and_one_device(tmp_path, stories
         mesh=engine.worker.mesh,
     )  # fmt: skip
     assert relative_diff(logits, ref) < LOGITS_RTOL
-    params = _flat(engine.worker.model_runner.model_state)
+    params = _flat(engine.worker.model_runner.weights.state())
     experts = "model.layers.0.block_sparse_moe.experts"
     for name, local in [("gate_up_proj", (4, 64, 2 * 8)), ("down_proj", (4, 8, 64))]:
         assert [s.data.shape for s in params[f"{experts}.{name}"].addressable_shards] == [local] * 4
