@@ -40,6 +40,13 @@ Shared memory per CTA: ``stages * (8 * tile_m * block_k * e + 4 * block_k * tile
 8 * tile_n * (e_s + 1)) + 2 * block_k * tile_n * e + tile_m * tile_n * e`` bytes (``e``: bytes
 of ``x``'s dtype, ``e_s``: of the scales); :func:`smem_bytes`.
 
+The alternative, if staging through shared memory costs too much: ``wgmma`` with the
+dequantized weight as its register operand A (weights stored ``int4 [out, in]``, loaded with
+Mosaic's ``WGMMA_UPCAST_4X`` layout, the activations as a transposed shared-memory view B,
+the result transposed), as Google's tokamax quantized ``ragged_dot`` does on Hopper. Mosaic
+GPU's interpreter in JAX 0.11 cannot run a register operand (``wgmma`` from registers raises
+there), so that design can be checked only on a GPU; this one was chosen to be checkable here.
+
 Sources: the wgmma + TMA pipeline follows the structure of JAX's
 ``jax.experimental.pallas.ops.gpu.hopper_mixed_type_matmul_mgpu`` (int8 x bf16); the
 dequantize-in-the-main-loop idea is CUTLASS's Hopper mixed-input GEMM (example 55) and
