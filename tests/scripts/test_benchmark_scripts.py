@@ -239,3 +239,19 @@ def test_structured_outputs_host_only_times_each_backend_on_masks_it_accepts():
     assert "guidance" in backends  # a runtime dependency
     assert [r["batch_size"] for r in rows if r["backend"] == "guidance"] == [1, 3]
     assert all(r["fill_ms"] > 0 and r["accept_ms"] >= 0 and r["compile_s"] > 0 for r in rows)
+
+
+def test_weight_sync_throughput_runs_start_with_an_empty_prefix_cache(tiny_model, tmp_path):
+    """Before and after the sleep / wake_up round trip the same prompts run: neither run may
+    read prompt blocks that the warm-up (or the run before it) cached, or "before" skips the
+    prefill that "after" (whose cache ``sleep`` emptied) has to do."""
+    from scripts import benchmark_weight_sync
+
+    out = tmp_path / "ws.json"
+    benchmark_weight_sync.main([
+        "--model", tiny_model, "--dtype", "float32", "--num-prompts", "4", "--input-len", "40",
+        "--output-len", "4", "--repeats", "1", "--kv-cache-gib", "0.01", "--out", str(out),
+    ])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["prefix_cache_hit_tokens_before_after"] == [0, 0]
+    assert result["step_compilations_during"] == 0
