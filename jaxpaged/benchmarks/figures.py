@@ -88,46 +88,46 @@ def current(figures: Sequence[dict]) -> list[dict]:
 
 
 def format_value(value, unit: str | None) -> str:
-    """A figure's value for the table: text as given, numbers by size (``16,398``, ``5.66``,
-    ``0.60x``, ``+13.0%``), then the unit."""
+    """A figure's value for the table: text as given; numbers of 100 or more whole with
+    thousands separators, smaller ones to 4 significant digits (``16,398``, ``5.66``,
+    ``0.0004``), ratios and growths as ``0.60x`` and ``+13.0%``; then the unit."""
     if isinstance(value, str):
         return value
     if unit == "x":
         return f"{value:.2f}x"
     if unit == "%":
         return f"{value:+.1f}%"
-    size = abs(value)
-    if isinstance(value, int) or size >= 100:
-        text = f"{value:,.0f}"
-    elif size >= 10:
-        text = f"{value:.1f}"
-    elif size >= 0.1 or size == 0:
-        text = f"{value:.2f}"
-    else:
-        text = f"{value:.2g}"
+    text = f"{value:,.0f}" if isinstance(value, int) or abs(value) >= 100 else f"{value:.4g}"
     return f"{text} {unit}" if unit else text
 
 
 def render(figures: Sequence[dict]) -> str:
     """The markdown of the current figures: one table per group, groups in the order they
-    first appear; each row a figure with its target, device, tree, date and source."""
+    first appear; inside a group, rows by configuration, then measure (each in the order it
+    first appears), then device; each row a figure with its target, device, tree, date and
+    source (numbered; the sources listed under the tables)."""
     rows = current(figures)
-    groups: dict[str, list[dict]] = {}
-    for figure in rows:
-        groups.setdefault(figure["group"], []).append(figure)
-    parts = []
-    for group, members in groups.items():
-        lines = [
-            f"| {group} | measure | value | target | device | tree | date | source |",
-            "|---|---|---:|---|---|---|---|---|",
-        ]
-        for f in members:
-            cells = [f["configuration"], f["measure"], format_value(f["value"], f.get("unit")),
-                     f.get("target") or "", f["device"], f"`{f['tree']}`", f["date"],
-                     f["source"]]  # fmt: skip
-            lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts) + "\n"
+    first: dict = {}
+    for figure in figures:
+        for key in ("group", "configuration", "measure"):
+            first.setdefault((key, figure[key]), len(first))
+    rows.sort(key=lambda f: (first["group", f["group"]], first["configuration", f["configuration"]],
+                             first["measure", f["measure"]], f["device"]))  # fmt: skip
+    parts, group, sources = [], None, {}
+    for f in rows:
+        if f["group"] != group:
+            group = f["group"]
+            parts.append(
+                f"\n| {group} | measure | value | target | device | tree | date | source |"
+            )
+            parts.append("|---|---|---:|---|---|---|---|---|")
+        cells = [f["configuration"], f["measure"], format_value(f["value"], f.get("unit")),
+                 f.get("target") or "", f["device"], f"`{f['tree']}`", f["date"],
+                 f"[{sources.setdefault(f['source'], len(sources) + 1)}]"]  # fmt: skip
+        parts.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+    parts.append("")
+    parts += [f"[{n}] {source}  " for source, n in sources.items()]
+    return "\n".join(parts).lstrip("\n").rstrip() + "\n"
 
 
 # ---------------------------------------------------------------- figures of gpu.sh's steps

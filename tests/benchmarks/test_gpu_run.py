@@ -144,3 +144,15 @@ def test_save_turns_each_steps_json_into_figures_with_its_tree_date_and_device(g
     fp8 = by_measure["FP8 W8A8 (online) + FP8 KV cache", "start-up, engine built"]
     assert fp8["value"] == "not built in 150 s (timeout)"
     assert "bf16" in gpu_run.table(saved) and "16398" in gpu_run.table(saved)
+
+
+def test_a_calls_results_json_is_a_figure_file_the_page_renders(gpu_run, tmp_path):
+    from jaxpaged.benchmarks.figures import load_file
+
+    suite = {"args": {"num_prompts": 8, "input_len": 16, "output_len": 8},
+             "random": {"output_tokens_per_second": 123.0}}  # fmt: skip
+    gpu_run.save(
+        tmp_path, {"source": "benchmarks/gpu.sh", "steps": {"bf16": _step("ok", result=suite)}}
+    )
+    (figure,) = load_file(tmp_path / "results.json")
+    assert figure["source"] == "benchmarks/gpu.sh (ok)" and figure["value"] == 123
