@@ -1,6 +1,8 @@
 """The end-to-end suite of docs/benchmarks.md in one process: one engine (compiled once) runs the
 offline throughput workloads (fixed 128/128 and ShareGPT-like) and the batch-1 latency, then
-prints a summary.
+prints a summary. Before the workloads it generates one token of one request and records the
+seconds from the process's start to that token (``start_to_first_token_s``: imports, weights,
+compiling every step bucket, the first step) and the engine's start-up phases.
 
     python scripts/benchmark_e2e_suite.py --model benchmarks/configs/llama-3-8b \\
         --load-format dummy --skip-tokenizer-init --dtype bfloat16 --max-model-len 2048 \\
@@ -71,6 +73,21 @@ def _environment() -> dict:
     }
 
 
+def first_token(llm, suite: dict) -> None:
+    """One request of one token; records the seconds from this process's start to its token
+    (``start_to_first_token_s``, None without ``/proc``) and the engine's start-up phases."""
+    from jaxpaged.engine.startup import process_start_time
+    from jaxpaged.sampling_params import SamplingParams
+
+    prompt = {"prompt_token_ids": list(range(10, 26))}
+    llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+    started = process_start_time()
+    suite["start_to_first_token_s"] = None if started is None else time.time() - started
+    suite["startup_phases"] = llm.llm_engine.startup.as_dict()
+    if started is not None:
+        print(f"Process start to first token {suite['start_to_first_token_s']:.1f} s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -101,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{suite['num_buckets']} step buckets {engine.worker.compile_seconds:.1f} s",
         flush=True,
     )
+    save()
+    first_token(llm, suite)
     save()
 
     for workload in args.workloads:
