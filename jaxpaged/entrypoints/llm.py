@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 
@@ -47,7 +48,13 @@ class LLM:
         unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown LLM arguments: {sorted(unknown)}")
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        config = EngineArgs(model=model, **kwargs).create_engine_config()
+        reasoning_parser = _reasoning_parser(config)
+        self.llm_engine = LLMEngine(config)
+        # structured_outputs_config.reasoning_parser: where constrained requests' grammars start.
+        self._reasoning_end_ids = (
+            reasoning_parser(self.get_tokenizer()).end_token_ids() if reasoning_parser else None
+        )
         self._request_counter = itertools.count()
         self._profile_dir: str | None = None  # set while a profiler trace runs
 
@@ -228,6 +235,15 @@ class LLM:
         request_ids = self._add_requests(prompts, params_list, lora_list)
         return self._run_engine(request_ids, use_tqdm=use_tqdm)
 
+    def _after_reasoning(self, params):
+        """``params`` whose constraint starts after the reasoning (a copy; the caller's are
+        left alone), with ``structured_outputs_config.reasoning_parser`` set."""
+        so = getattr(params, "structured_outputs", None)
+        if self._reasoning_end_ids is None or so is None or so.reasoning_end_token_ids:
+            return params
+        so = dataclasses.replace(so, reasoning_end_token_ids=list(self._reasoning_end_ids))
+        return dataclasses.replace(params, structured_outputs=so)
+
     def _add_requests(self, prompts: list, params_list: list, lora_list=None) -> list[str]:
         engine = self.llm_engine
         request_ids = [str(next(self._request_counter)) for _ in prompts]
@@ -237,6 +253,7 @@ class LLM:
             for request_id, prompt, params, lora in zip(
                 request_ids, prompts, params_list, lora_list, strict=True
             ):
+                params = self._after_reasoning(params)
                 engine.add_request(request_id, prompt, params, final_only=True, lora_request=lora)
                 added.append(request_id)
         except ValueError:
@@ -307,6 +324,26 @@ class LLM:
                         bar.set_postfix_str(f"output: {output_tokens / elapsed:.1f} toks/s")
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]
+
+
+def _reasoning_parser(config):
+    """The reasoning parser class ``structured_outputs_config.reasoning_parser`` names, or None.
+
+    Raises:
+        ValueError: an unknown name, listing the known ones.
+    """
+    name = config.structured_outputs_config.reasoning_parser
+    if name is None:
+        return None
+    # Imported when asked for: the parsers bring the server's pydantic protocol with them.
+    from jaxpaged.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+
+    if name not in REASONING_PARSERS:
+        raise ValueError(
+            f"structured_outputs_config.reasoning_parser {name!r} is not a known reasoning "
+            f"parser; choose one of {sorted(REASONING_PARSERS)}"
+        )
+    return REASONING_PARSERS.get_class(name)
 
 
 def _prompt_list(prompts) -> list:

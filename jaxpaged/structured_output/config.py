@@ -24,12 +24,22 @@ class StructuredOutputsConfig:
     """Default for every request: JSON output without whitespace between tokens."""
     disable_additional_properties: bool = False
     """Default for every request: JSON objects get only the properties their schema names."""
+    reasoning_parser: str | None = None
+    """A reasoning parser's name (``deepseek_r1``, ``qwen3``): offline (``LLM``), a constrained
+    request's grammar starts after that parser's end of thinking (``</think>``), unless its
+    ``reasoning_end_token_ids`` say otherwise. The server's ``--reasoning-parser`` does the
+    same for its requests."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(
                 f"structured_outputs_config.backend must be one of {list(BACKENDS)}, "
                 f"got {self.backend!r}"
+            )
+        if self.reasoning_parser is not None and not isinstance(self.reasoning_parser, str):
+            raise ValueError(
+                "structured_outputs_config.reasoning_parser must be a parser name, "
+                f"got {self.reasoning_parser!r}"
             )
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):

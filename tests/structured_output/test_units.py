@@ -74,7 +74,7 @@ def test_structured_outputs_config_parses_vllm_forms(value, backend):
     [
         ("outlines", "'outlines'"),
         ({"backend": "lm-format-enforcer"}, "lm-format-enforcer"),
-        ({"reasoning_parser": "x"}, "reasoning_parser"),
+        ({"reasoning_parser": 3}, "reasoning_parser"),
         ("{bad json", "not valid JSON"),
         ({"disable_any_whitespace": 1}, "disable_any_whitespace"),
     ],

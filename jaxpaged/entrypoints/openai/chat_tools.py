@@ -37,10 +37,11 @@ from jaxpaged.entrypoints.openai.tool_parsers import (
     ToolParser,
     get_tool_parser,
 )
+from jaxpaged.entrypoints.openai.tool_parsers.abstract_tool_parser import parsed_calls
 from jaxpaged.entrypoints.openai.tool_parsers.json_scan import (
-    parsed_calls,
     scan_call_array,
     skip_whitespace,
+    value_end,
 )
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -138,8 +139,11 @@ def tool_constraint_schema(request: ChatCompletionRequest) -> dict | None:
 def template_messages(conversation: list[dict]) -> list[dict]:
     """Messages as chat templates expect them: an assistant's ``tool_calls[*].function.
     arguments`` as a dict, not OpenAI's JSON text (vLLM's ``chat_utils`` does the same);
-    arguments that are not a JSON object stay text."""
+    arguments that are not a JSON object stay text. An assistant's ``reasoning`` is also
+    given as ``reasoning_content``, the name templates such as Qwen3's read (vLLM's too)."""
     for message in conversation:
+        if message.get("role") == "assistant" and message.get("reasoning") is not None:
+            message.setdefault("reasoning_content", message["reasoning"])
         for call in message.get("tool_calls") or ():
             function = call.get("function") if isinstance(call, dict) else None
             arguments = function.get("arguments") if isinstance(function, dict) else None
@@ -154,7 +158,9 @@ def template_messages(conversation: list[dict]) -> list[dict]:
 
 
 class NamedToolCall(ToolParser):
-    """A named choice's reply: the whole text is the one call's arguments."""
+    """A named choice's reply: the whole text is the one call's arguments, streamed as they
+    come; the finished reply is a call only when they are a whole JSON value (one cut off by
+    ``max_tokens`` is no call, as in vLLM)."""
 
     keeps_special_tokens = False
 
@@ -166,17 +172,20 @@ class NamedToolCall(ToolParser):
         arguments = text.lstrip()
         if not arguments and not final:
             return ParsedOutput("", [])
-        return ParsedOutput("", [ParsedCall(self.name, arguments, final)])
+        whole = final and value_end(arguments, 0, final=True) == len(arguments.rstrip())
+        return ParsedOutput("", [ParsedCall(self.name, arguments, whole)])
 
 
 class RequiredToolCalls(ToolParser):
-    """A "required" choice's reply: ``[{"name": ..., "parameters": {...}}, ...]``."""
+    """A "required" choice's reply: ``[{"name": ..., "parameters": {...}}, ...]``. A call is
+    sent once its object closes, so a reply cut off by ``max_tokens`` gives its complete calls
+    only, whole or streamed."""
 
     keeps_special_tokens = False
 
     def parse(self, text: str, *, final: bool) -> ParsedOutput:
         objects, _ = scan_call_array(text, skip_whitespace(text, 0), ("parameters",), final=final)
-        return ParsedOutput("", parsed_calls(text, objects))
+        return ParsedOutput("", parsed_calls(text, [o for o in objects if o.end is not None]))
 
 
 def tool_mode_parser(
@@ -240,10 +249,14 @@ class ChatChoiceParser:
         calls = info.tool_calls[:1] if self.single_call else info.tool_calls
         self.calls_made = bool(calls)
         if self.named or isinstance(self.tool_parser, RequiredToolCalls):
-            if calls:  # vLLM: the forced call's content is ""
-                return ChatMessage(
-                    role="assistant", content="", tool_calls=calls, reasoning=reasoning
-                )
+            # vLLM: a forced call's content is ""; a reply cut off before a whole call has
+            # neither calls nor content.
+            return ChatMessage(
+                role="assistant",
+                content="" if calls else None,
+                tool_calls=calls,
+                reasoning=reasoning,
+            )
         return ChatMessage(
             role="assistant", content=info.content, tool_calls=calls, reasoning=reasoning
         )

@@ -394,6 +394,19 @@ class ChatMessageParam(OpenAIBaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning: str | None = None
+    """An assistant message's reasoning; the deprecated ``reasoning_content`` is renamed to it
+    (a ``reasoning`` given as well wins), as vLLM does."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rename_reasoning_content(cls, data):
+        if isinstance(data, dict) and "reasoning_content" in data:
+            data = dict(data)
+            reasoning_content = data.pop("reasoning_content")
+            if data.get("reasoning") is None:
+                data["reasoning"] = reasoning_content
+        return data
 
 
 # ------------------------------------------------------------------------------------ tools
@@ -491,9 +504,18 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _default_tool_choice(cls, data):
-        # vLLM's rule: tools without tool_choice mean "auto".
-        if isinstance(data, dict) and data.get("tools") and "tool_choice" not in data:
+        # vLLM's rules: ``tools: []`` is no tools (OpenAI's), so "auto" / "required" have
+        # nothing to call and read as "none" (a named choice keeps [] and is refused by
+        # name); tools without tool_choice mean "auto".
+        if not isinstance(data, dict):
+            return data
+        if data.get("tools") == [] and not isinstance(data.get("tool_choice"), dict):
+            data = {**data, "tools": None}
+            if data.get("tool_choice") in ("auto", "required"):
+                data["tool_choice"] = "none"
+        if data.get("tools") and "tool_choice" not in data:
             data = {**data, "tool_choice": "auto"}
+        _check_tool_choice_shape(data.get("tool_choice"))
         return data
 
     @model_validator(mode="after")
@@ -517,11 +539,14 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
     def _check_tools(self) -> None:
-        """vLLM's tool rules (``check_tool_usage``): ``tools`` not empty, a ``tool_choice``
-        other than "none" needs ``tools``, a named choice must name one of them."""
-        if self.tools is not None and not self.tools:
+        """vLLM's tool rules (``check_tool_usage``): a ``tool_choice`` other than "none" needs
+        ``tools``, a named choice must name one of them; function names are unique (a call
+        names its function)."""
+        names = [tool.function.name for tool in self.tools or ()]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
             raise FieldValueError(
-                "tools must not be an empty array; give at least one tool or omit the field",
+                f"tools: function names must be unique, and {repeated} appear more than once",
                 parameter="tools",
             )
         choice = self.tool_choice
@@ -532,13 +557,32 @@ class ChatCompletionRequest(_SamplingFields):
                 "When using `tool_choice`, `tools` must be set.", parameter="tool_choice"
             )
         if isinstance(choice, ChatCompletionNamedToolChoiceParam):
-            names = [tool.function.name for tool in self.tools]
             if choice.function.name not in names:
                 raise FieldValueError(
-                    "The tool specified in `tool_choice` does not match any of the specified "
-                    f"`tools`: {choice.function.name!r} is not among {names}",
+                    f"The tool `{choice.function.name}` specified in `tool_choice` does not "
+                    f"match any of the specified `tools` ({names})",
                     parameter="tool_choice",
                 )
+
+
+def _check_tool_choice_shape(choice) -> None:
+    """Refuse a ``tool_choice`` that is none of its forms, naming the field plainly (pydantic's
+    union error names its internal path, ``tool_choice.literal['none','auto','required']``).
+
+    Raises:
+        FieldValueError: naming ``tool_choice``.
+    """
+    if choice is None or isinstance(choice, str) and choice in ("none", "auto", "required"):
+        return
+    named = isinstance(choice, dict) and choice.get("type", "function") == "function"
+    function = choice.get("function") if named else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name:
+        raise FieldValueError(
+            f'Invalid value for `tool_choice`: {choice!r}; use "none", "auto", "required" '
+            'or a named function, `{"type": "function", "function": {"name": "my_function"}}`',
+            parameter="tool_choice",
+        )
 
 
 class ChatMessage(OpenAIBaseModel):

@@ -62,10 +62,12 @@ class _Stream:
 
 
 class _ScriptedEngine:
-    """Replies to every request with ``reply``, a few characters per step, then "stop"."""
+    """Replies to every request with ``reply``, a few characters per step, then finishes with
+    ``finish_reason``."""
 
-    def __init__(self, reply: str):
+    def __init__(self, reply: str, finish_reason: str = "stop"):
         self.reply = reply
+        self.finish_reason = finish_reason
         self.requests = []  # (prompt, params)
 
     async def add_request(self, request_id, prompt, params, arrival_time=None):
@@ -76,7 +78,7 @@ class _ScriptedEngine:
             text += piece
             last = n == len(steps) - 1
             completion = CompletionOutput(
-                0, text, list(range(n + 1)), finish_reason="stop" if last else None
+                0, text, list(range(n + 1)), finish_reason=self.finish_reason if last else None
             )
             outputs.append(
                 RequestOutput(request_id, prompt["prompt"], [1], [completion], finished=last)
@@ -91,8 +93,10 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(default_model_path())
 
 
-def _chat(tokenizer, reply, *, tool_parser=None, reasoning_parser=None, auto=True):
-    engine = _ScriptedEngine(reply)
+def _chat(
+    tokenizer, reply, *, tool_parser=None, reasoning_parser=None, auto=True, finish_reason="stop"
+):
+    engine = _ScriptedEngine(reply, finish_reason)
     serving = OpenAIServingChat(
         engine,
         tokenizer,
@@ -161,7 +165,12 @@ def test_auto_tool_calls_whole_and_streamed_with_each_parser(tokenizer, parser):
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == content
     assert _calls(choice.message.tool_calls) == calls
-    assert all(c.id.startswith("chatcmpl-tool-") for c in choice.message.tool_calls)
+    id_ok = (
+        (lambda i: len(i) == 9 and i.isalnum())
+        if parser == "mistral"
+        else (lambda i: i.startswith("chatcmpl-tool-"))
+    )
+    assert all(id_ok(c.id) for c in choice.message.tool_calls)
     # Special-token markers ([TOOL_CALLS], <|python_tag|>) must survive detokenization.
     assert engine.requests[0][1]["skip_special_tokens"] is not (parser != "pythonic")
 
@@ -415,3 +424,146 @@ def test_explicit_null_tool_choice_reads_as_auto_only_with_the_flag(tokenizer):
     serving, _ = _chat(tokenizer, reply, tool_parser="hermes", auto=False)
     (choice,) = _run(serving, _request(tool_choice=None)).choices
     assert choice.message.content == reply and choice.message.tool_calls == []
+
+
+def _message(serving, request) -> tuple[str | None, list, str]:
+    """(content, [(name, arguments)], finish_reason) of the reply, whole or streamed."""
+    if request.stream:
+        message, _ = _streamed(serving, request)
+        calls = [
+            (c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message["tool_calls"]
+        ]
+        return message["content"] or None, calls, message["finish_reason"]
+    (choice,) = _run(serving, request).choices
+    return choice.message.content or None, _calls(choice.message.tool_calls), choice.finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_cut_by_max_tokens_returns_its_complete_calls_and_length(tokenizer, stream):
+    cut = REQUIRED_REPLY[: REQUIRED_REPLY.index('"Europe/Rome"')]
+    serving, _ = _chat(tokenizer, cut, finish_reason="length")
+    content, calls, finish_reason = _message(
+        serving, _request(tool_choice="required", stream=stream)
+    )
+    assert calls == [("get_weather", {"city": "Rome", "days": 3})]
+    assert finish_reason == "length" and content is None
+
+
+# Cases of vLLM 0.34's own tests of the chat endpoint's tool handling
+# (tests/tool_use/test_chat_completion_request_validations.py,
+# tests/entrypoints/openai/chat_completion/test_completion_with_function_calling.py and
+# test_serving_chat.py): same requests, same expected answers.
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"])
+def test_vllm_a_forced_choice_cut_at_one_token_returns_no_call(tokenizer, tool_choice, stream):
+    first_token = "{" if tool_choice is NAMED else "["
+    serving, _ = _chat(tokenizer, first_token, finish_reason="length")
+    request = _request(tool_choice=tool_choice, max_completion_tokens=1, stream=stream)
+    if stream and tool_choice is NAMED:
+        pytest.skip("a named call's arguments stream as they are written")
+    content, calls, finish_reason = _message(serving, request)
+    assert (content, calls, finish_reason) == (None, [], "length")
+
+
+@pytest.mark.parametrize(
+    "tool_choice, reply, engine_reason, finish_reason, called",
+    [
+        ("auto", REPLIES["hermes"][0], "stop", "tool_calls", True),
+        ("auto", REPLIES["hermes"][0], "length", "length", True),
+        ("required", "Hello, how are you?", "stop", "stop", False),
+        (NAMED, '{"city": "Oslo", "days": 1}', "stop", "stop", True),
+    ],
+)
+def test_vllm_finish_reason_matches_the_tool_calls(
+    tokenizer, tool_choice, reply, engine_reason, finish_reason, called
+):
+    serving, _ = _chat(tokenizer, reply, tool_parser="hermes", finish_reason=engine_reason)
+    (choice,) = _run(serving, _request(tool_choice=tool_choice)).choices
+    assert choice.finish_reason == finish_reason
+    assert bool(choice.message.tool_calls) == called
+
+
+def _body(**fields) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "Hello"}]} | fields
+
+
+@pytest.mark.parametrize("tool_choice", [None, "none", "auto", "required"])
+def test_vllm_empty_tools_are_no_tools(tool_choice):
+    fields = {"tools": []} | ({} if tool_choice is None else {"tool_choice": tool_choice})
+    request = ChatCompletionRequest.model_validate(_body(**fields))
+    assert request.tools is None and request.tool_choice == "none"
+
+
+def test_vllm_empty_tools_with_a_named_choice_name_the_missing_tool():
+    with pytest.raises(ValueError, match="The tool `f` specified"):
+        ChatCompletionRequest.model_validate(
+            _body(tools=[], tool_choice={"type": "function", "function": {"name": "f"}})
+        )
+
+
+def test_vllm_reasoning_content_of_input_messages_is_renamed_reasoning():
+    assistant = {"role": "assistant", "content": "4", "reasoning_content": "2+2 equals 4"}
+    request = ChatCompletionRequest.model_validate(
+        _body(messages=[{"role": "user", "content": "What is 2+2?"}, assistant])
+    )
+    message = request.messages[1].model_dump(exclude_none=True)
+    assert message["reasoning"] == "2+2 equals 4" and "reasoning_content" not in message
+    both = assistant | {"reasoning": "from reasoning field"}
+    request = ChatCompletionRequest.model_validate(
+        _body(messages=[{"role": "user", "content": "?"}, both])
+    )
+    message = request.messages[1].model_dump(exclude_none=True)
+    assert message["reasoning"] == "from reasoning field" and "reasoning_content" not in message
+    plain = ChatCompletionRequest.model_validate(_body()).messages[0].model_dump(exclude_none=True)
+    assert "reasoning" not in plain and "reasoning_content" not in plain
+
+
+def _validation_error(body: dict) -> tuple[str, str | None]:
+    """The 400 (message, param) the server answers for ``body``."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from jaxpaged.entrypoints.openai.errors import _validation_message
+
+    with pytest.raises(ValidationError) as error:
+        ChatCompletionRequest.model_validate(body)
+    errors = [dict(e, loc=("body", *e["loc"])) for e in error.value.errors()]
+    return _validation_message(RequestValidationError(errors))
+
+
+def test_duplicate_tool_names_are_a_400_naming_tools():
+    message, param = _validation_error(_body(tools=[WEATHER_TOOL, TIME_TOOL, WEATHER_TOOL]))
+    assert param == "tools" and "get_weather" in message and "more than once" in message
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["sometimes", 5, {"type": "function"}, {"type": "function", "function": {}},
+     {"type": "function", "function": {"name": 3}}, {"function": {"name": "get_weather"},
+     "type": "tool"}],
+)  # fmt: skip
+def test_a_bad_tool_choice_is_a_400_naming_tool_choice_plainly(tool_choice):
+    message, param = _validation_error(_body(tools=[WEATHER_TOOL], tool_choice=tool_choice))
+    assert param in ("tool_choice", "tool_choice.function", "tool_choice.function.name")
+    assert "literal[" not in message and "ChatCompletionNamed" not in message
+    assert "tool_choice" in message
+
+
+def test_an_assistants_reasoning_reaches_the_template_under_both_names(tokenizer):
+    template = (
+        "{% for m in messages %}{{ m.role }}|{{ m.reasoning }}|{{ m.reasoning_content }}\n"
+        "{% endfor %}"
+    )
+    serving = OpenAIServingChat(
+        _ScriptedEngine("x"), tokenizer, ["m"], 4096, chat_template=template
+    )
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "2+2 equals 4"},
+    ]
+    request = ChatCompletionRequest(messages=messages)
+    prompt = asyncio.run(serving.render_messages(request.messages))
+    assert prompt == "user||\nassistant|2+2 equals 4|2+2 equals 4\n"

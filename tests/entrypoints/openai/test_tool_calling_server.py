@@ -36,7 +36,11 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
             "does not match any of the specified `tools`",
         ),
         ({"tool_choice": NAMED}, "tool_choice", "`tools` must be set"),
-        ({"tools": [], "tool_choice": "none"}, "tools", "must not be an empty array"),
+        (
+            {"tools": [WEATHER_TOOL, WEATHER_TOOL], "tool_choice": "none"},
+            "tools",
+            "appear more than once",
+        ),
         (
             {"tools": [{"type": "function", "function": {"description": "no name"}}]},
             "tools.0.function.name",

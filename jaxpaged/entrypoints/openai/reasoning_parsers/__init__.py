@@ -3,17 +3,21 @@ and ``qwen3``, both splitting ``<think>…</think>`` from the reply (see their m
 
 from __future__ import annotations
 
-import importlib
-
+from jaxpaged.entrypoints.openai.parser_registry import ParserRegistry
 from jaxpaged.entrypoints.openai.reasoning_parsers.abstract_reasoning_parser import (
     ReasoningParser,
     Split,
 )
 
-REASONING_PARSERS = {
-    "deepseek_r1": "deepseek_r1_reasoning_parser:DeepSeekR1ReasoningParser",
-    "qwen3": "qwen3_reasoning_parser:Qwen3ReasoningParser",
-}
+REASONING_PARSERS: ParserRegistry[ReasoningParser] = ParserRegistry(
+    "--reasoning-parser",
+    "reasoning parser",
+    __name__,
+    {
+        "deepseek_r1": "deepseek_r1_reasoning_parser:DeepSeekR1ReasoningParser",
+        "qwen3": "qwen3_reasoning_parser:Qwen3ReasoningParser",
+    },
+)
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
@@ -22,13 +26,7 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     Raises:
         ValueError: an unknown name; the message lists the known ones.
     """
-    if name not in REASONING_PARSERS:
-        raise ValueError(
-            f"--reasoning-parser {name!r} is not a known reasoning parser; choose one of "
-            f"{sorted(REASONING_PARSERS)}"
-        )
-    module, _, cls = REASONING_PARSERS[name].partition(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    return REASONING_PARSERS.get_class(name)
 
 
 __all__ = ["REASONING_PARSERS", "ReasoningParser", "Split", "get_reasoning_parser"]

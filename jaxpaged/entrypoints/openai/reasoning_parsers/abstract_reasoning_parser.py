@@ -37,6 +37,12 @@ class ReasoningParser:
 
     start_token = "<think>"
     end_token = "</think>"
+    #: Markers that end the reasoning when they come before ``end_token`` (kept in the
+    #: content): Qwen3 may start a tool call without closing its thinking.
+    implicit_end_markers: tuple[str, ...] = ()
+    #: Whether ``extract_reasoning`` gives None for empty reasoning; vLLM's DeepSeek-R1 parser
+    #: gives ``""`` (e.g. for ``</think>rest``), its Qwen3 parser None.
+    empty_reasoning_is_none = True
 
     def __init__(self, tokenizer=None, chat_template_kwargs: dict | None = None):
         self.model_tokenizer = tokenizer
@@ -51,24 +57,32 @@ class ReasoningParser:
 
     def split(self, text: str, *, final: bool) -> Split:
         """Reasoning and content of ``text``; unless ``final``, a possible start of a marker at
-        the end is held back. A leading ``start_token`` is dropped (templates that put it in
-        the prompt leave only ``end_token`` in the reply)."""
-        if not final and self.start_token.startswith(text.lstrip()) and text.strip():
-            return Split("", "", False)  # may be the start marker: wait
+        the end is held back, and so is whitespace that may precede ``start_token``. A
+        leading ``start_token`` is dropped (templates that put it in the prompt leave only
+        ``end_token`` in the reply)."""
+        if not final and self.start_token.startswith(text.lstrip()):
+            return Split("", "", False)  # may be (whitespace before) the start marker: wait
         before, found, after = text.partition(self.start_token)
         if found and not before.strip():
             text = after
-        reasoning, found, content = text.partition(self.end_token)
-        if found:
-            return Split(reasoning, content, True)
-        if not self.missing_end_is_reasoning():
-            return Split("", text if final else hold_back_marker(text, self.end_token), False)
-        return Split(text if final else hold_back_marker(text, self.end_token), "", False)
+        thinking = self.missing_end_is_reasoning()
+        markers = (self.end_token, *self.implicit_end_markers) if thinking else (self.end_token,)
+        where, marker = min(
+            ((text.find(m), m) for m in markers if m in text), default=(-1, self.end_token)
+        )
+        if where >= 0:
+            kept = 0 if marker == self.end_token else len(marker)  # an implicit end is content
+            return Split(text[:where], text[where + len(marker) - kept :], True)
+        held = text if final else hold_back_marker(text, *markers)
+        return Split(held, "", False) if thinking else Split("", held, False)
 
     def extract_reasoning(self, model_output: str, request=None) -> tuple[str | None, str | None]:
-        """``(reasoning, content)`` of a finished reply, each None when empty."""
+        """``(reasoning, content)`` of a finished reply; content None when empty, reasoning
+        too unless ``empty_reasoning_is_none`` is off (then only when there is no thinking)."""
         split = self.split(model_output, final=True)
-        return split.reasoning or None, split.content or None
+        thinking = self.missing_end_is_reasoning() or split.ended
+        empty = None if self.empty_reasoning_is_none or not thinking else ""
+        return split.reasoning or empty, split.content or None
 
     def extract_reasoning_streaming(
         self,

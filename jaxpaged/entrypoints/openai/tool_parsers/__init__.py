@@ -4,14 +4,17 @@ Each parser reads one model family's tool-call text format (see its module):
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
 - ``llama3_json``: ``<|python_tag|>{"name": ..., "parameters": {...}}``, ``;``-separated
-- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` or, from v11
+  tokenizers on, ``[TOOL_CALLS]name{...}`` / ``[TOOL_CALLS]name[ARGS]{...}`` per call
 - ``pythonic``: ``[f(a=1), g(b="x")]``
+
+Modules: ``json_scan`` (partial JSON, no parser types) <- ``abstract_tool_parser`` (the
+interface) <- one module per format.
 """
 
 from __future__ import annotations
 
-import importlib
-
+from jaxpaged.entrypoints.openai.parser_registry import ParserRegistry
 from jaxpaged.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCallInformation,
     ParsedCall,
@@ -20,13 +23,17 @@ from jaxpaged.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     make_tool_call_id,
 )
 
-# name -> "module:class" under this package (imported when chosen).
-TOOL_PARSERS = {
-    "hermes": "hermes_tool_parser:Hermes2ProToolParser",
-    "llama3_json": "llama_tool_parser:Llama3JsonToolParser",
-    "mistral": "mistral_tool_parser:MistralToolParser",
-    "pythonic": "pythonic_tool_parser:PythonicToolParser",
-}
+TOOL_PARSERS: ParserRegistry[ToolParser] = ParserRegistry(
+    "--tool-call-parser",
+    "tool parser",
+    __name__,
+    {
+        "hermes": "hermes_tool_parser:Hermes2ProToolParser",
+        "llama3_json": "llama_tool_parser:Llama3JsonToolParser",
+        "mistral": "mistral_tool_parser:MistralToolParser",
+        "pythonic": "pythonic_tool_parser:PythonicToolParser",
+    },
+)
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
@@ -35,13 +42,7 @@ def get_tool_parser(name: str) -> type[ToolParser]:
     Raises:
         ValueError: an unknown name; the message lists the known ones.
     """
-    if name not in TOOL_PARSERS:
-        raise ValueError(
-            f"--tool-call-parser {name!r} is not a known tool parser; choose one of "
-            f"{sorted(TOOL_PARSERS)}"
-        )
-    module, _, cls = TOOL_PARSERS[name].partition(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    return TOOL_PARSERS.get_class(name)
 
 
 __all__ = [

@@ -6,7 +6,12 @@ parser implements one method, ``parse(text, final)``: what the text says so far,
 plus calls whose name is known once closed and whose arguments text only grows. Both public
 methods derive from it: the non-streamed one parses once, the streamed one parses the text
 so far and sends what is new since the previous call. So the concatenated stream equals the
-non-streamed answer by construction, and a parser has no delta bookkeeping of its own.
+non-streamed answer by construction, and a parser has no delta bookkeeping of its own. (One
+exception, vLLM's: text after the calls, ``ParsedOutput.trailing``, is streamed as content but
+dropped from the non-streamed answer.)
+
+This module builds on ``json_scan`` (which knows nothing of the parser types); ``parsed_calls``
+turns its scanned objects into ``ParsedCall``s.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from jaxpaged.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCall,
 )
-from jaxpaged.entrypoints.openai.tool_parsers.json_scan import MalformedToolCall
+from jaxpaged.entrypoints.openai.tool_parsers.json_scan import CallObject, MalformedToolCall
 
 
 def make_tool_call_id() -> str:
@@ -32,8 +37,9 @@ def make_tool_call_id() -> str:
 
 @dataclasses.dataclass
 class ParsedCall:
-    """One call as far as the text goes: ``name`` None until known; ``arguments`` a prefix of
-    the final arguments JSON text; ``complete`` once the call's text is closed."""
+    """One call as far as the text goes: ``name`` None until known (``""`` is a known, empty
+    name); ``arguments`` a prefix of the final arguments JSON text; ``complete`` once the
+    call's text is closed."""
 
     name: str | None
     arguments: str
@@ -43,10 +49,18 @@ class ParsedCall:
 @dataclasses.dataclass
 class ParsedOutput:
     """``content``: the text that is not a call, a prefix of the final content (a possible
-    start of a call marker at the end is held back); ``calls`` in order."""
+    start of a call marker at the end is held back); ``calls`` in order; ``trailing``: text
+    after the last call that the format does not read (streamed as content after the calls,
+    left out of the non-streamed answer, as vLLM does)."""
 
     content: str
     calls: list[ParsedCall]
+    trailing: str = ""
+
+
+def parsed_calls(text: str, objects: list[CallObject]) -> list[ParsedCall]:
+    """``ParsedCall``s of the call objects ``json_scan`` found in ``text``."""
+    return [ParsedCall(o.name, o.arguments(text), o.end is not None) for o in objects]
 
 
 @dataclasses.dataclass
@@ -58,11 +72,12 @@ class ExtractedToolCallInformation:
     content: str | None
 
 
-def hold_back_marker(text: str, marker: str) -> str:
-    """``text`` without a suffix that could be the start of ``marker`` (streamed text stops
-    anywhere, e.g. at ``<tool_`` of ``<tool_call>``)."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
+def hold_back_marker(text: str, *markers: str) -> str:
+    """``text`` without the longest suffix that could be the start of one of ``markers``
+    (streamed text stops anywhere, e.g. at ``<tool_`` of ``<tool_call>``)."""
+    longest = max(len(marker) for marker in markers) - 1
+    for size in range(min(longest, len(text)), 0, -1):
+        if any(text.endswith(marker[:size]) for marker in markers if size < len(marker)):
             return text[:-size]
     return text
 
@@ -92,6 +107,10 @@ class ToolParser:
         """
         raise NotImplementedError
 
+    def make_call_id(self) -> str:
+        """A new call's ``id`` (vLLM's ``chatcmpl-tool-<32 hex>``; a format may need its own)."""
+        return make_tool_call_id()
+
     def extract_tool_calls(self, model_output: str, request=None) -> ExtractedToolCallInformation:
         """The calls of a finished output. A text that is not well-formed calls (cut off by
         ``max_tokens``, or not the format) is content, with no calls, as in vLLM."""
@@ -99,11 +118,13 @@ class ToolParser:
             parsed = self.parse(model_output, final=True)
         except MalformedToolCall:
             return ExtractedToolCallInformation(False, [], model_output)
-        if not parsed.calls or not all(c.complete and c.name for c in parsed.calls):
+        if not parsed.calls:
+            return ExtractedToolCallInformation(False, [], parsed.content or None)
+        if not all(c.complete and c.name is not None for c in parsed.calls):
             return ExtractedToolCallInformation(False, [], model_output or None)
         calls = [
             ToolCall(
-                id=make_tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)
+                id=self.make_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)
             )
             for c in parsed.calls
         ]
@@ -130,14 +151,15 @@ class ToolParser:
             parsed = self.parse(current_text, final=final)
         except MalformedToolCall:
             return None
-        content = parsed.content[self._sent_content :]
-        self._sent_content = max(self._sent_content, len(parsed.content))
+        streamed = parsed.content + parsed.trailing
+        content = streamed[self._sent_content :]
+        self._sent_content = max(self._sent_content, len(streamed))
         deltas = []
         for index, call in enumerate(parsed.calls):
             if call.name is None:
                 break  # arguments wait for their name; later calls wait for this one
             if index == len(self._sent_calls):
-                self._sent_calls.append([make_tool_call_id(), False, 0])
+                self._sent_calls.append([self.make_call_id(), False, 0])
             call_id, name_sent, sent = self._sent_calls[index]
             fragment = call.arguments[sent:]
             if not name_sent:

@@ -12,12 +12,9 @@ from jaxpaged.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ParsedOutput,
     ToolParser,
     hold_back_marker,
-)
-from jaxpaged.entrypoints.openai.tool_parsers.json_scan import (
     parsed_calls,
-    scan_call_object,
-    skip_whitespace,
 )
+from jaxpaged.entrypoints.openai.tool_parsers.json_scan import scan_call_object, skip_whitespace
 
 START, END = "<tool_call>", "</tool_call>"
 

@@ -107,14 +107,17 @@ class CallObject:
         return text[self.args_start : self.args_end if self.args_end is not None else len(text)]
 
 
-def scan_call_object(text: str, pos: int, args_keys: tuple[str, ...], *, final: bool) -> CallObject:
+def scan_call_object(
+    text: str, pos: int, args_keys: tuple[str, ...], *, final: bool, strict: bool = True
+) -> CallObject:
     """Read the call object starting at ``text[pos]`` (which must be ``{``) as far as the text
     goes. A complete object must have a string ``name`` and one of ``args_keys`` whose value
-    is valid JSON.
+    is valid JSON; unless ``strict``, either may be missing and a name that is not a string
+    reads as ``""`` (the caller decides what such an object is).
 
     Raises:
-        MalformedToolCall: not an object, a non-string name, bad JSON, or a complete object
-            without a name or arguments.
+        MalformedToolCall: not an object, bad JSON, or (``strict``) a non-string name or a
+            complete object without a name or arguments.
     """
     call = CallObject()
     if pos >= len(text):
@@ -149,7 +152,9 @@ def scan_call_object(text: str, pos: int, args_keys: tuple[str, ...], *, final: 
         if key == "name":
             name = loads_json(text[start:end])
             if not isinstance(name, str):
-                raise MalformedToolCall(f"a tool call's name must be a string, got {name!r}")
+                if strict:
+                    raise MalformedToolCall(f"a tool call's name must be a string, got {name!r}")
+                name = ""
             call.name = name
         i = skip_whitespace(text, end)
         if i < len(text) and text[i] == ",":
@@ -159,9 +164,10 @@ def scan_call_object(text: str, pos: int, args_keys: tuple[str, ...], *, final: 
         else:
             expect_key = False
     if call.end is not None:
-        if call.name is None or call.args_start is None:
+        if strict and (call.name is None or call.args_start is None):
             raise MalformedToolCall(f"a tool call needs 'name' and one of {list(args_keys)}")
-        loads_json(call.arguments(text))
+        if call.args_start is not None:
+            loads_json(call.arguments(text))
     return call
 
 
@@ -201,10 +207,3 @@ def scan_call_array(
         elif i < len(text) and text[i] != "]":
             raise MalformedToolCall(f"expected ',' or ']' at character {i}")
     return calls, None
-
-
-def parsed_calls(text: str, objects: list[CallObject]):
-    """``ParsedCall``s of scanned objects (imported lazily: the base module imports this)."""
-    from jaxpaged.entrypoints.openai.tool_parsers.abstract_tool_parser import ParsedCall
-
-    return [ParsedCall(o.name, o.arguments(text), o.end is not None) for o in objects]

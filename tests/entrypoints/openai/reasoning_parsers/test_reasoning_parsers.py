@@ -3,6 +3,8 @@ formats (DeepSeek-R1 and Qwen3 chat templates), whole and streamed in random pie
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from jaxpaged.entrypoints.openai.reasoning_parsers import get_reasoning_parser
@@ -78,3 +80,137 @@ def test_end_token_ids_encode_the_end_marker():
 def test_unknown_parser_name_lists_the_known_ones():
     with pytest.raises(ValueError, match="deepseek_r1.*qwen3"):
         get_reasoning_parser("nope")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases of vLLM 0.34's own tests (tests/reasoning/test_deepseekr1_reasoning_parser.py and
+# test_qwen3_reasoning_parser.py), same outputs and expected splits. vLLM streams them one token
+# at a time (the models' tokenizers); ``_tokens`` cuts a text the same way at the markers, the
+# words and the whitespace before them.
+
+
+def _tokens(text: str) -> list[str]:
+    return re.findall(r"</?think>|<tool_call>|\s*\w+|\s+|.", text)
+
+
+def _stream_deltas(parser, deltas: list[str]) -> tuple[str | None, str | None]:
+    """(reasoning, content) reassembled from a stream of ``deltas``, None where nothing came."""
+    reasoning = content = None
+    current = ""
+    for n, piece in enumerate(deltas):
+        previous, current = current, current + piece
+        delta = parser.extract_reasoning_streaming(
+            previous, current, piece, final=n == len(deltas) - 1
+        )
+        if delta is None:
+            continue
+        if delta.reasoning is not None:
+            reasoning = (reasoning or "") + delta.reasoning
+        if delta.content is not None:
+            content = (content or "") + delta.content
+    return reasoning, content
+
+
+R1_WHOLE = [  # (output, reasoning, content)
+    ("This is a reasoning section</think>This is the rest", "This is a reasoning section",
+     "This is the rest"),
+    ("This is a reasoning section</think>", "This is a reasoning section", None),
+    ("This is content", "This is content", None),
+    ("This\nThat</think>This is the rest\nThat", "This\nThat", "This is the rest\nThat"),
+    ("</think>This is the rest", "", "This is the rest"),
+    ("<think>This is a reasoning section</think>This is the rest", "This is a reasoning section",
+     "This is the rest"),
+    ("<think>This is a reasoning section</think>", "This is a reasoning section", None),
+    ("<think>This\nThat</think>This is the rest\nThat", "This\nThat", "This is the rest\nThat"),
+    ("<think>This is a reasoning section", "This is a reasoning section", None),
+    ("", "", None),
+    ("\n<think>This is a reasoning section</think>\nThis is the rest",
+     "This is a reasoning section", "\nThis is the rest"),
+]  # fmt: skip
+R1_STREAMED = [  # (output, reasoning, content): what a token-by-token stream adds up to
+    ("This is a reasoning section</think>This is the rest", "This is a reasoning section",
+     "This is the rest"),
+    ("This is a reasoning section</think>", "This is a reasoning section", None),
+    ("This is a reasoning section", "This is a reasoning section", None),
+    ("This\nThat</think>This is the rest\nThat", "This\nThat", "This is the rest\nThat"),
+    ("</think>This is the rest", None, "This is the rest"),
+    ("<think>This is a reasoning section</think>This is the rest", "This is a reasoning section",
+     "This is the rest"),
+    ("<think>This is a reasoning section</think>", "This is a reasoning section", None),
+    ("<think>This\nThat</think>This is the rest\nThat", "This\nThat", "This is the rest\nThat"),
+    ("<think>This is a reasoning section", "This is a reasoning section", None),
+    ("", None, None),
+    # vLLM's stream gives "\nThis is a reasoning section" here (its test notes it cannot tell
+    # a newline before "<think>" from reasoning); here the newline waits, and the stream
+    # equals the whole reply's split.
+    ("\n<think>This is a reasoning section</think>\nThis is the rest",
+     "This is a reasoning section", "\nThis is the rest"),
+]  # fmt: skip
+
+QWEN3_TOOL_CALL = (
+    "<tool_call>\n<function=bash>\n<parameter=command>"
+    "\ncat /etc/hosts\n</parameter>\n</function>\n</tool_call>"
+)
+QWEN3_CASES = [  # (output, reasoning, content): the same whole and streamed
+    ("This is a reasoning section</think>This is the rest", "This is a reasoning section",
+     "This is the rest"),
+    ("This is a reasoning section</think>", "This is a reasoning section", None),
+    ("<think>This is a reasoning section</think>This is the rest", "This is a reasoning section",
+     "This is the rest"),
+    ("This is the rest", "This is the rest", None),
+    ("<think>This is a reasoning section</think>", "This is a reasoning section", None),
+    ("<think>This is a reasoning\nsection</think>This is the rest\nThat",
+     "This is a reasoning\nsection", "This is the rest\nThat"),
+    ("<think>This is a reasoning section", "This is a reasoning section", None),
+    ("This is a reasoning section", "This is a reasoning section", None),
+    # <tool_call> without </think> ends the reasoning.
+    ("I need to read the file.\n\n" + QWEN3_TOOL_CALL, "I need to read the file.\n\n",
+     QWEN3_TOOL_CALL),
+    ("<think>I need to read the file.\n\n" + QWEN3_TOOL_CALL, "I need to read the file.\n\n",
+     QWEN3_TOOL_CALL),
+]  # fmt: skip
+QWEN3_MULTI_TOKEN_DELTAS = [  # (deltas, reasoning, content)
+    (["<think>This is a reasoning section", "</think>", "This is the rest"],
+     "This is a reasoning section", "This is the rest"),
+    (["reasoning section", "</think>This is the rest"], "reasoning section", "This is the rest"),
+    (["<think>reasoning</think>"], "reasoning", None),
+    (["reasoning section", "</think>content"], "reasoning section", "content"),
+    (["I need to read the file.\n\n", "<tool_call>\n<function=bash>"],
+     "I need to read the file.\n\n", "<tool_call>\n<function=bash>"),
+]  # fmt: skip
+QWEN3_THINKING_DISABLED = [
+    "This is plain content",
+    "Some output without think tokens",
+    "I need to read the file.\n\n" + QWEN3_TOOL_CALL,
+]
+
+
+@pytest.mark.parametrize("output, reasoning, content", R1_WHOLE)
+def test_vllm_deepseek_r1_whole(output, reasoning, content):
+    assert R1(None).extract_reasoning(output) == (reasoning, content)
+
+
+@pytest.mark.parametrize("output, reasoning, content", R1_STREAMED)
+def test_vllm_deepseek_r1_streamed(output, reasoning, content):
+    assert _stream_deltas(R1(None), _tokens(output)) == (reasoning, content)
+
+
+@pytest.mark.parametrize("output, reasoning, content", QWEN3_CASES)
+def test_vllm_qwen3_whole(output, reasoning, content):
+    assert QWEN3(None).extract_reasoning(output) == (reasoning, content)
+
+
+@pytest.mark.parametrize("output, reasoning, content", QWEN3_CASES)
+def test_vllm_qwen3_streamed(output, reasoning, content):
+    assert _stream_deltas(QWEN3(None), _tokens(output)) == (reasoning, content)
+
+
+@pytest.mark.parametrize("deltas, reasoning, content", QWEN3_MULTI_TOKEN_DELTAS)
+def test_vllm_qwen3_multi_token_deltas(deltas, reasoning, content):
+    assert _stream_deltas(QWEN3(None), deltas) == (reasoning, content)
+
+
+@pytest.mark.parametrize("output", QWEN3_THINKING_DISABLED)
+def test_vllm_qwen3_thinking_disabled_is_all_content(output):
+    parser = QWEN3(None, chat_template_kwargs={"enable_thinking": False})
+    assert parser.extract_reasoning(output) == (None, output)

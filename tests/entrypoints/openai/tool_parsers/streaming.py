@@ -26,9 +26,13 @@ def reassemble(parser: ToolParser, text: str, seed: int) -> tuple[str, list[dict
     """(content, calls) streamed by ``parser`` for ``text``; each call ``{id, name,
     arguments}``. Checks the wire rules on the way: a call's first delta has id, type and
     name, later ones only argument fragments, and indexes count up from 0."""
+    return reassemble_pieces(parser, pieces(text, seed))
+
+
+def reassemble_pieces(parser: ToolParser, chunks: list[str]) -> tuple[str, list[dict]]:
+    """``reassemble`` for a text already cut into ``chunks`` (the last one is final)."""
     content, calls = "", []
     current = ""
-    chunks = pieces(text, seed)
     for n, piece in enumerate(chunks):
         previous, current = current, current + piece
         delta = parser.extract_tool_calls_streaming(
@@ -39,8 +43,8 @@ def reassemble(parser: ToolParser, text: str, seed: int) -> tuple[str, list[dict
         content += delta.content or ""
         for call in delta.tool_calls or ():
             if call.index == len(calls):
-                assert call.id and call.id.startswith("chatcmpl-tool-"), call
-                assert call.type == "function" and call.function.name, call
+                assert call.id, call
+                assert call.type == "function" and call.function.name is not None, call
                 calls.append({"id": call.id, "name": call.function.name, "arguments": ""})
             else:
                 assert call.index < len(calls), call
