@@ -432,6 +432,9 @@ def _check_draft(
         )
     if method == "eagle":
         return None, None
+    from models.eagle3 import Eagle3Config  # the head's own checks (variants it lacks)
+
+    Eagle3Config.from_dict(draft)
     return None, _aux_layer_ids(draft, int(tgt["num_hidden_layers"]))
 
 

@@ -221,7 +221,8 @@ def test_eagle3_detected_by_architecture_without_the_name(tmp_path):
      ({"target_hidden_size": 32}, "hidden states of size 32"),
      ({"eagle_aux_hidden_state_layer_ids": [2, 9, 1]}, r"must lie in \[0, 5\]"),
      ({"num_aux_hidden_states": 2}, r"num_aux_hidden_states \(2\) != number of layer ids 3"),
-     ({"eagle_config": {"use_aux_hidden_state": False}}, "use_aux_hidden_state = false")],
+     ({"eagle_config": {"use_aux_hidden_state": False}}, "use_aux_hidden_state = false"),
+     ({"norm_before_fc": True}, "norm_before_fc = true is not supported")],
 )  # fmt: skip
 def test_eagle3_heads_that_do_not_fit_the_target_are_refused(tmp_path, overrides, message):
     head = _eagle3_head(tmp_path, **overrides)
