@@ -148,6 +148,7 @@ def _chi_square(tokens, probs, label):
     observed = np.bincount(tokens, minlength=probs.size)
     expected = len(tokens) * probs
     big = expected >= 5
+    assert big.sum() >= 2, f"{label}: a one-token distribution tests nothing"
     f_obs = np.append(observed[big], observed[~big].sum())
     f_exp = np.append(expected[big], expected[~big].sum())
     if f_exp[-1] < 5:
@@ -277,3 +278,26 @@ def test_a_seeded_row_verifies_the_same_way_whatever_shares_its_batch():
     perm = rng.permutation(n)
     np.testing.assert_array_equal(run(perm), base[perm])
     assert len({tuple(row) for row in base}) > 5
+
+
+def test_stories260k_logits_keep_their_distribution_under_verification(hf_story_logits):
+    """Three consecutive positions of a real model's logits (vocabulary 512), temperature 1,
+    top-k 50, top-p 0.95, repetition penalty 1.2: the first token follows p_0 whatever the
+    (one-hot) draft, and after the first draft is accepted the second follows p_1."""
+    logits3 = hf_story_logits[19:22]  # the two most uncertain consecutive positions
+    v = logits3.shape[-1]
+    params = dict(temperature=1.0, top_k=50, top_p=0.95, repetition_penalty=1.2)
+    n, k = NUM_DRAWS, 2
+    drafts = (int(np.argsort(-logits3[0])[1]), int(logits3[1].argmax()))
+    state = _state_with_row(v)
+    metadata = make_metadata(n, seed_lo=np.arange(n), state_slot=0, neutral_slot=1, **params)
+    out, _ = _run(np.broadcast_to(logits3, (n, k + 1, v)), np.broadcast_to(drafts, (n, k)),
+                  np.full(n, k), metadata, state)  # fmt: skip
+    tokens = np.asarray(out.token_ids)
+    none = np.zeros(v, np.int32), np.zeros(v, bool)
+    _chi_square(tokens[:, 0], _target_probs(logits3[0], *none, params), "first token")
+    accepted = tokens[:, 0] == drafts[0]
+    counts = np.zeros(v, np.int32)
+    counts[drafts[0]] = 1
+    p1 = _target_probs(logits3[1], counts, none[1], params)
+    _chi_square(tokens[accepted, 1], p1, "second token after the draft")
