@@ -8,6 +8,11 @@
 2. The rejection sampler (``rejection_sample``, jitted) on ``[B, K + 1, V]`` random logits with
    one-hot drafts, for the plain sampler variant and with every optional stage
    (penalties, top-k/top-p, logprobs).
+3. One EAGLE-3 draft pass (``models.eagle3``, the Llama-3.1-8B head of
+   ``benchmarks/configs/eagle3-llama3.1-instruct-8b`` with dummy bf16 weights): one token per
+   row at context ``--eagle3-context`` over a paged KV cache, head forward plus the draft
+   token (argmax over the draft vocabulary, mapped to target ids). A K-token proposal costs
+   about K such passes (pass 1 over the verified tokens is wider).
 
 Each time is the median of ``--iters`` calls after two warm-up calls, with the result on the
 host (``block_until_ready``). ``--smoke`` runs tiny sizes (checks the script on CPU).
@@ -37,6 +42,11 @@ from jaxpaged.spec_decode.ngram_proposer import (  # noqa: E402
     ngram_propose_batch_reference,
 )
 from jaxpaged.spec_decode.rejection_sampler import rejection_sample  # noqa: E402
+from models.attention_metadata import AttentionMetadata  # noqa: E402
+from models.eagle3 import load_eagle3  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EAGLE3_HEAD = os.path.join(ROOT, "benchmarks", "configs", "eagle3-llama3.1-instruct-8b")
 
 
 def _time(fn, *args, iters: int) -> float:
@@ -128,6 +138,50 @@ def bench_rejection(args) -> None:
         print(f"| {batch} | " + " | ".join(f"{t * 1e3:.3f}" for t in row) + " |")
 
 
+def bench_eagle3(args) -> None:
+    import flax.nnx as nnx
+
+    import pallas_kernels
+
+    backend = "pallas" if jax.default_backend() == "gpu" else "reference"
+    head = load_eagle3(args.eagle3_head, target_vocab_size=args.eagle3_vocab, dtype="bfloat16",
+                       load_format="dummy", attention_backend=backend)  # fmt: skip
+    config = head.config.hf
+    hidden = config.hidden_size
+    hkv, d = config.num_key_value_heads, hidden // config.num_attention_heads
+    graphdef, state = nnx.split(head)
+    block_size, context = 16, args.eagle3_context
+    per_seq = -(-(context + 1) // block_size)
+
+    @jax.jit
+    def draft_pass(state, ids, features, positions, kv, metadata, embed):
+        model = nnx.merge(graphdef, state)
+        normed, prenorm, kv = model(ids, features, positions, kv, metadata, embed_tokens=embed)
+        return model.draft_token_ids(normed), prenorm, kv
+
+    embed = jnp.zeros((args.eagle3_vocab, hidden), jnp.bfloat16)
+    print(f"\nEAGLE-3 draft pass (hidden {hidden}, draft vocab {head.config.draft_vocab_size}), "
+          f"context {context}, attention {backend}")  # fmt: skip
+    print("| B | one draft token per row (ms) |")
+    print("|---:|---:|")
+    for batch in args.batch_sizes:
+        shape = pallas_kernels.kv_cache_shape(batch * per_seq + 1, block_size, hkv, d)
+        kv = (jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
+        tables = 1 + np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
+        metadata = AttentionMetadata(
+            slot_mapping=jnp.asarray(tables[:, context // block_size] * block_size
+                                     + context % block_size),
+            block_tables=jnp.asarray(tables), seq_lens=jnp.full(batch, context + 1, jnp.int32),
+            cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32), decode_only=True,
+        )  # fmt: skip
+        ids = jnp.zeros(batch, jnp.int32)
+        features = jnp.zeros((batch, hidden), jnp.bfloat16)
+        positions = jnp.full(batch, context, jnp.int32)
+        args_ = (state, ids, features, positions, kv, metadata, embed)
+        seconds = _time(draft_pass, *args_, iters=args.iters)
+        print(f"| {batch} | {seconds * 1e3:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
@@ -142,13 +196,35 @@ def main() -> None:
         help="skip the host Python reference above B * L tokens (it takes seconds)",
     )  # fmt: skip
     parser.add_argument("--skip-rejection", action="store_true")
+    parser.add_argument("--skip-eagle3", action="store_true")
+    parser.add_argument("--eagle3-head", default=EAGLE3_HEAD, help="the head's config directory")
+    parser.add_argument("--eagle3-vocab", type=int, default=128256, help="the target's vocab")
+    parser.add_argument("--eagle3-context", type=int, default=1024, help="tokens in the KV")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script")
     args = parser.parse_args()
     if args.smoke:
         args.batch_sizes, args.context_lengths, args.vocab_size, args.iters = [1, 4], [64], 97, 2
+        args.eagle3_head, args.eagle3_vocab, args.eagle3_context = _tiny_head(), 97, 40
     bench_ngram(args)
     if not args.skip_rejection:
         bench_rejection(args)
+    if not args.skip_eagle3:
+        bench_eagle3(args)
+
+
+def _tiny_head() -> str:
+    """A tiny EAGLE-3 head config (``--smoke``) in a temporary directory."""
+    import json
+    import tempfile
+
+    with open(os.path.join(EAGLE3_HEAD, "config.json")) as f:
+        config = json.load(f)
+    config.update(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=97, draft_vocab_size=40)  # fmt: skip
+    directory = tempfile.mkdtemp(prefix="eagle3-smoke-")
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    return directory
 
 
 if __name__ == "__main__":
