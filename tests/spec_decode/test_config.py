@@ -297,3 +297,18 @@ def test_cli_flag_reaches_engine_args_and_the_refusal(capsys):
     code = cli.main(["generate", "hi", "--speculative-config", json.dumps(NGRAM)])
     assert code == 2
     assert "not yet wired into the step" in capsys.readouterr().err
+
+
+def test_the_published_llama3_pairs_are_accepted():
+    """Llama-3-8B's config with its EAGLE-3 head and with Llama-3.2-1B as a draft model."""
+    configs = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs")
+    with open(os.path.join(configs, "llama-3-8b", "config.json")) as f:
+        llama3 = json.load(f)
+    target = dict(hf_config_json=llama3, max_model_len=8192, load_format="dummy")
+    head = os.path.join(configs, "eagle3-llama3.1-instruct-8b")
+    spec = _parse({"model": head, "num_speculative_tokens": 4}, **target)
+    assert spec.method == "eagle3" and spec.aux_hidden_state_layer_ids == (2, 16, 29)
+    assert spec.max_model_len == 8192  # a head follows the target's positions (vLLM 0.34)
+    draft = os.path.join(configs, "llama-3.2-1b")
+    spec = _parse({"model": draft, "num_speculative_tokens": 4}, **target)
+    assert spec.method == "draft_model" and spec.max_model_len == 8192
