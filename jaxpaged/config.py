@@ -13,6 +13,7 @@ import os
 from importlib import resources
 
 from jaxpaged.core.scheduler import PREEMPTION_MODES
+from jaxpaged.spec_decode.config import SpeculationTarget, SpeculativeConfig
 from jaxpaged.structured_output.config import StructuredOutputsConfig
 from models.attention_backends import ATTENTION_BACKEND_CHOICES
 from models.dtypes import DTYPE_CHOICES
@@ -188,6 +189,13 @@ class EngineArgs:
         "(llguidance), disable_any_whitespace, "
         "disable_additional_properties. None: backend auto (xgrammar).",
     )
+    speculative_config: str | dict | None = _arg(
+        None,
+        'Speculative decoding as JSON (vLLM\'s keys), e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'; methods ngram, draft_model '
+        '(with "model"), eagle, eagle3 (with the head\'s "model"). None: off. Not yet wired '
+        "into the step: an engine refuses it (docs/spec_decode.md).",
+    )
 
     enable_lora: bool = _arg(
         False, "Serve LoRA adapters (PEFT directories) on top of the base model, per request."
@@ -223,9 +231,18 @@ class EngineArgs:
         """Validate every field and derive the typed configs.
 
         Raises:
-            ValueError: naming the field, the rule and the value received.
+            ValueError: naming the field, the rule and the value received; also a valid
+                ``speculative_config``, which no engine step runs yet.
         """
-        return EngineConfig.from_args(self)
+        config = EngineConfig.from_args(self)
+        spec = config.speculative_config
+        if spec is not None:
+            # Parsed and checked above; the step pipeline has no speculation stages yet.
+            raise ValueError(
+                f"speculative_config is not yet wired into the step: speculative decoding "
+                f"(method {spec.method!r}) cannot run in this version"
+            )
+        return config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +334,8 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = dataclasses.field(
         default_factory=StructuredOutputsConfig
     )
+    # Speculative decoding (jaxpaged.spec_decode); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -452,6 +471,18 @@ class EngineConfig:
             lora_config=_lora_config(args),
             enable_sleep_mode=bool(args.enable_sleep_mode),
             structured_outputs_config=StructuredOutputsConfig.parse(args.structured_outputs_config),
+            speculative_config=SpeculativeConfig.parse(
+                args.speculative_config,
+                SpeculationTarget(
+                    hf_config_json=hf_config_json,
+                    max_model_len=max_model_len,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    tensor_parallel_size=parallel_config.tensor_parallel_size,
+                    enable_lora=bool(args.enable_lora),
+                    load_format=args.load_format,
+                    download_dir=args.download_dir,
+                ),
+            ),
         )
 
 

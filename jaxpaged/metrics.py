@@ -46,6 +46,7 @@ from prometheus_client.registry import Collector
 
 from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.spec_decode.metrics import SpecDecodingStats
 
 DEFAULT_METRICS_PREFIX = "jaxpaged"
 # Values of ``--metrics-prefix``: ours, or vLLM's for gateways and dashboards built for vLLM.
@@ -94,6 +95,10 @@ class ServerMetrics:
         multiprocess: prometheus_client runs in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``
             was set before it was imported); label sets are then never removed (it cannot),
             ``render_multiprocess`` keeps the newest ``lora_requests_info`` instead.
+        num_speculative_tokens: K of the engine's ``speculative_config`` (0: no speculation);
+            above 0 the four ``spec_decode_*`` counters of vLLM are registered
+            (``jaxpaged.spec_decode.metrics``), ``..._per_pos`` with a ``position`` label
+            0 .. K-1.
 
     Raises:
         ValueError: an unknown ``prefix`` or a negative ``engine_index`` / ``max_loras``.
@@ -109,6 +114,7 @@ class ServerMetrics:
         max_loras: int = 0,
         observes_engine: bool = True,
         multiprocess: bool = False,
+        num_speculative_tokens: int = 0,
     ):
         if prefix not in METRICS_PREFIX_CHOICES:
             raise ValueError(
@@ -118,6 +124,8 @@ class ServerMetrics:
             raise ValueError(f"engine_index must be >= 0, got {engine_index}")
         if max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {max_loras}")
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         self.prefix = prefix
@@ -221,6 +229,11 @@ class ServerMetrics:
 
         self._requests: dict[str, _RequestTimes] = {}
         self._last_stats = _Counters()
+        self.spec_decode_counters = None
+        if num_speculative_tokens:
+            self.spec_decode_counters = _SpecDecodeCounters(
+                make, prefix, labels, self.registry, num_speculative_tokens
+            )
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
@@ -334,6 +347,46 @@ class ServerMetrics:
         self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self._last_stats = _Counters(
             stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits
+        )
+
+    def observe_spec_decoding(self, stats: SpecDecodingStats) -> None:
+        """Advance the ``spec_decode_*`` counters to ``stats`` (cumulative, from the engine's
+        scheduler after a step). A no-op without speculation or unless ``observes_engine``."""
+        if self.spec_decode_counters is not None and self.observes_engine:
+            self.spec_decode_counters.observe(stats)
+
+
+class _SpecDecodeCounters:
+    """vLLM's four speculative-decoding counters (``vllm/v1/spec_decode/metrics.py``
+    ``SpecDecodingProm``), advanced by the change since the last observation."""
+
+    def __init__(self, make, prefix: str, labels: tuple[str, str], registry, k: int):
+        self.drafts = make(Counter, "spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.draft_tokens = make(Counter, "spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.accepted_tokens = make(
+            Counter, "spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        per_pos = Counter(
+            prefix + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            ["model_name", "engine", "position"],
+            registry=registry,
+        )
+        self.accepted_per_pos = [per_pos.labels(*labels, str(i)) for i in range(k)]
+        self._last: SpecDecodingStats | None = None
+
+    def observe(self, stats: SpecDecodingStats) -> None:
+        delta = stats.since(self._last)
+        self.drafts.inc(delta.num_drafts)
+        self.draft_tokens.inc(delta.num_draft_tokens)
+        self.accepted_tokens.inc(delta.num_accepted_tokens)
+        for counter, n in zip(self.accepted_per_pos, delta.num_accepted_tokens_per_pos,
+                              strict=True):  # fmt: skip
+            counter.inc(n)
+        self._last = dataclasses.replace(
+            stats,
+            num_accepted_tokens_per_pos=list(stats.num_accepted_tokens_per_pos),
+            num_draft_tokens_per_pos=list(stats.num_draft_tokens_per_pos),
         )
 
 

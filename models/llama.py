@@ -386,17 +386,24 @@ class LlamaModel(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs, unit_offset=options.gemma_norms)
 
-    def __call__(self, input_ids, positions, kv_caches, metadata, lora: LoRABatch | None = None):
+    def __call__(self, input_ids, positions, kv_caches, metadata, lora: LoRABatch | None = None,
+                 aux_hidden_state_layers: tuple[int, ...] = ()):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             # HF multiplies by sqrt(hidden) rounded to the weights' dtype (bf16: 48.0 for 2304).
             x = x * jnp.asarray(self.embed_scale, dtype=self.dtype)
+        captured = {}  # layer index -> the residual stream entering it
         new_caches = []
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            captured[i] = x
             layer_lora = None if lora is None else lora.layer(i)
             x, k_cache, v_cache = layer(x, positions, k_cache, v_cache, metadata, layer_lora)
             new_caches.append((k_cache, v_cache))
-        return self.norm(x), new_caches
+        if not aux_hidden_state_layers:
+            return self.norm(x), new_caches
+        captured[len(self.layers)] = x
+        aux = jnp.concatenate([captured[i] for i in aux_hidden_state_layers], axis=-1)
+        return self.norm(x), new_caches, aux
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -456,6 +463,9 @@ class LlamaForCausalLM(nnx.Module):
                                       dtype=dtype, param_dtype=param_dtype,
                                       precision=_precision(dtype), rngs=rngs)
 
+    # The step may ask for the hidden states of inner layers (EAGLE-3 draft heads read them).
+    supports_aux_hidden_states = True
+
     def __call__(
         self,
         input_ids: jax.Array,
@@ -463,7 +473,9 @@ class LlamaForCausalLM(nnx.Module):
         kv_caches: list[tuple[jax.Array, jax.Array]],
         metadata: AttentionMetadata,
         lora: LoRABatch | None = None,
-    ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+        *,
+        aux_hidden_state_layers: tuple[int, ...] = (),
+    ) -> tuple:
         """One step over ``T`` packed tokens.
 
         Args:
@@ -472,11 +484,19 @@ class LlamaForCausalLM(nnx.Module):
             kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hkv, D]``.
             metadata: where the new K/V go and what each query reads.
             lora: per-token LoRA adapters (``models.lora``); None runs the base model alone.
+            aux_hidden_state_layers: static layer indices ``i`` in ``[0, num_hidden_layers]``
+                whose residual stream entering layer ``i`` is also returned (``i =
+                num_hidden_layers``: leaving the last layer, before the final norm); vLLM's
+                ``aux_hidden_state_layers``, which EAGLE-3 heads read at ``(2, L // 2, L - 3)``.
+                Empty: nothing extra.
 
         Returns:
-            ``(hidden [T, hidden_size] in the compute dtype, updated kv_caches)``.
+            ``(hidden [T, hidden_size] in the compute dtype, updated kv_caches)``, plus
+            ``aux [T, len(aux_hidden_state_layers) * hidden_size]`` (the captured streams
+            concatenated in the order asked) when ``aux_hidden_state_layers`` is not empty.
         """
-        return self.model(input_ids, positions, kv_caches, metadata, lora)
+        return self.model(input_ids, positions, kv_caches, metadata, lora,
+                          aux_hidden_state_layers)
 
     # The layer projections LoRA adapters may target, by fused projection (``models.lora``).
     lora_projection_specs = staticmethod(llama_projection_specs)

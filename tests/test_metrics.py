@@ -146,3 +146,28 @@ def test_each_instance_has_its_own_registry_and_vllm_buckets():
     assert 'model_name="b"' in second.render().decode()
     assert TTFT_BUCKETS[0] == 0.001 and TTFT_BUCKETS[-1] == 2560.0 and len(TTFT_BUCKETS) == 22
     assert ITL_BUCKETS[0] == 0.01 and ITL_BUCKETS[-1] == 80.0
+
+
+def test_spec_decode_counters_follow_vllm_names_and_advance_by_the_change():
+    from jaxpaged.spec_decode.metrics import SpecDecodingStats
+
+    metrics = ServerMetrics("m", prefix="vllm", num_speculative_tokens=3)
+    stats = SpecDecodingStats(num_spec_tokens=3)
+    stats.observe_draft(3, 2)
+    stats.observe_draft(2, 0)
+    metrics.observe_spec_decoding(stats)
+    stats.observe_draft(3, 3)
+    metrics.observe_spec_decoding(stats)
+    metrics.observe_spec_decoding(stats)  # nothing new: no change
+    samples = _samples(metrics)
+    assert _get(samples, "vllm:spec_decode_num_drafts_total") == 3
+    assert _get(samples, "vllm:spec_decode_num_draft_tokens_total") == 8
+    assert _get(samples, "vllm:spec_decode_num_accepted_tokens_total") == 5
+    per_pos = [
+        _get(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+        for i in range(3)
+    ]
+    assert per_pos == [2, 2, 1]
+    # Without speculation the counters are not registered (vLLM's rule).
+    plain = {name for name, _ in _samples(ServerMetrics("m", prefix="vllm"))}
+    assert not any("spec_decode" in name for name in plain)

@@ -279,6 +279,7 @@ NOT_CODE_PATHS: dict[str, str] = {
     "seed": "values, not code",
     "load_format": "host-side loaders (tests/models); the matrix runs dummy and auto",
     "calculate_kv_scales": "refused: not supported",
+    "speculative_config": "refused: not yet wired into the step (docs/spec_decode.md)",
     **dict.fromkeys(("enable_compilation_cache", "compilation_cache_dir", "disable_log_stats"),
                     "caching and logging around the step"),
     **dict.fromkeys(("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port"),

@@ -46,7 +46,7 @@ def sample(
 
     Returns:
         ``(token_ids i32[B], logprobs, state)``. ``logprobs`` report each row's
-        ``logprobs_mode`` (:func:`_logprobs_by_mode`); zeros unless ``variant.logprobs``.
+        ``logprobs_mode`` (:func:`logprobs_by_mode`); zeros unless ``variant.logprobs``.
     """
     logits = logits.astype(jnp.float32)
     processed = apply_logits_state(logits, state, metadata) if variant.uses_state else logits
@@ -57,13 +57,13 @@ def sample(
     scaled = processed / temperature[:, None]
     if variant.filters:
         scaled = apply_min_p_top_k_top_p(scaled, metadata.min_p, metadata.top_k, metadata.top_p)
-    keys = jax.vmap(_row_key)(metadata.seed_lo, metadata.seed_hi, metadata.step)
+    keys = jax.vmap(row_key)(metadata.seed_lo, metadata.seed_hi, metadata.step)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
     sampled_ids = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
     token_ids = jnp.where(is_greedy, greedy_ids, sampled_ids)
 
     if variant.logprobs:
-        chosen = _logprobs_by_mode(logits, scaled, metadata.logprobs_mode)
+        chosen = logprobs_by_mode(logits, scaled, metadata.logprobs_mode)
         logprobs = top_logprobs(chosen, token_ids, num_logprobs)
     else:
         logprobs = TopLogprobs.zeros(logits.shape[0], num_logprobs)
@@ -74,7 +74,7 @@ def sample(
     return token_ids, logprobs, state
 
 
-def _logprobs_by_mode(logits: jax.Array, scaled: jax.Array, mode: jax.Array) -> jax.Array:
+def logprobs_by_mode(logits: jax.Array, scaled: jax.Array, mode: jax.Array) -> jax.Array:
     """f32[B, vocab_size]: per row, what its ``logprobs_mode`` reports (vLLM v1's sampler):
     raw = the model's float32 logits (``logits``) before any processing, processed = what was
     sampled from (``scaled``: after penalties, bias, temperature and min-p/top-k/top-p, whose
@@ -86,7 +86,9 @@ def _logprobs_by_mode(logits: jax.Array, scaled: jax.Array, mode: jax.Array) -> 
     return jnp.where(as_logits, values, jax.nn.log_softmax(values, axis=-1))
 
 
-def _row_key(seed_lo: jax.Array, seed_hi: jax.Array, step: jax.Array) -> jax.Array:
+def row_key(seed_lo: jax.Array, seed_hi: jax.Array, step: jax.Array) -> jax.Array:
+    """The PRNG key of one row's draw for its output token number ``step`` (u32, u32, i32
+    scalars); the same for a request's token wherever and whenever it is sampled."""
     key = jax.random.key(0)
     key = jax.random.fold_in(key, seed_lo)
     key = jax.random.fold_in(key, seed_hi)

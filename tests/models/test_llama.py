@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
 from models.attention import attention
 from models.attention_metadata import AttentionMetadata
 from models.llama import LlamaForCausalLM, layer_sliding_windows, rope_inv_freq, rope_parameters
@@ -209,3 +210,50 @@ def test_unknown_attention_backend_raises():
             attention_backend="flash",
             rngs=None,
         )
+
+
+def _one_sequence_prefill(n: int, block_size: int = 4) -> AttentionMetadata:
+    """Metadata of one sequence prefilling ``n`` tokens into blocks 0, 1, ... in order."""
+    blocks = -(-n // block_size)
+    return AttentionMetadata(
+        slot_mapping=jnp.arange(n, dtype=jnp.int32),
+        block_tables=jnp.arange(blocks, dtype=jnp.int32)[None, :],
+        seq_lens=jnp.asarray([n], jnp.int32),
+        cu_q_lens=jnp.asarray([0, n], jnp.int32),
+        decode_only=False,
+    )
+
+
+def test_aux_hidden_states_are_the_residual_stream_entering_each_layer():
+    """EAGLE-3's hook: index i < L is HF's ``hidden_states[i]`` (the input of layer i); index L
+    is the last layer's output before the final norm (HF reports it after the norm)."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    model, config = load_model(STORIES_DIR)
+    tokens = [1, 317, 269, 274, 287, 263, 377, 267, 265, 282, 295]
+    n, num_layers = len(tokens), config.num_hidden_layers
+    shape = pallas_kernels.kv_cache_shape(4, 4, config.num_key_value_heads, config.head_dim)
+    caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(num_layers)]
+    layers = (num_layers, 2, 0, 2)  # any order, repeats allowed, L included
+    hidden, _, aux = model(
+        jnp.asarray(tokens, jnp.int32), jnp.arange(n, dtype=jnp.int32), caches,
+        _one_sequence_prefill(n), aux_hidden_state_layers=layers,
+    )  # fmt: skip
+    plain, _ = model(
+        jnp.asarray(tokens, jnp.int32), jnp.arange(n, dtype=jnp.int32), caches,
+        _one_sequence_prefill(n),
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(hidden), np.asarray(plain))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(STORIES_DIR, dtype=torch.float32)
+    with torch.no_grad():
+        states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    aux = np.asarray(aux).reshape(n, len(layers), config.hidden_size)
+    for j, layer in enumerate(layers[1:], start=1):
+        assert relative_diff(aux[:, j], states[layer][0].numpy()) < RTOL, layer
+    # Index L: the final norm of it is the model's output hidden state.
+    np.testing.assert_allclose(
+        np.asarray(model.model.norm(jnp.asarray(aux[:, 0]))), np.asarray(hidden), rtol=1e-5,
+        atol=1e-6,
+    )  # fmt: skip
+    assert relative_diff(np.asarray(hidden), states[num_layers][0].numpy()) < RTOL
