@@ -77,6 +77,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.merged_linear import split_merged_columns
+from models.platform import target_platform
 from pallas_kernels.lora_bgmv import lora_bgmv
 
 # Fused projection -> the HF module names of its parts, in the fused kernel's part order
@@ -124,7 +125,7 @@ def lora_path(num_tokens: int, max_loras: int) -> str:
     ``max_loras`` slots: ``"bgmv"`` on a GPU up to :data:`LORA_KERNEL_MAX_TOKENS` tokens, else
     ``"gather"`` by the :data:`LORA_GATHER_MAX_TOKENS` rule, else ``"dense"``. Slots in the
     fold layout (:func:`lora_fold`) take none of these: every step folds."""
-    if num_tokens <= LORA_KERNEL_MAX_TOKENS and jax.default_backend() == "gpu":
+    if num_tokens <= LORA_KERNEL_MAX_TOKENS and target_platform() == "gpu":
         return "bgmv"
     if num_tokens <= LORA_GATHER_MAX_TOKENS and num_tokens < max_loras:
         return "gather"
@@ -251,7 +252,7 @@ def lora_delta(
     if path not in LORA_PATHS:
         raise ValueError(f"path must be one of {list(LORA_PATHS)}, got {path!r}")
     if path == "bgmv":
-        interpret = jax.default_backend() != "gpu"
+        interpret = target_platform() != "gpu"
         return lora_bgmv(x, token_slots, a, b, max_loras=max_loras, interpret=interpret)
     cols = a.shape[1]
     per_slot = cols // max_loras
