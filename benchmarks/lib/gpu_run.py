@@ -250,7 +250,7 @@ def matrix_row_names(ctx: Context) -> list[str] | None:
 
 # ------------------------------------------------------------------------------ running
 def step_env(ctx: Context) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     if ctx.smoke:
         env["JAX_PLATFORMS"] = "cpu"
@@ -259,8 +259,9 @@ def step_env(ctx: Context) -> dict:
 
 def run_process(command: list[str], env: dict, box_s: float, log: pathlib.Path) -> tuple[str, int]:
     """Run ``command`` in its own process group with output to ``log``; past ``box_s`` the
-    whole group gets SIGTERM, then SIGKILL 10 s later. Returns ``(status, returncode)``:
-    ``ok``, ``failed`` or ``timeout``."""
+    whole group gets SIGABRT (each Python process, with ``PYTHONFAULTHANDLER`` set, writes every
+    thread's stack to the log first: where a step that ran out of time was), then SIGTERM and
+    SIGKILL. Returns ``(status, returncode)``: ``ok``, ``failed`` or ``timeout``."""
     with open(log, "w") as f:
         f.write(f"$ {' '.join(command)}\n")
         f.flush()
@@ -269,14 +270,16 @@ def run_process(command: list[str], env: dict, box_s: float, log: pathlib.Path) 
         try:
             rc = proc.wait(timeout=box_s)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            _kill_group(proc, first=signal.SIGABRT)
             return "timeout", proc.returncode
     _kill_group(proc)  # children a finished step left behind (a server, matrix workers)
     return ("ok" if rc == 0 else "failed"), rc
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+def _kill_group(proc: subprocess.Popen, first: signal.Signals | None = None) -> None:
+    """Signal ``proc``'s process group (``first``, then SIGTERM, then SIGKILL) until it is gone."""
+    signals = [(first, 5)] if first is not None else []
+    for sig, grace in (*signals, (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
