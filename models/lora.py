@@ -27,7 +27,7 @@ reads all ``S`` slots (at Llama-3-8B sizes, 8 x rank 16: ~7% more weight bytes p
 two plain matmuls, the first of which shares its input ``x`` with the base projection's (XLA may
 schedule or merge the two sibling dots); on the H200 the batch-1 decode overhead with the gather
 path below ``S`` tokens was +86%, so the gather is off by default until
-``scripts/benchmark_lora_layer.py`` shows where it wins. Either way the shapes (``in``,
+``benchmarks/lora_layer.py`` shows where it wins. Either way the shapes (``in``,
 ``S * C``) never depend on which adapters are loaded, so loading, swapping or unloading an
 adapter only writes slot values and never changes a compiled shape. Zero-padded rank columns
 and unused slots contribute exact zeros. The cost grows with ``max_loras * max_lora_rank``,
@@ -38,7 +38,7 @@ A third path, *bgmv*, is one fused Pallas kernel per projection
 only the slots the step's tokens use), meant for batch-1 decode, where the dense path's cost is
 its ~8 small dependent kernels per layer rather than bytes. The policy takes it only on a GPU
 and only for steps of at most :data:`LORA_KERNEL_MAX_TOKENS` tokens; 0 by default, because its
-GPU speed is unmeasured (``scripts/benchmark_lora_layer.py`` has its column). Elsewhere it
+GPU speed is unmeasured (``benchmarks/lora_layer.py`` has its column). Elsewhere it
 runs only when asked for (``path="bgmv"``), in Pallas interpret mode (tests). It is written for
 one device: under tensor parallelism XLA cannot split the kernel and would gather its operands.
 
@@ -61,7 +61,7 @@ choice (:func:`lora_fold`), not a per-step one: on one device (``tp == 1``; a ro
 unquantized (a quantized kernel cannot take float columns), when :data:`LORA_FOLD` is on (off
 by default: see there); else the slots keep their own ``a`` and the steps take
 :func:`lora_path`'s choice.
-``scripts/benchmark_lora_layer.py``'s ``+fold`` column measures it against the others.
+``benchmarks/lora_layer.py``'s ``+fold`` column measures it against the others.
 
 Shape letters as in ``pallas_kernels``; ``S`` = ``max_loras``, ``C`` = columns per slot.
 """
@@ -98,7 +98,7 @@ LORA_GATHER_MAX_TOKENS = 0
 
 # Steps of at most this many tokens take the fused Pallas kernel (``"bgmv"``) when the default
 # backend is a GPU; it is checked before the gather rule. 0: never (the default until
-# ``scripts/benchmark_lora_layer.py``'s ``+bgmv`` column is measured on the H200). Read
+# ``benchmarks/lora_layer.py``'s ``+bgmv`` column is measured on the H200). Read
 # while tracing, like ``LORA_GATHER_MAX_TOKENS``.
 LORA_KERNEL_MAX_TOKENS = 0
 

@@ -50,7 +50,7 @@ def _step(status, device="NVIDIA H100 80GB HBM3", **extra):
     return dict(status=status, device=device, smoke=False, tree="abc", date="2026-12-08", **extra)
 
 
-def test_resume_keeps_ok_steps_of_the_same_device_and_runs_new_steps_before_failed_ones_before_the_rest(
+def test_resume_keeps_ok_steps_of_the_device_runs_new_steps_then_failed_ones_then_the_rest(
     gpu_run,
 ):
     previous = {

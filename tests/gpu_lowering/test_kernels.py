@@ -172,9 +172,10 @@ def w4a16_layer(tokens: int, in_features: int, out_features: int, group: int, dt
 # and the small group 32 of tests' checkpoints.
 for _t in sorted({1, *(t for t, _ in DEFAULT_TILINGS if t is not None), 4096}):
     for _dtype in (BF16, F16):
-        for _shape in ((4096, 6144, 128), (14336, 4096, 128), (4096, 4100, 128), (1024, 256, 32)):
-            CASES.append(Case("w4a16_matmul", f"t{_t}-{'x'.join(map(str, _shape))}-"
-                              f"{jnp.dtype(_dtype).name}", w4a16_layer(_t, *_shape, _dtype)))  # fmt: skip
+        for _shape in ((4096, 6144, 128), (14336, 4096, 128), (4096, 4100, 128),
+                       (1024, 256, 32)):  # fmt: skip
+            _id = f"t{_t}-{'x'.join(map(str, _shape))}-{jnp.dtype(_dtype).name}"
+            CASES.append(Case("w4a16_matmul", _id, w4a16_layer(_t, *_shape, _dtype)))
 for _name, _tiling in (  # the micro-benchmark's sweep tilings
     ("swap", W4A16Tiling(block_t=16, block_n=128, block_k=32, swap=True)),
     ("elementwise", W4A16Tiling(block_t=4, block_n=64, block_k=32, dot=False, magic=False)),
@@ -208,7 +209,8 @@ _W8_SWEEP = (  # the micro-benchmark's sweep variants
     W8GemvTiling(max_block_t=4, block_n=32, block_k=64, split_k=2, dot=False, bits=True),
     W8GemvTiling(block_n=32, block_k=64, split_k=3, bits=True, num_warps=8),
 )
-CASES += [Case("w8_gemv", f"sweep{_i}-{jnp.dtype(_w).name}", w8_layer(16, 4096, 4100, _w, BF16, True, _tiling))
+CASES += [Case("w8_gemv", f"sweep{_i}-{jnp.dtype(_w).name}",
+               w8_layer(16, 4096, 4100, _w, BF16, True, _tiling))
           for _i, _tiling in enumerate(_W8_SWEEP) for _w in (E4M3, jnp.int8)]  # fmt: skip
 
 
@@ -253,7 +255,8 @@ def expert_layer(rows, dtype, k, n):
 
 
 # Mixtral-8x7B decode (T * top-2 rows up to models.moe.DECODE_MAX_ROWS): gate_up and down.
-CASES += [Case("expert_gemv", f"rows{_m}-{jnp.dtype(_d).name}-{_k}x{_n}", expert_layer(_m, _d, _k, _n))
+CASES += [Case("expert_gemv", f"rows{_m}-{jnp.dtype(_d).name}-{_k}x{_n}",
+               expert_layer(_m, _d, _k, _n))
           for _m, _d, _k, _n in ((2, BF16, 4096, 28672), (32, BF16, 14336, 4096),
                                  (8, F16, 4096, 28672))]  # fmt: skip
 
