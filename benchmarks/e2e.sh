@@ -5,11 +5,11 @@ set -u
 export PYTHONPATH=.
 C=benchmarks/configs/llama-3-8b
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > $OUT/gpu.txt
-CUDA_VISIBLE_DEVICES=1 python3 scripts/benchmark_hf_baseline.py --model $C \
+CUDA_VISIBLE_DEVICES=1 python3 benchmarks/hf_baseline.py --model $C \
     --batch-sizes 1 64 256 1024 --sharegpt-batch-sizes 64 --output-json $OUT/hf.json > $OUT/hf.log 2>&1 &
-CUDA_VISIBLE_DEVICES=0 python3 scripts/check_gpu_parity.py --skip-llama > $OUT/parity.log 2>&1
+CUDA_VISIBLE_DEVICES=0 python3 benchmarks/gpu_parity.py --skip-llama > $OUT/parity.log 2>&1
 tail -3 $OUT/parity.log
-CUDA_VISIBLE_DEVICES=0 python3 scripts/benchmark_e2e_suite.py --model $C --load-format dummy \
+CUDA_VISIBLE_DEVICES=0 python3 benchmarks/e2e_suite.py --model $C --load-format dummy \
     --skip-tokenizer-init --dtype bfloat16 --max-model-len 2048 --max-num-seqs 1024 \
     --max-num-batched-tokens 4096 --gpu-memory-utilization 0.9 --async-scheduling \
     --compare-sync random --latency-iters 5 --output-dir $OUT > $OUT/suite.log 2>&1

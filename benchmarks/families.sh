@@ -1,8 +1,8 @@
 #!/bin/bash
 # Issue 17's model families on one H200, dummy bf16 weights of the published configs
 # (benchmarks/configs/): per model, 1000 x 128/128 offline throughput and batch-1 TPOT
-# (scripts/benchmark_e2e_suite.py, one engine for both), then one table next to the
-# weight-read floors (scripts/benchmark_families_report.py). families.sh first runs the GPU-only
+# (benchmarks/e2e_suite.py, one engine for both), then one table next to the
+# weight-read floors (benchmarks/lib/families_report.py). families.sh first runs the GPU-only
 # tests (tiny HF checkpoints through the compiled Pallas kernels and the Mosaic GPU grouped
 # GEMM against references). Results and logs in $OUT.
 #
@@ -38,7 +38,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 if [ -n "${MOE_BENCH:-}" ]; then
   MOE_ARGS="--model $CONFIGS/mixtral-8x7b-instruct-v0.1"
   [ "${SMOKE:-0}" = 1 ] && MOE_ARGS="--smoke --batch-sizes 1 64 --iters 2"
-  timeout 120 python3 scripts/benchmark_moe.py $MOE_ARGS --output-json $OUT/moe.json \
+  timeout 120 python3 benchmarks/moe.py $MOE_ARGS --output-json $OUT/moe.json \
     > $OUT/moe.log 2>&1
   grep -v "cuda_timer" $OUT/moe.log | tail -14
 fi
@@ -51,12 +51,12 @@ REPORT=""
 for m in $MODELS; do
   mkdir -p $OUT/$m
   echo "=== $m"
-  timeout $(timeout_for $m) python3 scripts/benchmark_e2e_suite.py --model $CONFIGS/$m \
+  timeout $(timeout_for $m) python3 benchmarks/e2e_suite.py --model $CONFIGS/$m \
     $ENGINE $WORK --workloads random latency --output-dir $OUT/$m > $OUT/$m/suite.log 2>&1
   echo "exit $?"
   grep -E "^KV cache|^Start-up|^Throughput|^Elapsed|^Avg time per output|Error|error" \
     $OUT/$m/suite.log | grep -v cuda_timer | tail -8
   REPORT="$REPORT --run $m $CONFIGS/$m $OUT/$m/suite.json"
 done
-python3 scripts/benchmark_families_report.py $REPORT --moe-json $OUT/moe.json \
+python3 benchmarks/lib/families_report.py $REPORT --moe-json $OUT/moe.json \
   --output-json $OUT/report.json | tee $OUT/report.md

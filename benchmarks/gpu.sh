@@ -7,9 +7,11 @@
 # Steps in priority order, each with its time box in seconds (STEPS overrides the list). A step
 # gets the smaller of its box and the time left before DEADLINE_S (counted from this script's
 # start, less 15 s for the table and the archive); one that would get under 60 s is deferred.
-# The boxes assume cold compilation caches: every GPU call starts on a bare machine. Later
-# steps on the bf16 engine's flags (structured, server) load its buckets from the cache the
-# bf16 step filled in the same call.
+# The boxes assume cold compilation caches: every GPU call starts on a bare machine. All steps
+# share the engine's default persistent cache (~/.cache/jaxpaged/xla), so later steps on the bf16
+# engine's flags (structured, server) load its buckets from what the bf16 step compiled in the
+# same call. A step past its box is stopped with SIGABRT first: its log then ends with every
+# Python thread's stack (PYTHONFAULTHANDLER), i.e. where the time went.
 #   bf16         200  Llama-3-8B shape, dummy weights, bf16, max_num_seqs 512, async scheduling:
 #                     1000 x 128/128 output tok/s, batch-1 TPOT 128/128, start-up, first token
 #   fp8          150  the same with online FP8 weights and an FP8 KV cache

@@ -24,10 +24,10 @@ else
     RANK=16; LIMIT=250
 fi
 PY=$(command -v python3 || command -v python)
-timeout $LIMIT $PY scripts/benchmark_lora.py $COMMON --num-adapters 0 \
+timeout $LIMIT $PY benchmarks/lora.py $COMMON --num-adapters 0 \
     --output-json "$OUT/base.json" > "$OUT/base.log" 2>&1
 echo "base: rc=$?"; grep -v "Compiling\|cuda_timer" "$OUT/base.log" | tail -3
-timeout $LIMIT $PY scripts/benchmark_lora.py $COMMON --num-adapters 8 --adapter-rank $RANK \
+timeout $LIMIT $PY benchmarks/lora.py $COMMON --num-adapters 8 --adapter-rank $RANK \
     --micro --output-json "$OUT/lora.json" > "$OUT/lora.log" 2>&1
 echo "lora: rc=$?"; grep -v "Compiling\|cuda_timer" "$OUT/lora.log" | tail -9
 $PY - "$OUT" <<'PYEOF'

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Issue 14 on one H200: Llama-3-8B shape, dummy weights, max_num_seqs 512, async scheduling,
-# one engine process per configuration (scripts/benchmark_e2e_suite.py: 1000 x 128/128 random
+# one engine process per configuration (benchmarks/e2e_suite.py: 1000 x 128/128 random
 # output tok/s, then batch-1 TPOT of 128/128; fp8 also 1000 ShareGPT-like requests), side by
 # side: bf16 | fp8 online + fp8 KV | INT8 W8A8 (compressed-tensors) | W4A16 AWQ, XLA path |
 # W4A16 AWQ, Pallas kernel (--linear-backend pallas). First the kernels' compiled GPU tests and
@@ -69,7 +69,7 @@ for row in $ROWS; do
         *) echo "unknown row $row"; continue ;;
     esac
     mkdir -p "$OUT/$row"
-    step "$row" $LIMIT $PY scripts/benchmark_e2e_suite.py --model $model $ENGINE $extra $WORK \
+    step "$row" $LIMIT $PY benchmarks/e2e_suite.py --model $model $ENGINE $extra $WORK \
         --workloads $loads --output-dir "$OUT/$row"
     tail -3 "$OUT/$row.log"
 done

@@ -10,13 +10,13 @@
 #      files just read (page cache warm: what a notebook restart sees);
 #   3. warm start to the first token from each checkpoint (the whole start a user sees).
 # No XLA_PYTHON_CLIENT_MEM_FRACTION: the engine sizes JAX's pool from gpu_memory_utilization.
-# Prints one table (scripts/benchmark_restarts.py report). `bash benchmarks/restarts.sh --smoke`: the same steps
+# Prints one table (benchmarks/restarts.py report). `bash benchmarks/restarts.sh --smoke`: the same steps
 # on CPU with a tiny config (seconds). STARTS_ONLY=1: step 1 only;
 # LOADS_ONLY=1: steps 2-3 only.
 set -u
 export PYTHONPATH=.
 PY=${PY:-python3}
-B="$PY scripts/benchmark_restarts.py"
+B="$PY benchmarks/restarts.py"
 if [ "${1:-}" = "--smoke" ]; then
   OUT=${OUT:-/tmp/restarts_smoke_out}
   WORK=$(mktemp -d)

@@ -27,7 +27,7 @@ reads all ``S`` slots (at Llama-3-8B sizes, 8 x rank 16: ~7% more weight bytes p
 two plain matmuls, the first of which shares its input ``x`` with the base projection's (XLA may
 schedule or merge the two sibling dots); on the H200 the batch-1 decode overhead with the gather
 path below ``S`` tokens was +86%, so the gather is off by default until
-``scripts/benchmark_lora_layer.py`` shows where it wins. Either way the shapes (``in``,
+``benchmarks/lora_layer.py`` shows where it wins. Either way the shapes (``in``,
 ``S * C``) never depend on which adapters are loaded, so loading, swapping or unloading an
 adapter only writes slot values and never changes a compiled shape. Zero-padded rank columns
 and unused slots contribute exact zeros. The cost grows with ``max_loras * max_lora_rank``,
@@ -38,7 +38,7 @@ A third path, *bgmv*, is one fused Pallas kernel per projection
 only the slots the step's tokens use), meant for batch-1 decode, where the dense path's cost is
 its ~8 small dependent kernels per layer rather than bytes. The policy takes it only on a GPU
 and only for steps of at most :data:`LORA_KERNEL_MAX_TOKENS` tokens; 0 by default, because its
-GPU speed is unmeasured (``scripts/benchmark_lora_layer.py`` has its column). Elsewhere it
+GPU speed is unmeasured (``benchmarks/lora_layer.py`` has its column). Elsewhere it
 runs only when asked for (``path="bgmv"``), in Pallas interpret mode (tests). It is written for
 one device: under tensor parallelism XLA cannot split the kernel and would gather its operands.
 
@@ -61,7 +61,7 @@ choice (:func:`lora_fold`), not a per-step one: on one device (``tp == 1``; a ro
 unquantized (a quantized kernel cannot take float columns), when :data:`LORA_FOLD` is on (off
 by default: see there); else the slots keep their own ``a`` and the steps take
 :func:`lora_path`'s choice.
-``scripts/benchmark_lora_layer.py``'s ``+fold`` column measures it against the others.
+``benchmarks/lora_layer.py``'s ``+fold`` column measures it against the others.
 
 Shape letters as in ``pallas_kernels``; ``S`` = ``max_loras``, ``C`` = columns per slot.
 """
@@ -77,6 +77,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.merged_linear import split_merged_columns
+from models.platform import target_platform
 from pallas_kernels.lora_bgmv import lora_bgmv
 
 # Fused projection -> the HF module names of its parts, in the fused kernel's part order
@@ -97,7 +98,7 @@ LORA_GATHER_MAX_TOKENS = 0
 
 # Steps of at most this many tokens take the fused Pallas kernel (``"bgmv"``) when the default
 # backend is a GPU; it is checked before the gather rule. 0: never (the default until
-# ``scripts/benchmark_lora_layer.py``'s ``+bgmv`` column is measured on the H200). Read
+# ``benchmarks/lora_layer.py``'s ``+bgmv`` column is measured on the H200). Read
 # while tracing, like ``LORA_GATHER_MAX_TOKENS``.
 LORA_KERNEL_MAX_TOKENS = 0
 
@@ -124,7 +125,7 @@ def lora_path(num_tokens: int, max_loras: int) -> str:
     ``max_loras`` slots: ``"bgmv"`` on a GPU up to :data:`LORA_KERNEL_MAX_TOKENS` tokens, else
     ``"gather"`` by the :data:`LORA_GATHER_MAX_TOKENS` rule, else ``"dense"``. Slots in the
     fold layout (:func:`lora_fold`) take none of these: every step folds."""
-    if num_tokens <= LORA_KERNEL_MAX_TOKENS and jax.default_backend() == "gpu":
+    if num_tokens <= LORA_KERNEL_MAX_TOKENS and target_platform() == "gpu":
         return "bgmv"
     if num_tokens <= LORA_GATHER_MAX_TOKENS and num_tokens < max_loras:
         return "gather"
@@ -251,7 +252,7 @@ def lora_delta(
     if path not in LORA_PATHS:
         raise ValueError(f"path must be one of {list(LORA_PATHS)}, got {path!r}")
     if path == "bgmv":
-        interpret = jax.default_backend() != "gpu"
+        interpret = target_platform() != "gpu"
         return lora_bgmv(x, token_slots, a, b, max_loras=max_loras, interpret=interpret)
     cols = a.shape[1]
     per_slot = cols // max_loras

@@ -19,7 +19,7 @@ output tiles of 128, too few programs to pull the weights at full bandwidth).
 
 HBM bytes: ``u * K * N`` weight elements for ``u`` distinct experts in the row tile (once per
 tile; at decode one tile holds every row), plus ``x`` and the output. Tiles: ``ExpertGemvTiling``
-(unmeasured defaults; ``scripts/benchmark_moe.py --sweep`` times a few).
+(unmeasured defaults; ``benchmarks/moe.py --sweep`` times a few).
 
 Backend: Pallas Triton on GPU (``interpret=True`` on CPU). Triton's dot needs every dimension
 >= 16 and power-of-two tiles: the row tile is ``M`` rounded up to a power of two, at least 16

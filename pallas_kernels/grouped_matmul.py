@@ -56,7 +56,7 @@ DEFAULT_TILES = MosaicTiles()
 
 # Per-shape tiles, keyed by what is static at trace time: ``(max_m, k, n, tiles)``; the first
 # entry with ``M <= max_m`` and matching ``k`` and ``n`` (None matches any) wins, else
-# DEFAULT_TILES. ``scripts/benchmark_moe.py --sweep`` prints entries in this form.
+# DEFAULT_TILES. ``benchmarks/moe.py --sweep`` prints entries in this form.
 # Winners of the H200 sweep at Mixtral-8x7B's shapes (benchmarks/results/h200-round7-2026-12-01/
 # call2/moe_sweep.log; % of 716 TFLOP/s): 64-row tiles waste less of the grid on tiles that
 # straddle two experts (the kernel computes such a tile once per expert).

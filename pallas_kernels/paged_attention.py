@@ -203,7 +203,7 @@ def _paged_attention(
 
     ``heads_major=True`` takes caches ``[Hkv, num_blocks, block_size, D]`` instead of the
     public ``[num_blocks, block_size, Hkv, D]``; it exists only so that
-    ``scripts/benchmark_kernels.py --tune`` can repeat the layout measurement of
+    ``benchmarks/attention_kernels.py --tune`` can repeat the layout measurement of
     ``docs/kernels.md`` with this very kernel body.
     """
     batch, num_q_heads, head_dim = q.shape

@@ -9,7 +9,7 @@ Example (batch-1 decode of the Llama-3-8B shape on the H200)::
 
 ``--workload latency`` runs one request (``--input-len``/``--output-len``) and reports its time
 per output token; ``random`` and ``sharegpt-synthetic`` run ``--num-prompts`` requests as
-``scripts/benchmark_throughput.py`` does and report its result line. The traced pass repeats the
+``jaxpaged bench throughput`` does and report its result line. The traced pass repeats the
 workload (fresh prefix cache) and records engine steps ``--trace-start`` to
 ``--trace-start + --trace-steps``. XLA flags (e.g. command buffers) come from ``XLA_FLAGS`` as
 usual. ``--seq-bucket-gap``/``--token-bucket-gap`` override the step buckets' spacing

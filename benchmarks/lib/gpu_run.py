@@ -15,13 +15,13 @@ go to ``WORK`` and, at the end, into ``OUT/logs.tar.gz``; ``OUT`` gets ``results
 
 Steps (``--smoke``: the same scripts on CPU, tiny configs and counts):
 
-- ``bf16``, ``fp8``, ``int8``, ``awq``, ``gptq``: ``scripts/benchmark_e2e_suite.py``, Llama-3-8B
+- ``bf16``, ``fp8``, ``int8``, ``awq``, ``gptq``: ``benchmarks/e2e_suite.py``, Llama-3-8B
   shape with dummy weights, max_num_seqs 512, async scheduling: 1000 x 128/128 output tok/s,
   batch-1 TPOT of 128/128, start-up and process start to first token. FP8 is online FP8 with an
   FP8 KV cache; INT8, AWQ and GPTQ are their checkpoints' configs with ``linear_backend auto``.
-- ``structured``: ``scripts/benchmark_structured_outputs.py`` on the bf16 engine's flags (its
+- ``structured``: ``benchmarks/structured_outputs.py`` on the bf16 engine's flags (its
   buckets load from the compilation cache the bf16 step filled).
-- ``weight_sync``: ``scripts/benchmark_weight_sync.py``.
+- ``weight_sync``: ``benchmarks/weight_sync.py``.
 - ``server``: ``benchmarks/server.sh`` (4 API processes; the request-life trace off).
 - ``matrix``: ``jaxpaged bench matrix --workers 4``, resumable row by row.
 """
@@ -127,18 +127,19 @@ def engine_command(ctx: Context, name: str) -> list[str]:
         engine, work = SMOKE_ENGINE, SMOKE_WORK
     else:
         model, engine, work = f"benchmarks/configs/{config}", GPU_ENGINE, GPU_WORK
-    return [ctx.python, "scripts/benchmark_e2e_suite.py", "--model", model, *engine, *extra,
-            *work, "--workloads", "random", "latency", "--output-dir", str(ctx.step_dir(name))]  # fmt: skip
+    out = str(ctx.step_dir(name))
+    return [ctx.python, "benchmarks/e2e_suite.py", "--model", model, *engine, *extra, *work,
+            "--workloads", "random", "latency", "--output-dir", out]  # fmt: skip
 
 
 def structured_command(ctx: Context) -> list[str]:
     out = str(ctx.step_dir("structured") / "structured.json")
     if ctx.smoke:  # stories260k (the default model) brings its own tokenizer
-        return [ctx.python, "scripts/benchmark_structured_outputs.py", "--dtype", "float32",
+        return [ctx.python, "benchmarks/structured_outputs.py", "--dtype", "float32",
                 "--max-model-len", "128", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
                 "--async-scheduling", "--num-prompts", "8", "--input-len", "8", "--output-len",
                 "8", "--tpot-requests", "1", "--out", out]  # fmt: skip
-    return [ctx.python, "scripts/benchmark_structured_outputs.py", "--model",
+    return [ctx.python, "benchmarks/structured_outputs.py", "--model",
             "benchmarks/configs/llama-3-8b", "--synthetic-vocab", *GPU_ENGINE, "--num-prompts",
             "1000", "--input-len", "128", "--output-len", "128", "--out", out]  # fmt: skip
 
@@ -148,7 +149,7 @@ def weight_sync_command(ctx: Context) -> list[str]:
     smoke = ["--model", "jaxpaged/model_data/stories260k", "--dtype", "float32", "--num-prompts",
              "4", "--input-len", "16", "--output-len", "16", "--kv-cache-gib", "0.01",
              "--repeats", "1"]  # fmt: skip
-    return [ctx.python, "scripts/benchmark_weight_sync.py", *(smoke if ctx.smoke else []),
+    return [ctx.python, "benchmarks/weight_sync.py", *(smoke if ctx.smoke else []),
             "--out", out]  # fmt: skip
 
 
@@ -250,7 +251,7 @@ def matrix_row_names(ctx: Context) -> list[str] | None:
 
 # ------------------------------------------------------------------------------ running
 def step_env(ctx: Context) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     if ctx.smoke:
         env["JAX_PLATFORMS"] = "cpu"
@@ -259,8 +260,9 @@ def step_env(ctx: Context) -> dict:
 
 def run_process(command: list[str], env: dict, box_s: float, log: pathlib.Path) -> tuple[str, int]:
     """Run ``command`` in its own process group with output to ``log``; past ``box_s`` the
-    whole group gets SIGTERM, then SIGKILL 10 s later. Returns ``(status, returncode)``:
-    ``ok``, ``failed`` or ``timeout``."""
+    whole group gets SIGABRT (each Python process, with ``PYTHONFAULTHANDLER`` set, writes every
+    thread's stack to the log first: where a step that ran out of time was), then SIGTERM and
+    SIGKILL. Returns ``(status, returncode)``: ``ok``, ``failed`` or ``timeout``."""
     with open(log, "w") as f:
         f.write(f"$ {' '.join(command)}\n")
         f.flush()
@@ -269,14 +271,16 @@ def run_process(command: list[str], env: dict, box_s: float, log: pathlib.Path) 
         try:
             rc = proc.wait(timeout=box_s)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            _kill_group(proc, first=signal.SIGABRT)
             return "timeout", proc.returncode
     _kill_group(proc)  # children a finished step left behind (a server, matrix workers)
     return ("ok" if rc == 0 else "failed"), rc
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+def _kill_group(proc: subprocess.Popen, first: signal.Signals | None = None) -> None:
+    """Signal ``proc``'s process group (``first``, then SIGTERM, then SIGKILL) until it is gone."""
+    signals = [(first, 5)] if first is not None else []
+    for sig, grace in (*signals, (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -320,8 +324,8 @@ def tree() -> str:
     if os.environ.get("TREE"):
         return os.environ["TREE"]
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True, check=True).stdout.strip()  # fmt: skip
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                cwd=ROOT, capture_output=True, text=True).stdout.strip()  # fmt: skip
         return head + ("+dirty" if dirty else "")
@@ -341,7 +345,8 @@ def packages() -> dict:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     modules = ("fastapi", "starlette", "pydantic", "uvicorn", "httptools", "zmq", "llguidance",
-               "xgrammar", "jsonschema", "msgpack", "httpx", "uvloop", "prometheus_client")  # fmt: skip
+               "xgrammar", "jsonschema", "msgpack", "httpx", "uvloop",
+               "prometheus_client")  # fmt: skip
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     return {"versions": versions, "missing_modules": missing}
 
@@ -487,8 +492,8 @@ def table(results: dict) -> str:
 
 
 def _figure_of(step: str, figure: dict) -> bool:
-    group = {"structured": "every request", "weight_sync": "weight sync", "server": "jaxpaged serve",
-             "matrix": "every option"}  # fmt: skip
+    group = {"structured": "every request", "weight_sync": "weight sync",
+             "server": "jaxpaged serve", "matrix": "every option"}  # fmt: skip
     if step in ENGINE_STEPS:
         return figure["group"] == "engine" and figure["configuration"] == ENGINE_STEPS[step]
     return figure["configuration"].startswith(group.get(step, "\0"))

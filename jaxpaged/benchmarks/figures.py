@@ -5,7 +5,7 @@ writes them; a CPU test fails when the page and the files disagree), so no figur
 hand. A figure file is JSON::
 
     {"source": "who measured, how",            # the default of each figure's "source"
-     "defaults": {"tree": "c44c78e", ...},     # optional: keys every figure takes unless it has them
+     "defaults": {"tree": "c44c78e", ...},     # optional: what a figure lacks, it takes here
      "figures": [{"group": "engine", "configuration": "bf16",
                   "measure": "output tok/s, 1000 x 128/128", "value": 16398, "unit": "tok/s",
                   "target": null, "tree": "c44c78e", "date": "2026-12-07",
@@ -136,7 +136,7 @@ def _finite(value) -> bool:
 
 
 def engine_figures(label: str, suite: dict) -> list[dict]:
-    """The throughput, batch-1 TPOT and start-up figures of one ``benchmark_e2e_suite.py``
+    """The throughput, batch-1 TPOT and start-up figures of one ``benchmarks/e2e_suite.py``
     ``suite.json`` (those it got to before it stopped)."""
     args = suite.get("args") or {}
     out = []
@@ -161,12 +161,12 @@ def engine_figures(label: str, suite: dict) -> list[dict]:
 
 
 def structured_figures(result: dict) -> list[dict]:
-    """``benchmark_structured_outputs.py``'s ratios and their targets."""
+    """``benchmarks/structured_outputs.py``'s ratios and their targets."""
     label = f"every request under a JSON schema ({result.get('backend')})"
     out = []
     if _finite(result.get("throughput_ratio")):
-        out.append(dict(measure="output tok/s / unconstrained", value=round(result["throughput_ratio"], 3),
-                        unit="x", target=">= 0.9x"))  # fmt: skip
+        out.append(dict(measure="output tok/s / unconstrained", unit="x", target=">= 0.9x",
+                        value=round(result["throughput_ratio"], 3)))  # fmt: skip
     if _finite(result.get("tpot_growth")):
         out.append(dict(measure="batch-1 TPOT growth", value=round(100 * result["tpot_growth"], 1),
                         unit="%", target="<= +10%"))  # fmt: skip
@@ -174,7 +174,7 @@ def structured_figures(result: dict) -> list[dict]:
 
 
 def weight_sync_figures(result: dict) -> list[dict]:
-    """``benchmark_weight_sync.py``'s update, sleep and wake-up times and the throughput
+    """``benchmarks/weight_sync.py``'s update, sleep and wake-up times and the throughput
     after the round trip against before."""
     rows = (("update_weights, own layout", "update_own_layout_s", "<= 500 ms"),
             ("update_weights, HF names", "update_hf_names_s", "<= 500 ms"),
@@ -199,7 +199,8 @@ def server_figures(summary: dict, api_servers: int | None) -> list[dict]:
     label = f"jaxpaged serve, {api_servers or '?'} API processes"
     names = {"served / offline": ("served / offline output tok/s", "x", ">= 0.90"),
              "P99 TTFT ms, 20 req/s 512/128": ("P99 TTFT, 20 req/s of 512/128", "ms", "<= 60 ms"),
-             "P99 TPOT ms, 20 req/s 512/128": ("P99 TPOT, 20 req/s of 512/128", "ms", "<= 10 ms")}  # fmt: skip
+             "P99 TPOT ms, 20 req/s 512/128": ("P99 TPOT, 20 req/s of 512/128", "ms",
+                                               "<= 10 ms")}  # fmt: skip
     out = []
     for row in summary.get("rows") or []:
         if row["measure"] in names and _finite(row.get("value")):

@@ -6,7 +6,7 @@ Each iteration generates ``--output-len`` tokens for ``--batch-size`` prompts of
 the time per output token (TPOT: from a request's first token to its last, over the tokens in
 between). Example (batch-1 decode on the H200)::
 
-    python scripts/benchmark_latency.py --model benchmarks/configs/llama-3-8b \\
+    jaxpaged bench latency --model benchmarks/configs/llama-3-8b \\
         --load-format dummy --skip-tokenizer-init --dtype bfloat16 --max-model-len 2048 \\
         --input-len 128 --output-len 128 --batch-size 1
 """

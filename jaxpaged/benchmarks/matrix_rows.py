@@ -283,7 +283,7 @@ NOT_CODE_PATHS: dict[str, str] = {
     **dict.fromkeys(("enable_compilation_cache", "compilation_cache_dir", "disable_log_stats"),
                     "caching and logging around the step"),
     **dict.fromkeys(("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port"),
-                    "several devices or hosts (scripts/check_tensor_parallel.py on 2 GPUs)"),
+                    "several devices or hosts (benchmarks/tensor_parallel.py on 2 GPUs)"),
 }  # fmt: skip
 
 

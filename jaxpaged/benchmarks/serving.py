@@ -18,7 +18,7 @@ Datasets: ``random`` sends token-id prompts (no tokenizer needed), lengths drawn
 ...}, {"from": "gpt", "value": ...}]}]``) and counts tokens with the server's ``/tokenize``.
 
     jaxpaged serve --max-model-len 512 &
-    python scripts/benchmark_serving.py --dataset-name random --random-input-len 64 \\
+    jaxpaged bench serve --dataset-name random --random-input-len 64 \\
         --random-output-len 32 --num-prompts 200 --request-rate 20 --ignore-eos
 """
 

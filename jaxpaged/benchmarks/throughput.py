@@ -10,7 +10,7 @@ with ``--load-format dummy --skip-tokenizer-init`` is enough. Every ``EngineArgs
 
 Example (the H200 runs of docs/benchmarks.md)::
 
-    python scripts/benchmark_throughput.py --model benchmarks/configs/llama-3-8b \\
+    jaxpaged bench throughput --model benchmarks/configs/llama-3-8b \\
         --load-format dummy --skip-tokenizer-init --dtype bfloat16 --max-model-len 2048 \\
         --max-num-seqs 1024 --max-num-batched-tokens 16384 \\
         --dataset-name random --input-len 128 --output-len 128 --num-prompts 1000

@@ -323,12 +323,26 @@ class ModelRunner:
         return PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks, words)
 
     def _lower_and_compile(self, key: BucketKey) -> jax.stages.Compiled:
+        return self.lower(key).compile()
+
+    def lower(self, key: BucketKey, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
+        """The program of bucket ``key`` lowered for ``platforms`` (None: the default backend;
+        ``("cuda",)`` inside ``models.platform.abstract_gpu`` lowers for that GPU on any
+        host)."""
+        traced = self.trace(key)
+        return traced.lower() if platforms is None else traced.lower(lowering_platforms=platforms)
+
+    def trace(self, key: BucketKey) -> jax.stages.Traced:
+        """The program of bucket ``key`` (its part: the whole step or one half) traced against
+        the shapes of the weights, caches and inputs, never their arrays; the platform choices
+        made while tracing (``models.platform.target_platform``) are those of the caller's
+        context."""
         layout = self._layout(key)
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         lora_weights = self._lora_weights()
         lora_spec = None if lora_weights is None else array_specs(lora_weights, self._mesh)
         if key.part == "forward":
-            return self._jitted_forward.lower(
+            return self._jitted_forward.trace(
                 self.weights.specs,
                 self._kv_cache_specs,
                 self._prev_tokens_spec,
@@ -336,10 +350,10 @@ class ModelRunner:
                 lora_spec,
                 layout=layout,
                 decode_only=key.decode_only,
-            ).compile()
+            )
         if key.part == "sample":
             b, words = key.num_seqs, num_words(self.vocab_size)
-            return self._jitted_sample.lower(
+            return self._jitted_sample.trace(
                 self._replicated_spec((b, self.vocab_size), jnp.float32),
                 self._logits_state_spec,
                 self._prev_tokens_spec,
@@ -347,19 +361,19 @@ class ModelRunner:
                 self._replicated_spec((b, words), jnp.int32),
                 layout=layout,
                 variant=key.variant,
-            ).compile()
-        return self._jitted_step.lower(
+            )
+        return self._jitted_step.trace(
             self.weights.specs,
             self._kv_cache_specs,
             self._logits_state_spec,
             self._prev_tokens_spec,
             packed,
-            None if lora_weights is None else array_specs(lora_weights, self._mesh),
+            lora_spec,
             layout=layout,
             decode_only=key.decode_only,
             num_beam_candidates=key.num_beam_candidates,
             variant=key.variant,
-        ).compile()
+        )
 
     def _replicated_spec(self, shape, dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._input_sharding)

@@ -54,6 +54,7 @@ from models.attention import kv_cache_head_dim
 from models.attention_backends import resolve_attention_backend
 from models.kv_scales import attach_kv_scales, read_kv_scales
 from models.orbax_checkpoint import is_orbax_checkpoint, load_orbax_model
+from models.platform import target_platform
 from models.quantized_weights import quantized_weight_bytes
 from models.registry import checkpoint_view
 from models.sharded_weights import load_sharded_model
@@ -75,9 +76,15 @@ class Worker:
     Args:
         config: the validated engine configuration (``EngineArgs.create_engine_config()``).
         show_progress: show the bucket-compilation progress bar (process 0 only).
+        platform: the platform the model and its steps are built for (``"gpu"``: compiled
+            Pallas kernels); None: ``models.platform.target_platform()``, where they run. A
+            worker built for another platform than the host's can only lower its steps
+            (``abstract_runner``), as ``tests/gpu_lowering`` does for a GPU on a CPU host.
     """
 
-    def __init__(self, config: EngineConfig, *, show_progress: bool = True):
+    def __init__(
+        self, config: EngineConfig, *, show_progress: bool = True, platform: str | None = None
+    ):
         self.config = config
         self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
         # JAX's GPU pool from gpu_memory_utilization: before any device is touched.
@@ -93,7 +100,7 @@ class Worker:
         self.mesh = make_mesh(tp) if tp > 1 else None
         self._kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
         self.show_progress = show_progress and is_driver()
-        self.platform = jax.default_backend()
+        self.platform = platform or target_platform()
         # "auto": Pallas kernels on GPU, the plain-JAX references elsewhere.
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.platform)
         # Set by load_model:
@@ -342,6 +349,12 @@ class Worker:
         background; benchmarks wait before timing)."""
         if self.model_runner is not None:
             self.model_runner.wait_for_executables()
+
+    def abstract_runner(self, num_blocks: int) -> ModelRunner:
+        """A model runner over a KV cache of ``num_blocks`` blocks that is never allocated (its
+        shapes only): its steps can be lowered (``ModelRunner.lower``), not run. Needs
+        ``load_model`` first."""
+        return self._make_runner(kv_cache_shapes(self.kv_cache_spec, num_blocks))
 
     def _make_runner(self, kv_caches: list) -> ModelRunner:
         sc = self.config.scheduler_config

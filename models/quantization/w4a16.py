@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.linear_backends import backend_for_tokens
+from models.platform import target_platform
 from models.quantization.awq import awq_unpack
 from models.quantization.compressed_tensors import unpack_wna16
 from models.quantization.gptq import gptq_unpack
@@ -117,7 +118,7 @@ def wna16_to_kernel(
 def w4a16_linear(x: jax.Array, params: Mapping[str, jax.Array]) -> jax.Array:
     """``x @ W`` for ``x: [..., in]`` -> ``[..., out]`` in ``x.dtype`` through ``w4a16_matmul``
     (``params`` in the kernel layout; the default tiling of ``T`` with ``block_k`` cut to what
-    the layer divides; interpret mode when the default backend is not a GPU)."""
+    the layer divides; interpret mode unless traced for a GPU, ``models.platform``)."""
     qweight, scales = params["qweight"], params["scales"]
     in_features = qweight.shape[0] * _PACK
     group_size = in_features // scales.shape[0]
@@ -129,7 +130,7 @@ def w4a16_linear(x: jax.Array, params: Mapping[str, jax.Array]) -> jax.Array:
     y = w4a16_matmul(
         x2, qweight, scales, params["zeros"], group_size=group_size,
         tiling=dataclasses.replace(tiling, block_k=block_k),
-        interpret=jax.default_backend() != "gpu",
+        interpret=target_platform() != "gpu",
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -158,7 +159,7 @@ def w4a16_apply(x: jax.Array, params: Mapping[str, jax.Array], backend: str) -> 
     ``models.linear_backends`` table's choice for this step's token count on a GPU, ``xla``
     elsewhere, where the kernel only runs interpreted)."""
     tokens = math.prod(x.shape[:-1])
-    if backend == "auto" and jax.default_backend() != "gpu":
+    if backend == "auto" and target_platform() != "gpu":
         backend = "xla"
     if backend_for_tokens("w4a16", backend, tokens) == "pallas":
         return w4a16_linear(x, params)

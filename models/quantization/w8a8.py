@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from models.linear_backends import auto_max_tokens
+from models.platform import target_platform
 from pallas_kernels.w8_gemv import w8_gemv
 
 INT8_MAX = 127.0
@@ -43,16 +44,16 @@ FP8_E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 FP8_MIN_SCALE = 1.0 / (FP8_E4M3_MAX * 512.0)  # vLLM's floor on a dynamic FP8 scale
 
 # Steps of at most this many tokens take the weight-only GEMV (module docstring) when the
-# default backend is in ``W8_GEMV_PLATFORMS``: the ``w8`` row of the one table of measured
-# choices, ``models.linear_backends.AUTO_BACKENDS`` (0: never). Read while tracing (T is a
-# compiled shape), so a change affects later compilations.
+# target platform (``models.platform``) is in ``W8_GEMV_PLATFORMS``: the ``w8`` row of the one
+# table of measured choices, ``models.linear_backends.AUTO_BACKENDS`` (0: never). Read while
+# tracing (T is a compiled shape), so a change affects later compilations.
 W8_GEMV_MAX_TOKENS = auto_max_tokens("w8", "pallas")
 W8_GEMV_PLATFORMS = ("gpu",)  # off a GPU the kernel only runs interpreted (tests)
 
 
 def use_w8_gemv(num_tokens: int) -> bool:
     """Whether a step of ``num_tokens`` tokens takes :func:`weight_only_linear`."""
-    return num_tokens <= W8_GEMV_MAX_TOKENS and jax.default_backend() in W8_GEMV_PLATFORMS
+    return num_tokens <= W8_GEMV_MAX_TOKENS and target_platform() in W8_GEMV_PLATFORMS
 
 
 def weight_only_linear(x: jax.Array, weight: jax.Array, weight_scale: jax.Array) -> jax.Array:
@@ -64,7 +65,7 @@ def weight_only_linear(x: jax.Array, weight: jax.Array, weight_scale: jax.Array)
     """
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     scale = weight_scale.astype(jnp.float32).reshape(-1)
-    y = w8_gemv(x2, weight, scale, interpret=jax.default_backend() != "gpu")
+    y = w8_gemv(x2, weight, scale, interpret=target_platform() != "gpu")
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 

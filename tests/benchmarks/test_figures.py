@@ -77,11 +77,13 @@ def test_a_figure_without_its_device_is_refused_naming_file_and_figure(tmp_path)
 
 def test_the_latest_figure_per_device_wins_and_the_defaults_fill_each_figure(tmp_path):
     base = dict(group="engine", configuration="bf16", measure="tok/s", unit="tok/s")
+    h100 = dict(date="2026-12-05", device="H100")
     old = _write(tmp_path / "a.json", [dict(base, value=100, date="2026-12-01"),
                                         dict(base, value=7, device="H200")],
-                 source="old", defaults=dict(tree="t1", date="2026-12-05", device="H100"))  # fmt: skip
-    new = _write(tmp_path / "b.json", [dict(base, value=200), dict(base, value=300, date="2026-12-01")],
-                 source="new", defaults=dict(tree="t2", date="2026-12-05", device="H100"))  # fmt: skip
+                 source="old", defaults=dict(h100, tree="t1"))  # fmt: skip
+    new = _write(tmp_path / "b.json", [dict(base, value=200),
+                                        dict(base, value=300, date="2026-12-01")],
+                 source="new", defaults=dict(h100, tree="t2"))  # fmt: skip
     figures = load_file(old) + load_file(new)
     chosen = current(figures)
     assert [(f["value"], f["device"], f["tree"]) for f in chosen] == [

@@ -50,7 +50,7 @@ def _step(status, device="NVIDIA H100 80GB HBM3", **extra):
     return dict(status=status, device=device, smoke=False, tree="abc", date="2026-12-08", **extra)
 
 
-def test_resume_keeps_ok_steps_of_the_same_device_and_runs_new_steps_before_failed_ones_before_the_rest(
+def test_resume_keeps_ok_steps_of_the_device_runs_new_steps_then_failed_ones_then_the_rest(
     gpu_run,
 ):
     previous = {
@@ -99,13 +99,18 @@ def test_a_step_past_its_box_is_stopped_with_its_children(gpu_run, tmp_path):
     marker = tmp_path / "child.pid"
     # A parent that starts a child in its process group, then both sleep past the box.
     code = (
-        "import subprocess, sys, time; "
-        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-        f"open({str(marker)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(marker)!r}, 'w').write(str(p.pid))\n"
+        "def waiting_past_the_box():\n    time.sleep(60)\n"
+        "waiting_past_the_box()\n"
     )
     start = time.time()
-    status, _ = gpu_run.run_process([sys.executable, "-c", code], {}, 3, tmp_path / "log")
+    env = {"PYTHONFAULTHANDLER": "1"}
+    status, _ = gpu_run.run_process([sys.executable, "-c", code], env, 3, tmp_path / "log")
     assert status == "timeout" and time.time() - start < 30
+    log = (tmp_path / "log").read_text()  # where it was when stopped: every thread's stack
+    assert "Fatal Python error: Aborted" in log and "in waiting_past_the_box" in log
     child = int(marker.read_text())
     with pytest.raises(ProcessLookupError):
         import os

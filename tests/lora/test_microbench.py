@@ -1,11 +1,11 @@
-"""``scripts/benchmark_lora_layer.py`` runs with ``--small`` (the GPU run is the lead's)."""
+"""``benchmarks/lora_layer.py`` runs with ``--small`` (the GPU run is the lead's)."""
 
 from __future__ import annotations
 
 import importlib.util
 import pathlib
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts/benchmark_lora_layer.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks/lora_layer.py"
 
 
 def test_microbench_small_runs_every_path_and_prints_the_table(capsys):

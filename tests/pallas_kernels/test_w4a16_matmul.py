@@ -7,16 +7,11 @@ The repacked AWQ/GPTQ/compressed-tensors layers through the kernel:
 
 from __future__ import annotations
 
-import functools
-from unittest import mock
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.w4a16_matmul import (
-    DEFAULT_TILINGS,
     W4A16Tiling,
     w4a16_matmul,
     w4a16_matmul_reference,
@@ -131,36 +126,7 @@ def test_bad_arguments_name_the_argument(change, match):
         w4a16_matmul(jnp.zeros((1, 1024), jnp.float32), **args)
 
 
-def lower_for_h200(fn, *args) -> str:
-    """``fn`` lowered for CUDA with an H200's GPU info stubbed in: runs the Pallas -> Triton IR
-    lowering (every primitive of the kernel body) on a machine without a GPU."""
-    from jax._src.pallas.triton import gpu_info
-
-    info = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
-    with mock.patch.object(gpu_info, "get_gpu_info", lambda: info):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-@pytest.mark.parametrize(
-    "tokens,tiling",
-    [(t, tiling) for t, tiling in DEFAULT_TILINGS if t is not None]
-    + [
-        (1000, DEFAULT_TILINGS[-1][1]),
-        (16, T(block_t=16, block_n=128, block_k=32, swap=True)),
-        (3, T(block_t=4, block_n=64, block_k=32, dot=False, magic=False)),
-    ],  # fmt: skip
-)
-def test_kernel_lowers_to_triton_for_the_h200(tokens, tiling):
-    """Llama-3-8B's o_proj shape (4096 -> 4100: an N tail) in bf16 with f16 scales."""
-    fn = functools.partial(w4a16_matmul, group_size=128, tiling=tiling)
-    args = (
-        jax.ShapeDtypeStruct((tokens, 4096), jnp.bfloat16),
-        jax.ShapeDtypeStruct((512, 4100), jnp.int32),
-        jax.ShapeDtypeStruct((32, 4100), jnp.float16),
-        jax.ShapeDtypeStruct((32, 4100), jnp.int8),
-    )
-    text = lower_for_h200(fn, *args)
-    assert text.count("__gpu$xla.gpu.triton") == 1
+# Lowered for the H100 and the H200 at every default and sweep tiling: tests/gpu_lowering.
 
 
 @pytest.mark.skipif(not has_gpu(), reason="compiled Pallas (Triton) kernels need a GPU")

@@ -3,16 +3,12 @@ which is itself checked against a float64 numpy product."""
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.w8_gemv import W8GemvTiling, _float_from_int8, w8_gemv, w8_gemv_reference
 from tests.pallas_kernels.test_paged_attention import INTERPRET_MODES
-from tests.pallas_kernels.test_w4a16_matmul import lower_for_h200
 
 K, N = 300, 70  # neither a multiple of the tiles: masked K and N tails
 SMALL_TILES = W8GemvTiling(block_n=32, block_k=64, split_k=3)  # 3 N tiles, uneven K splits
@@ -108,14 +104,7 @@ def test_int8_bit_pattern_convert_is_exact():
     np.testing.assert_array_equal(_float_from_int8(values), np.arange(-128, 128))
 
 
-@pytest.mark.parametrize("num_tokens", [1, 16])
-@pytest.mark.parametrize("tiling", [None, *VARIANTS])
-@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8])
-def test_kernel_lowers_to_triton_for_the_h200(dtype, tiling, num_tokens):
-    fn = functools.partial(w8_gemv, tiling=tiling)
-    args = (jax.ShapeDtypeStruct((num_tokens, 4096), jnp.bfloat16),
-            jax.ShapeDtypeStruct((4100, 4096), dtype), jax.ShapeDtypeStruct((4100,), jnp.float32))  # fmt: skip
-    assert lower_for_h200(fn, *args).count("__gpu$xla.gpu.triton") == 1
+# Lowered for the H100 and the H200 with every tiling and weight dtype: tests/gpu_lowering.
 
 
 def test_bad_arguments_are_refused_by_name():

@@ -12,8 +12,8 @@ Workloads:
 
 Fixed prompt on CPU with the embedded stories260k model::
 
-    python scripts/benchmark_prefix_caching.py --num-prompts 1 --repeat-count 20 --output-len 10
-    python scripts/benchmark_prefix_caching.py --num-prompts 1 --repeat-count 20 --output-len 10 \
+    python benchmarks/prefix_caching.py --num-prompts 1 --repeat-count 20 --output-len 10
+    python benchmarks/prefix_caching.py --num-prompts 1 --repeat-count 20 --output-len 10 \
         --no-enable-prefix-caching
 """
 

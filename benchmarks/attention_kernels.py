@@ -23,7 +23,7 @@ is well over the 60 MB L2 (``ROTATE_BYTES``).
 
 Usage (repository root, on the GPU)::
 
-    PYTHONPATH=. python scripts/benchmark_kernels.py --out DIR [--tune] [--quick]
+    PYTHONPATH=. python benchmarks/attention_kernels.py --out DIR [--tune] [--quick]
 
 Writes ``DIR/kernels.json`` and ``DIR/kernels.png`` and prints a table.
 """

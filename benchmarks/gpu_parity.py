@@ -15,7 +15,7 @@ Two checks, each printing ``PASS``/``FAIL`` with its numbers (exit status 1 if a
 
 Usage (repository root, on the GPU)::
 
-    PYTHONPATH=. python scripts/check_gpu_parity.py
+    PYTHONPATH=. python benchmarks/gpu_parity.py
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ DECODE_STEPS = 8
 TOLERANCE = {
     # bf16: the backends differ in where attention rounds (the kernel rounds P to bf16 before
     # P.V; the reference works in float32): 2.4e-3 relative per attention call on these shapes
-    # (scripts/benchmark_kernels.py). Each layer's difference is carried and amplified by the
+    # (benchmarks/attention_kernels.py). Each layer's difference is carried and amplified by the
     # later random-weight layers: hidden 256 / 4 heads gives 6e-3 with 2 layers and 1.0e-2 with
     # 32 (CPU, interpret mode); the 32-layer 4096-wide model gives 5.5e-2 on the H200
     # (docs/kernels.md). 1e-1 allows that drift; a wrong mask or a stale slot is O(1).

@@ -2,11 +2,11 @@
 
 Each measurement runs in a fresh process, started by ``benchmarks/restarts.sh``:
 
-    python scripts/benchmark_restarts.py write-checkpoint --config DIR --out CKPT --dtype bfloat16
-    python scripts/benchmark_restarts.py start --model DIR --cache CACHE --json OUT.json \
+    python benchmarks/restarts.py write-checkpoint --config DIR --out CKPT --dtype bfloat16
+    python benchmarks/restarts.py start --model DIR --cache CACHE --json OUT.json \
         --launched-at "$(date +%s.%N)" [engine flags]
-    python scripts/benchmark_restarts.py load --model CKPT --json OUT.json --launched-at ...
-    python scripts/benchmark_restarts.py report RESULTS_DIR
+    python benchmarks/restarts.py load --model CKPT --json OUT.json --launched-at ...
+    python benchmarks/restarts.py report RESULTS_DIR
 
 ``start`` builds an ``LLM`` and generates one token; it reports seconds from the process launch
 (``--launched-at``, the shell's clock just before ``python`` started) to the first token, the

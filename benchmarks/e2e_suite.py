@@ -4,11 +4,11 @@ prints a summary. Before the workloads it generates one token of one request and
 seconds from the process's start to that token (``start_to_first_token_s``: imports, weights,
 compiling every step bucket, the first step) and the engine's start-up phases.
 
-    python scripts/benchmark_e2e_suite.py --model benchmarks/configs/llama-3-8b \\
+    python benchmarks/e2e_suite.py --model benchmarks/configs/llama-3-8b \\
         --load-format dummy --skip-tokenizer-init --dtype bfloat16 --max-model-len 2048 \\
         --max-num-seqs 1024 --max-num-batched-tokens 16384 --output-dir results/
 
-``scripts/benchmark_e2e_report.py`` turns its JSON (and the HF baseline's) into the tables and the
+``benchmarks/lib/e2e_report.py`` turns its JSON (and the HF baseline's) into the tables and the
 plot of docs/benchmarks.md.
 """
 

@@ -20,11 +20,11 @@ wake_up <= 1 s each, throughput after = before within run-to-run spread.
 
 GPU::
 
-    python scripts/benchmark_weight_sync.py --out weight_sync.json
+    python benchmarks/weight_sync.py --out weight_sync.json
 
 CPU smoke test (tiny shapes)::
 
-    python scripts/benchmark_weight_sync.py --model jaxpaged/model_data/stories260k \\
+    python benchmarks/weight_sync.py --model jaxpaged/model_data/stories260k \\
         --dtype float32 --num-prompts 4 --input-len 16 --output-len 16 --kv-cache-gib 0.01 \\
         --out /tmp/ws.json
 """

@@ -12,8 +12,8 @@ Phases (each in its own process, so each starts with empty GPUs, under its own t
 
 Usage on a 2-GPU host (~6 minutes)::
 
-    python scripts/check_tensor_parallel.py            # all phases, then a summary table
-    python scripts/check_tensor_parallel.py --phases qwen72b --num-prompts 1000 \
+    python benchmarks/tensor_parallel.py            # all phases, then a summary table
+    python benchmarks/tensor_parallel.py --phases qwen72b --num-prompts 1000 \
         --warmup-prompts 200 --max-num-seqs 256 --qwen-limit 540
 
 JAX preallocates a fraction of GPU memory and reports that pool as the device limit; this

@@ -1,5 +1,5 @@
-"""``scripts/benchmark_moe.py --sweep``: the grouped GEMM's tiles and the decode path, timed
-within a budget (stages and output: ``scripts/benchmark_moe.py``'s docstring)."""
+"""``benchmarks/moe.py --sweep``: the grouped GEMM's tiles and the decode path, timed
+within a budget (stages and output: ``benchmarks/moe.py``'s docstring)."""
 
 from __future__ import annotations
 

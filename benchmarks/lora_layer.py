@@ -17,9 +17,9 @@ uses slot 0 (a batch-1 decode), at larger T tokens cycle over all slots.
 
 Usage (the default shapes are Llama-3-8B's, bf16)::
 
-    python scripts/benchmark_lora_layer.py            # on the GPU
-    python scripts/benchmark_lora_layer.py --small    # tiny shapes, any device (a check)
-    python scripts/benchmark_lora_layer.py --kernels  # also count each variant's kernels
+    python benchmarks/lora_layer.py            # on the GPU
+    python benchmarks/lora_layer.py --small    # tiny shapes, any device (a check)
+    python benchmarks/lora_layer.py --kernels  # also count each variant's kernels
 
 ``--kernels`` adds a second table: the top-level instructions (fusions, GEMMs / dots, custom
 calls; parameters, constants, tuples and bitcasts not counted) of one layer's compiled HLO per

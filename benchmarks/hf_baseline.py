@@ -9,7 +9,7 @@ one runs out of memory. ``min_new_tokens = max_new_tokens`` forces every output 
 request's length and only the requests' own lengths count as output tokens. Run it in its own
 process before jaxpaged in the same job (JAX preallocates most of the GPU when it starts)::
 
-    python scripts/benchmark_hf_baseline.py --model benchmarks/configs/llama-3-8b \\
+    python benchmarks/hf_baseline.py --model benchmarks/configs/llama-3-8b \\
         --batch-sizes 1 64 256 1024 --output-json hf.json
 """
 

@@ -1,5 +1,5 @@
-"""The benchmark scripts end to end on a tiny config-only model (dummy weights, no tokenizer),
-and their vLLM-format result lines."""
+"""The benchmarks (``jaxpaged bench`` and the suites' programs under ``benchmarks/``) end to end
+on a tiny config-only model (dummy weights, no tokenizer), and their vLLM-format result lines."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import re
 
 import pytest
 
+from benchmarks import hf_baseline
 from jaxpaged.benchmarks import latency as benchmark_latency
 from jaxpaged.benchmarks import throughput as benchmark_throughput
 from jaxpaged.benchmarks.dataset import BenchmarkRequest
-from scripts import benchmark_hf_baseline
 
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -139,20 +139,20 @@ def test_hf_baseline_runs_static_batches_to_their_longest_output(tiny_model, tmp
         "--output-json",
         str(out),
     ]
-    assert benchmark_hf_baseline.main(argv) == 0
+    assert hf_baseline.main(argv) == 0
     runs = json.loads(out.read_text())["random"]["runs"]
     assert [r["batch_size"] for r in runs] == [1, 2]
     assert runs[1]["output_tokens"] == 6 and runs[1]["output_tokens_per_second"] > 0
 
     # Mixed lengths: left padding, and the batch generates its longest output for everyone.
-    model, _ = benchmark_hf_baseline.load_model(tiny_model, "float32", "cpu")
+    model, _ = hf_baseline.load_model(tiny_model, "float32", "cpu")
     requests = [BenchmarkRequest([1, 5, 7], 2), BenchmarkRequest([1, 9], 4)]
-    result = benchmark_hf_baseline.run_static(model, requests, 2, 1, "cpu")
+    result = hf_baseline.run_static(model, requests, 2, 1, "cpu")
     assert result["output_tokens"] == 6 and result["generated_tokens"] == 8
 
 
 def test_report_reads_hf_log_lines_and_rates_each_target():
-    from scripts import benchmark_e2e_report as report
+    from benchmarks.lib import e2e_report as report
 
     hf = report.hf_from_log(
         "HF model ready in 11.4 s\n"
@@ -195,43 +195,10 @@ def test_timed_runs_read_no_prefix_an_earlier_run_cached(tiny_model):
         assert result["num_device_steps"] == second["num_steps"]
 
 
-def test_profile_step_traces_a_window_and_refuses_one_the_run_never_reaches(
-    tiny_model, tmp_path, capsys
-):
-    from scripts import profile_step
-
-    trace_dir = tmp_path / "trace"
-    flags = [
-        "--model",
-        tiny_model,
-        *ENGINE_FLAGS,
-        "--workload",
-        "latency",
-        "--input-len",
-        "8",
-        "--output-len",
-        "6",
-        "--latency-iters",
-        "1",
-        "--trace-dir",
-        str(trace_dir),
-    ]
-    out = tmp_path / "profile.json"
-    assert profile_step.main([*flags, "--trace-steps", "2", "--output-json", str(out)]) == 0
-    first = json.loads(out.read_text())["trace"]
-    assert first.endswith(".trace.json.gz") and str(trace_dir) in first
-    # A window past the run's last step traces nothing: an error, not the earlier trace.
-    with pytest.raises(RuntimeError, match="--trace-start 50 was never reached"):
-        profile_step.main([*flags, "--trace-start", "50"])
-    with pytest.raises(SystemExit):
-        profile_step.main([*flags, "--trace-steps", "0"])
-    assert "--trace-steps >= 1" in capsys.readouterr().err
-
-
 def test_structured_outputs_host_only_times_each_backend_on_masks_it_accepts():
     """``--host-only``: every backend that imports is timed, and each step's random tokens are
     drawn from the backend's own mask, which its matchers must then accept (else it raises)."""
-    from scripts.benchmark_structured_outputs import host_mask_cost
+    from benchmarks.structured_outputs import host_mask_cost
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     rows = host_mask_cost(schema, vocab_size=600, batch_sizes=[1, 3], steps=3)

@@ -1,7 +1,7 @@
 """One table for the model-family benchmarks: throughput and batch-1 TPOT next to weight-read floors.
 
 For each ``--run NAME MODEL_DIR SUITE_JSON`` (``SUITE_JSON`` written by
-``scripts/benchmark_e2e_suite.py --workloads random latency``): parameter count and bf16 weight
+``benchmarks/e2e_suite.py --workloads random latency``): parameter count and bf16 weight
 bytes from the model built abstractly (``nnx.eval_shape``: exact shapes, nothing allocated);
 for a mixture of experts also the *active* bytes (every non-expert parameter plus ``k / E`` of
 the expert weights: what one token reads). Floors at ``--bandwidth`` (4.3 TB/s, the H200's
@@ -12,7 +12,7 @@ measured copy bandwidth):
 - throughput run: its mean step time next to the all-weights read time (at ~1000 sequences
   every expert is read each step).
 
-``--moe-json`` (``scripts/benchmark_moe.py``) adds the MoE layer's utilisation per backend at
+``--moe-json`` (``benchmarks/moe.py``) adds the MoE layer's utilisation per backend at
 each token count against the active-parameter ceiling ``2 * T * k * 3 * hidden * I / peak``.
 """
 
@@ -24,7 +24,7 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402

@@ -1,8 +1,8 @@
 """Tables (markdown) and the plot of docs/benchmarks.md's end-to-end section from the JSON of
-``benchmark_e2e_suite.py`` and the HF baseline's JSON (or, when its process was stopped before
+``benchmarks/e2e_suite.py`` and the HF baseline's JSON (or, when its process was stopped before
 writing JSON, the result lines of its log).
 
-    python scripts/benchmark_e2e_report.py --suite suite.json --hf-log hf.log --plot e2e.png
+    python benchmarks/lib/e2e_report.py --suite suite.json --hf-log hf.log --plot e2e.png
 """
 
 from __future__ import annotations
@@ -165,8 +165,8 @@ def plot(suite: dict, hf: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", required=True, help="suite.json of benchmark_e2e_suite.py")
-    parser.add_argument("--hf-json", default=None, help="JSON of benchmark_hf_baseline.py")
+    parser.add_argument("--suite", required=True, help="suite.json of benchmarks/e2e_suite.py")
+    parser.add_argument("--hf-json", default=None, help="JSON of benchmarks/hf_baseline.py")
     parser.add_argument("--hf-log", default=None, help="its log, when it wrote no JSON")
     parser.add_argument("--plot", default=None, help="write the PNG plot here")
     args = parser.parse_args(argv)

@@ -27,11 +27,11 @@ checks that the core is idle again (no unfinished request, block pool invariants
 ``--profile 1`` runs each API process's burst under cProfile (enabled by SIGUSR1 just before the
 clients start, dumped on SIGUSR2 once the core holds all N) and prints the top functions.
 
-    python -m scripts.benchmark_ingest --num-prompts 1000 --rounds 5
-    python -m scripts.benchmark_ingest --num-prompts 1000 --api-server-count 2 --client-processes 2
-    python -m scripts.benchmark_ingest --num-prompts 1000 --text
-    python -m scripts.benchmark_ingest --num-prompts 250 --client httpx
-    python -m scripts.benchmark_ingest --num-prompts 1000 --profile 1 --rounds 1
+    python -m benchmarks.ingest --num-prompts 1000 --rounds 5
+    python -m benchmarks.ingest --num-prompts 1000 --api-server-count 2 --client-processes 2
+    python -m benchmarks.ingest --num-prompts 1000 --text
+    python -m benchmarks.ingest --num-prompts 250 --client httpx
+    python -m benchmarks.ingest --num-prompts 1000 --profile 1 --rounds 1
 
 Issue 13, the 2-core CPU machine (client, API processes and core share the 2 cores), 128-id
 prompts, raw client, medians of 3-5 rounds: one API process admitted 1000 requests in 1.35 s
@@ -64,7 +64,7 @@ import numpy as np
 
 from jaxpaged.engine.core import EngineCore
 
-CORE_CLASS = "scripts.benchmark_ingest:IngestOnlyCore"
+CORE_CLASS = "benchmarks.ingest:IngestOnlyCore"
 MODEL = "stories"
 
 

@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--hbm-tbps", type=float, default=4.3, help="for the decode floor")
     args = parser.parse_args()
     if args.sweep:
-        from scripts.moe_sweep import sweep  # noqa: PLC0415 - only the sweep needs it
+        from benchmarks.moe_sweep import sweep  # noqa: PLC0415 - only the sweep needs it
 
         sweep(args, _shapes(args))
         return

@@ -13,7 +13,7 @@ temporary directory) so that xgrammar walks a vocabulary as large as Llama-3's.
 
 H200 / H100, Llama-3-8B shape (the command of docs/benchmarks.md)::
 
-    python scripts/benchmark_structured_outputs.py --model benchmarks/configs/llama-3-8b \\
+    python benchmarks/structured_outputs.py --model benchmarks/configs/llama-3-8b \\
         --load-format dummy --synthetic-vocab --dtype bfloat16 --max-model-len 2048 \\
         --max-num-seqs 1024 --max-num-batched-tokens 16384 --async-scheduling \\
         --num-prompts 1000 --input-len 128 --output-len 128 --out structured.json
@@ -27,7 +27,7 @@ for each grammar backend installed, on a synthetic vocabulary of ``--vocab-size`
 engine fills the rows between a step's forward and its sampling (async scheduling) or before the
 step (sync), so this is what a step can hide behind the device (async) or adds to it (sync)::
 
-    python scripts/benchmark_structured_outputs.py --host-only --vocab-size 128256 \
+    python benchmarks/structured_outputs.py --host-only --vocab-size 128256 \
         --batch-sizes 1,64,256,512 --steps 20
 """
 
