@@ -17,7 +17,7 @@
 Each time is the median of ``--iters`` calls after two warm-up calls, with the result on the
 host (``block_until_ready``). ``--smoke`` runs tiny sizes (checks the script on CPU).
 
-GPU: ``python scripts/benchmark_spec_decode.py`` (defaults: B 1/64/256, L 2048/8192, K 4,
+GPU: ``python benchmarks/spec_decode.py`` (defaults: B 1/64/256, L 2048/8192, K 4,
 V 128256).
 """
 

@@ -10,7 +10,7 @@ temperature 0), replays those steps with ``ngram_propose_reference`` and prints 
 a verify step costs what a decode step does) and the acceptance per position.
 
 Default: the embedded stories260k on prompts that repeat a sentence; ``--model`` any local
-model. CPU: ``python scripts/spec_decode_acceptance.py``.
+model. CPU: ``python benchmarks/spec_decode_acceptance.py``.
 """
 
 from __future__ import annotations

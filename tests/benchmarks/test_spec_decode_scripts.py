@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from jaxpaged.spec_decode.metrics import SpecDecodingStats
-from scripts.spec_decode_acceptance import replay
+from benchmarks.spec_decode_acceptance import replay
 
 
 def test_replay_accepts_drafts_while_they_equal_the_greedy_continuation():
@@ -24,7 +24,7 @@ def test_replay_accepts_drafts_while_they_equal_the_greedy_continuation():
 
 def test_cost_benchmark_smoke_run_prints_its_three_tables():
     done = subprocess.run(
-        [sys.executable, "scripts/benchmark_spec_decode.py", "--smoke"],
+        [sys.executable, "benchmarks/spec_decode.py", "--smoke"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
