@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from jaxpaged.spec_decode.metrics import SpecDecodingStats
 from benchmarks.spec_decode_acceptance import replay
+from jaxpaged.spec_decode.metrics import SpecDecodingStats
 
 
 def test_replay_accepts_drafts_while_they_equal_the_greedy_continuation():
