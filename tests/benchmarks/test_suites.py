@@ -212,7 +212,7 @@ def test_weight_sync_throughput_runs_start_with_an_empty_prefix_cache(tiny_model
     """Before and after the sleep / wake_up round trip the same prompts run: neither run may
     read prompt blocks that the warm-up (or the run before it) cached, or "before" skips the
     prefill that "after" (whose cache ``sleep`` emptied) has to do."""
-    from scripts import benchmark_weight_sync
+    from benchmarks import weight_sync as benchmark_weight_sync
 
     out = tmp_path / "ws.json"
     benchmark_weight_sync.main([
