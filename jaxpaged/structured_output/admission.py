@@ -86,6 +86,7 @@ def compile_constraint(backend, so: StructuredOutputsParams):
         raise SamplingParamsError(kind, short(getattr(so, kind)), str(error)) from None
     problem = backend.probe(compiled)
     if problem is not None:
+        del compiled  # the refusal's traceback must not keep it alive
         raise SamplingParamsError(kind, short(getattr(so, kind)), problem)
     return compiled
 

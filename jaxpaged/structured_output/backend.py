@@ -164,9 +164,10 @@ class XGrammarBackend(GrammarBackendBase):
         """``grammar`` compiled against the tokenizer (thread-safe). xgrammar's own cache is
         off: ``compiler.GrammarCompiler`` keeps compiled grammars, bounded by bytes (xgrammar's
         is unbounded by default)."""
-        if self._compiler is None:
-            info = self._tokenizer_info(self._load_tokenizer())
-            self._compiler = self.xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        with self._setup_lock:
+            if self._compiler is None:
+                info = self._tokenizer_info(self.hf_tokenizer)
+                self._compiler = self.xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         try:
             return self._compiler.compile_grammar(grammar)
         except Exception as error:

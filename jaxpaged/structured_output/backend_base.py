@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import numpy as np
 
@@ -25,7 +26,7 @@ class GrammarBackendBase:
     """The settings every backend keeps.
 
     Args:
-        load_tokenizer: returns the HF tokenizer (called once, on the first ``compile``).
+        load_tokenizer: returns the HF tokenizer (called once, on a compile worker).
         vocab_size: the model's vocabulary (logits width; may exceed the tokenizer's).
         stop_token_ids: the only tokens a complete grammar allows (the engine's EOS).
         disable_any_whitespace, disable_additional_properties: engine-wide defaults
@@ -44,10 +45,20 @@ class GrammarBackendBase:
         disable_additional_properties: bool = False,
     ):
         self._load_tokenizer = load_tokenizer
+        self._hf_tokenizer = None
+        self._setup_lock = threading.RLock()  # one-time setup on the workers
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self.disable_any_whitespace = disable_any_whitespace
         self.disable_additional_properties = disable_additional_properties
+
+    @property
+    def hf_tokenizer(self):
+        """The HF tokenizer, loaded on first use (on a compile worker)."""
+        with self._setup_lock:
+            if self._hf_tokenizer is None:
+                self._hf_tokenizer = self._load_tokenizer()
+        return self._hf_tokenizer
 
     def probe(self, compiled) -> str | None:
         """What goes wrong in a fresh matcher's first two steps, or None: the first mask

@@ -12,8 +12,10 @@ backend does the same):
   list fails after its strings' common first token).
 - ``structural_tag``: vLLM's ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``
   form, as vLLM builds it for llguidance: each structure a ``llguidance.StructTag`` opened by
-  the first trigger its ``begin`` starts with, free text around them. xgrammar's own
-  structural-tag format is refused by name.
+  the first trigger its ``begin`` starts with, free text around them; ``<...>`` triggers are
+  matched as special tokens when the tokenizer has them as such (vLLM always assumes so, which
+  fails for a tokenizer without them). xgrammar's own structural-tag format is refused by
+  name.
 
 "Compiling" builds the first ``LLMatcher`` (llguidance constructs the grammar's lexer then,
 off the engine thread); each sequence's matcher is a copy of it (``deep_copy``), cheap on the
@@ -202,7 +204,18 @@ class GuidanceBackend(GrammarBackendBase):
             )
         if not tags:
             raise SamplingParamsError("structural_tag", short(text), "has no structures")
-        return self.llg.StructTag.to_grammar(tags)
+        # A "<...>" trigger is matched as one special token when the tokenizer has it as such
+        # (a model's "<tool_call>"), else as text.
+        bracketed = [t for t in triggers if t.startswith("<") and t.endswith(">")]
+        special = bool(bracketed) and set(bracketed) <= self._special_texts()
+        return self.llg.StructTag.to_grammar(tags, assume_special=special)
+
+    def _special_texts(self) -> set[str]:
+        """The text of the tokenizer's special tokens."""
+        tokenizer = self.hf_tokenizer
+        texts = set(tokenizer.all_special_tokens)
+        texts |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+        return texts
 
     def compile(self, grammar: str) -> _Compiled:
         """The grammar built against the tokenizer: its first matcher (llguidance constructs
@@ -211,10 +224,11 @@ class GuidanceBackend(GrammarBackendBase):
         Raises:
             ValueError: llguidance's error for the grammar (first line).
         """
-        if self._tokenizer is None:
-            self._tokenizer = self.llg.hf.from_tokenizer(
-                self._load_tokenizer(), n_vocab=self.vocab_size, eos_token=self.stop_token_ids
-            )
+        with self._setup_lock:
+            if self._tokenizer is None:
+                self._tokenizer = self.llg.hf.from_tokenizer(
+                    self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.stop_token_ids
+                )
         start = self.llg.LLMatcher(self._tokenizer, grammar, log_level=0)
         if start.is_error():
             raise ValueError(

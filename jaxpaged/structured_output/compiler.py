@@ -12,7 +12,7 @@ for one.
 - **Time budget.** A job's ``Compilation.started`` is when a worker picked it up; the caller
   decides when a job has run too long and calls ``abandon``: the job's thread cannot be stopped
   (the libraries have no cancellation), so a fresh worker takes its place and the old one exits
-  when its job ends. At most ``max_abandoned`` abandoned jobs may still be running; past that,
+  when its job ends (its result is not kept). At most ``max_abandoned`` abandoned jobs may still be running; past that,
   ``submit`` refuses new work (``GrammarCompilerBusy``) rather than let hostile grammars take
   every core.
 - **Threads** start on the first job and end after ``IDLE_EXIT_S`` without one, so an engine
@@ -87,6 +87,7 @@ class GrammarCompiler:
         self._workers: list[threading.Thread] = []
         self._abandoned: set[Compilation] = set()
         self.num_compiled = 0  # jobs submitted (cache misses)
+        self.num_running = 0  # jobs on a worker now (abandoned ones included)
         _LIVE.add(self)
 
     @property
@@ -137,13 +138,16 @@ class GrammarCompiler:
         self._queue.put((future, job))
 
     def abandon(self, future: Compilation) -> None:
-        """Stop waiting for a running job: a new worker takes its place (the job runs on to
-        its end, its result cached as any other's)."""
+        """Stop waiting for a running job: a new worker takes its place; the job runs on to
+        its end and its result is dropped (not cached: the next request for it compiles
+        anew, until ``max_abandoned`` makes ``submit`` refuse)."""
         with self._lock:
             if future.abandoned or future.done():
                 return
             future.abandoned = True
             self._abandoned.add(future)
+            if self._cache.get(future.key) is future:  # its result will not be kept
+                del self._cache[future.key]
             self._start_worker()
 
     def _start_worker(self) -> None:
@@ -166,21 +170,32 @@ class GrammarCompiler:
                     continue
                 if item is None:
                     return
-                future, job = item
-                if not future.set_running_or_notify_cancel():
-                    continue
-                future.started = time.monotonic()
-                try:
-                    result = job()
-                except BaseException as error:
-                    future.set_exception(error)
-                else:
-                    future.set_result(result)
-                if future.abandoned:  # its replacement is already working
+                # Handed over in a list that _run empties: only _run's frame holds the job,
+                # so neither an idle worker nor an ending one keeps its result alive.
+                box, item = [item], None
+                if self._run(box):
                     return
         finally:
             with self._lock:
                 self._workers.remove(threading.current_thread())
+
+    def _run(self, box: list) -> bool:
+        """Run the job ``box`` holds (``[(future, job)]``, emptied) into its future; True when
+        the job was abandoned (this worker's replacement is already working: it ends)."""
+        future, job = box.pop()
+        if not future.set_running_or_notify_cancel():
+            return False
+        future.started = time.monotonic()
+        with self._lock:
+            self.num_running += 1
+        try:
+            future.set_result(job())
+        except BaseException as error:
+            future.set_exception(error)
+        finally:
+            with self._lock:
+                self.num_running -= 1
+        return future.abandoned
 
     def _finished(self, future: Compilation) -> None:
         failed = future.cancelled() or future.exception() is not None

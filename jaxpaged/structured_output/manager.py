@@ -151,6 +151,11 @@ class StructuredOutputManager:
         return self._compiler.cache_bytes
 
     @property
+    def num_compiling(self) -> int:
+        """Compile jobs running now (those past their time budget included)."""
+        return self._compiler.num_running
+
+    @property
     def num_held(self) -> int:
         """Requests held back until their grammar is compiled (``hold``)."""
         return len(self._held)
