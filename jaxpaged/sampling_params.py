@@ -97,9 +97,11 @@ class StructuredOutputsParams:
 
     Raises:
         SamplingParamsError: (a ``ValueError``) naming the field: no constraint or more than
-            one, or a field of the wrong type. A constraint the backend cannot compile (a bad
-            schema, regex or grammar) is refused by the engine when the request is added,
-            naming the field.
+            one, a field of the wrong type, a ``json`` schema nested more than
+            ``MAX_STRUCTURED_OUTPUT_JSON_NESTING`` levels (a ``structural_tag`` 16 more), or a
+            NUL in ``regex``. A constraint the backend cannot compile (a bad schema, regex or
+            grammar, one matching no text, or past a ``structured_outputs_config`` budget) is
+            refused by the engine when the request is added, naming the field.
     """
 
     json: str | dict | None = None
@@ -109,8 +111,8 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     """The output is exactly one of these strings (non-empty list)."""
     grammar: str | None = None
-    """A context-free grammar in the backend's EBNF dialect (xgrammar: GBNF-style
-    ``root ::= ...``; guidance: Lark or GBNF)."""
+    """A context-free grammar: GBNF-style EBNF (``root ::= ...``) or Lark (a grammar without a
+    ``::=`` rule; both backends)."""
     json_object: bool | None = None
     """Any JSON object (OpenAI's ``response_format={"type": "json_object"}``); set to True."""
     disable_any_whitespace: bool = False
