@@ -131,7 +131,11 @@ class StructuredOutputManager:
         try:
             self._compile(StructuredOutputsParams(regex="a"))
         except Exception as error:  # the first request reports it, naming the field
-            logger.warning("structured outputs: the backend did not start: %s", error)
+            logger.warning(
+                "structured outputs: the grammar backend did not start (constrained requests "
+                "will be refused with this reason): %s",
+                error,
+            )
             raise
         seconds = time.monotonic() - started
         logger.info("structured outputs: %s ready in %.1f s", self._backend.name, seconds)
