@@ -28,13 +28,12 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmark_structured_outputs import _commit, synthetic_tokenizer  # noqa: E402
-
 from jaxpaged.entrypoints.cli import (  # noqa: E402
     add_engine_args,
     engine_args_from,
     set_jax_memory_fraction,
 )
+from scripts.benchmark_structured_outputs import _commit, synthetic_tokenizer  # noqa: E402
 
 
 def _nested(depth: int) -> dict:
