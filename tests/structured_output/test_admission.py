@@ -62,7 +62,7 @@ def budget_llm():
 
 # --------------------------------------------------------------------------- size budgets
 def test_a_deep_schema_is_refused_at_once_naming_the_nesting_limit():
-    # The 440-level object schema took 57.6 s of the engine thread.
+    # A 440-level object schema once took 57.6 s of the engine thread.
     for value in (_nested_object(440), json.dumps(_nested_object(440)), "[" * 200_000):
         started = time.monotonic()
         with pytest.raises(SamplingParamsError, match="nested too deeply") as info:
@@ -84,7 +84,7 @@ def test_a_constraint_past_max_grammar_bytes_is_refused_naming_the_budget(llm):
     with pytest.raises(SamplingParamsError, match="max_grammar_bytes is 1000") as info:
         check_budgets(StructuredOutputsParams(choice=[f"c{i}" for i in range(200)]), config)
     assert info.value.parameter == "choice"
-    # The 100,000-string enum (over 300 s of compilation) is past the default 1 MiB.
+    # A 100,000-string enum (once over 300 s of compilation) is past the default 1 MiB.
     started = time.monotonic()
     error = _refusal(llm.llm_engine, json={"enum": [f"item{i:06d}" for i in range(100_000)]})
     assert error.parameter == "json" and "max_grammar_bytes is 1048576" in str(error)
@@ -374,7 +374,7 @@ def test_hostile_grammars_beside_normal_requests(budget_llm):
     baseline, grammars = _rss_bytes(), _live_compiled_grammars()
     for round_ in range(2):
         with pytest.raises(SamplingParamsError, match="nested too deeply"):
-            _constrained(json=_nested_object(440))  # the 57.6 s schema
+            _constrained(json=_nested_object(440))  # once 57.6 s of the engine thread
         for name, fields in HOSTILE.items():
             if name == "slow":  # a new grammar each round: a kept one would add up
                 fields = dict(choice=[f"x{round_}-{i}" for i in range(50_000)])
