@@ -206,7 +206,7 @@ def test_a_compiling_grammar_never_holds_up_other_requests(client):
     done = {}
 
     def constrained():
-        response = _complete(client, max_tokens=4, extra_body={"guided_choice": choices})
+        response = _complete(client, max_tokens=8, extra_body={"guided_choice": choices})
         done["constrained"] = (time.monotonic(), response.choices[0].text)
 
     thread = threading.Thread(target=constrained)
