@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 
 from jaxpaged.sampling_params import SamplingParamsError, StructuredOutputsParams
@@ -167,7 +168,11 @@ class XGrammarBackend(GrammarBackendBase):
         with self._setup_lock:
             if self._compiler is None:
                 info = self._tokenizer_info(self.hf_tokenizer)
-                self._compiler = self.xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+                # vLLM gives xgrammar 8 threads; they inherit the worker's lower priority.
+                threads = max(2, min(8, (os.cpu_count() or 2) // 2))
+                self._compiler = self.xgr.GrammarCompiler(
+                    info, max_threads=threads, cache_enabled=False
+                )
         try:
             return self._compiler.compile_grammar(grammar)
         except Exception as error:
