@@ -186,8 +186,9 @@ class EngineArgs:
         None,
         'Constrained decoding settings as JSON, e.g. \'{"backend": "xgrammar"}\' (or a bare '
         "backend name): backend auto (xgrammar if installed, else guidance) | xgrammar | guidance "
-        "(llguidance), disable_any_whitespace, "
-        "disable_additional_properties. None: backend auto (xgrammar).",
+        "(llguidance), disable_any_whitespace, disable_additional_properties, and the budgets "
+        "grammar_cache_mb (512), grammar_compile_timeout_s (10), max_grammar_bytes (1 MiB). "
+        "None: backend auto (xgrammar) and those defaults.",
     )
     speculative_config: str | dict | None = _arg(
         None,

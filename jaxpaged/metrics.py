@@ -5,7 +5,9 @@ in ``reference/vllm_surface.md`` section 3), with both the old and the new names
 renamed one (``gpu_cache_usage_perc`` / ``kv_cache_usage_perc``, ``time_per_output_token_seconds``
 / ``inter_token_latency_seconds``, which observe the same per-token gaps). Every metric carries a
 ``model_name`` label (the first served model name). Counters are declared without ``_total``;
-prometheus_client exports them with it (``jaxpaged:prompt_tokens_total``).
+prometheus_client exports them with it (``jaxpaged:prompt_tokens_total``). One gauge has no
+vLLM counterpart: ``grammar_cache_bytes``, the compiled grammars the structured-outputs cache
+keeps (bounded by ``structured_outputs_config.grammar_cache_mb``).
 
 ``--metrics-prefix vllm`` exports the same metrics as ``vllm:<name>``, the names that inference
 gateways and autoscalers read (the Kubernetes Gateway API Inference Extension's model-server
@@ -159,6 +161,11 @@ class ServerMetrics:
         self.gpu_cache_usage_perc = gauge(
             "gpu_cache_usage_perc",
             "Fraction of KV-cache blocks in use, 0 to 1 (vLLM v0 name of kv_cache_usage_perc).",
+        )
+        self.grammar_cache_bytes = gauge(
+            "grammar_cache_bytes",
+            "Compiled grammars kept by the structured-outputs cache, bytes "
+            "(bounded by structured_outputs_config.grammar_cache_mb).",
         )
         self.prefix_cache_queries = make(
             Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
@@ -339,6 +346,7 @@ class ServerMetrics:
         self.num_requests_swapped.set(stats.num_requests_swapped)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage_perc)
         self.gpu_cache_usage_perc.set(stats.kv_cache_usage_perc)
+        self.grammar_cache_bytes.set(stats.grammar_cache_bytes)
         last = self._last_stats
         self.num_preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
         self.prefix_cache_queries.inc(

@@ -37,6 +37,9 @@ class SchedulerStats:
     """Token slots holding K/V in the running sequences' tables."""
     kv_cache_slots_held: int
     """Slots of the blocks those tables hold (blocks * block_size)."""
+    grammar_cache_bytes: int = 0
+    """Compiled grammars kept by the structured-outputs cache, bytes (set by the engine;
+    ``jaxpaged:grammar_cache_bytes``, no vLLM counterpart)."""
 
     @property
     def gpu_cache_usage_perc(self) -> float:

@@ -58,8 +58,14 @@ from jaxpaged.sequence import EngineSleepingError, PromptError, is_token_id_list
 
 logger = logging.getLogger(__name__)
 
-# How long an idle core waits for a message before looking again (milliseconds).
+# How long an idle core waits for a message before looking again (milliseconds); while
+# requests wait only for their grammar, it looks for compiled grammars this often.
 _IDLE_POLL_MS = 100
+_GRAMMAR_POLL_MS = 2
+
+# ``EngineCore.add_request``'s answer for a request waiting for its grammar: its ack follows
+# from ``grammar_acks`` once the grammar is compiled (or refused).
+ACK_DEFERRED = ["deferred"]
 
 
 class QueueFullError(RuntimeError):
@@ -109,6 +115,8 @@ class EngineCore:
         self._seen_running: set[str] = set()
         # request id -> index of the client that added it (only with several clients).
         self._client_of: dict[str, int] = {}
+        # request id -> client index, of adds whose ack waits for their grammar.
+        self._deferred_acks: dict[str, int] = {}
 
     def info(self) -> dict:
         """What the API process needs to know about this engine (sent once, when ready)."""
@@ -133,13 +141,15 @@ class EngineCore:
         lora: list | None = None,
         client_index: int = 0,
     ):
-        """Admit one tokenized request; returns None, or ``[class name, message, parameter]``
-        of the error that refused it (the API process re-raises it). ``lora``: the adapter
+        """Admit one tokenized request; returns None, ``[class name, message, parameter]``
+        of the error that refused it (the API process re-raises it), or ``ACK_DEFERRED`` for
+        a request waiting for its grammar (``grammar_acks`` answers it later, so a refused
+        grammar is still an error to the API process). ``lora``: the adapter
         (``core_messages.lora_to_wire``), None for the base model; ``client_index``: the API
         process that owns it (its outputs go there)."""
         try:
             limit = self.max_num_queued_requests
-            waiting = self.engine.scheduler.num_waiting
+            waiting = self.engine.scheduler.num_waiting + self.engine.num_waiting_for_grammar
             if limit is not None and waiting >= limit:
                 raise QueueFullError(
                     f"the waiting queue is full: {waiting} requests wait and "
@@ -164,12 +174,31 @@ class EngineCore:
                 sampling,
                 arrival_time=arrival_time,
                 lora_request=lora_from_wire(lora),
+                wait_for_grammar=False,
             )
         except (ValueError, QueueFullError, EngineSleepingError) as error:
-            return [type(error).__name__, str(error), getattr(error, "parameter", None)]
+            return _wire_error(error)
         if self.num_clients > 1:
             self._client_of[request_id] = client_index
+        if self.engine.is_waiting_for_grammar(request_id):
+            self._deferred_acks[request_id] = client_index
+            return ACK_DEFERRED
         return None
+
+    def grammar_acks(self) -> list[tuple[int, list]]:
+        """``(client_index, [request_id, None or error])`` for each deferred add whose grammar
+        is now compiled (the request is scheduled) or refused (forgotten); never blocks."""
+        acks = []
+        for request_id, error in self.engine.admit_grammars():
+            client = self._deferred_acks.pop(request_id, 0)
+            if error is not None:
+                self._client_of.pop(request_id, None)
+            acks.append((client, [request_id, None if error is None else _wire_error(error)]))
+        return acks
+
+    def waiting_for_grammar(self) -> bool:
+        """Whether requests wait (outside the scheduler) for their grammar."""
+        return bool(self.engine.num_waiting_for_grammar)
 
     def abort_requests(self, request_ids, client_index: int | None = None) -> None:
         """Abort ``request_ids``; given ``client_index``, only those that client owns (a client
@@ -181,13 +210,17 @@ class EngineCore:
             self.engine.abort_request(request_id)
             self._seen_running.discard(request_id)
             self._client_of.pop(request_id, None)
+            self._deferred_acks.pop(request_id, None)
 
     def client_of(self, request_id: str) -> int:
         """Index of the client that added ``request_id`` (0 with one client, or if unknown)."""
         return self._client_of.get(request_id, 0)
 
     def has_work(self) -> bool:
-        return self.engine.has_unfinished_requests()
+        """Whether a step has something to do (requests waiting only for their grammar give
+        it nothing)."""
+        engine = self.engine
+        return engine.get_num_unfinished_requests() > engine.num_waiting_for_grammar
 
     def next_step_deadline(self) -> float | None:
         """``time.monotonic()`` until which the loop may take arrivals before calling ``step``
@@ -433,7 +466,7 @@ def _loop(core: EngineCore, inputs, outputs: list) -> None:
     poller.register(inputs, zmq.POLLIN)
     while True:
         deadline = core.next_step_deadline()
-        timeout = 0 if core.has_work() else _IDLE_POLL_MS
+        timeout = 0 if core.has_work() else _idle_poll_ms(core)
         while True:
             if not _take_messages(core, poller, inputs, outputs, timeout):
                 return
@@ -464,7 +497,9 @@ def _take_messages(core: EngineCore, poller, inputs, outputs: list, timeout: int
                 break
             if kind is Kind.ADD:
                 # payload: [request_id, ids, params, arrival_time, lora, client_index]
-                acks.append((payload[5], [payload[0], core.add_request(*payload)]))
+                answer = core.add_request(*payload)
+                if answer is not ACK_DEFERRED:
+                    acks.append((payload[5], [payload[0], answer]))
             elif kind is Kind.ABORT:
                 aborts.append(payload)  # [client_index, [request_id, ...]]
             elif kind is Kind.UTILITY:
@@ -478,6 +513,7 @@ def _take_messages(core: EngineCore, poller, inputs, outputs: list, timeout: int
                 return False
     for client, request_ids in aborts:
         core.abort_requests(request_ids, client)
+    acks += core.grammar_acks()
     if aborts and not core.has_work():  # no step follows: client 0's gauges need the news
         outputs[0].send(encode(Kind.STATS, core.get_stats()))
     if acks:
@@ -490,6 +526,16 @@ def _take_messages(core: EngineCore, poller, inputs, outputs: list, timeout: int
         else:
             outputs[0].send(encode(Kind.ACKS, [ack for _, ack in acks]))
     return True
+
+
+def _idle_poll_ms(core: EngineCore) -> int:
+    """How long the loop waits for a message when no step is due."""
+    return _GRAMMAR_POLL_MS if core.waiting_for_grammar() else _IDLE_POLL_MS
+
+
+def _wire_error(error: Exception) -> list:
+    """``[class name, message, parameter]``: a refusal as the API process re-raises it."""
+    return [type(error).__name__, str(error), getattr(error, "parameter", None)]
 
 
 def _heartbeat(addresses: list[str], parent: int) -> None:

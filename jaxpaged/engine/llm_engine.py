@@ -7,6 +7,7 @@ detokenizes, applies stop strings and emits outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -190,6 +191,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         final_only: bool = False,
         lora_request: LoRARequest | None = None,
+        wait_for_grammar: bool = True,
     ) -> None:
         """Queue a request.
 
@@ -202,13 +204,18 @@ class LLMEngine:
             lora_request: the LoRA adapter to run with (None: the base model); registered
                 (read and checked) on first use. Its blocks are cached under its own key, so
                 no other adapter shares its prefix.
+            wait_for_grammar: a constrained request waits here until its grammar is compiled
+                (a refused one raises). False (the engine core): it waits outside the
+                scheduler instead, and ``admit_grammars`` (call it between steps) schedules or
+                refuses it once its grammar's verdict is known.
 
         Raises:
             ValueError: duplicate id, empty prompt, token ids outside the vocabulary, a prompt
                 that leaves no room under ``max_model_len`` or does not fit in the KV cache,
                 ``logprobs`` above ``max_logprobs``, ``best_of`` / ``beam_width`` above
                 ``max_num_seqs``, a ``lora_request`` without ``enable_lora`` or with a bad
-                adapter.
+                adapter, a ``structured_outputs`` constraint the backend refuses or past a
+                ``structured_outputs_config`` budget (naming the field).
         """
         if self._sleep_level:
             raise EngineSleepingError(
@@ -237,8 +244,8 @@ class LLMEngine:
         self._check_prompt(prompt_ids)
         self._check_lora(lora_request)
         if isinstance(params, SamplingParams):
-            # Last check: a bad schema / regex / grammar raises here, naming the field; the
-            # grammar then compiles on the manager's thread while the request waits.
+            # Last check: a constraint past its budgets raises here, naming the field; it then
+            # compiles on the manager's workers (structured_output/manager.py, "Admission").
             self.structured_output.add_request(request_id, params)
         group_kwargs = {}
         seq_params = params
@@ -272,7 +279,12 @@ class LLMEngine:
         seq.sampling_seed = self._request_seed(params)
         group = SequenceGroup(request_id, seq, **group_kwargs)
         try:
-            self.scheduler.add_request(group)
+            if self.structured_output.is_constrained(request_id) and not wait_for_grammar:
+                self.structured_output.hold(group)  # scheduled by admit_grammars
+            else:
+                if self.structured_output.is_constrained(request_id):
+                    self.structured_output.wait(request_id)  # a refused grammar raises
+                self.scheduler.add_request(group)
         except Exception:
             self.structured_output.remove_request(request_id)
             raise
@@ -359,9 +371,40 @@ class LLMEngine:
                 seq.status = SequenceStatus.FINISHED_ABORTED
         return self.output_processor.abort(request_id)
 
+    def admit_grammars(self) -> list[tuple[str, ValueError | None]]:
+        """Schedule the requests added with ``wait_for_grammar=False`` whose grammar is now
+        compiled, and forget (without an output) those whose grammar was refused. Returns
+        ``(request_id, None or the refusal)`` for each; never blocks."""
+        verdicts = []
+        for group, error in self.structured_output.take_admitted():
+            if error is None:
+                try:
+                    self.scheduler.add_request(group)
+                except ValueError as refused:
+                    error = refused
+            if error is not None:
+                self.structured_output.remove_request(group.request_id)
+                self.output_processor.abort(group.request_id)
+            verdicts.append((group.request_id, error))
+        return verdicts
+
+    @property
+    def num_waiting_for_grammar(self) -> int:
+        """Requests held outside the scheduler until their grammar is compiled."""
+        return self.structured_output.num_held
+
+    def is_waiting_for_grammar(self, request_id: str) -> bool:
+        return self.structured_output.is_held(request_id)
+
     def get_stats(self) -> SchedulerStats:
-        """Scheduler and KV-cache counters for metrics (fields named after vLLM's metrics)."""
-        return self.scheduler.get_stats()
+        """Scheduler and KV-cache counters for metrics (fields named after vLLM's metrics);
+        requests waiting for their grammar count as waiting, as in vLLM."""
+        stats = self.scheduler.get_stats()
+        return dataclasses.replace(
+            stats,
+            num_requests_waiting=stats.num_requests_waiting + self.num_waiting_for_grammar,
+            grammar_cache_bytes=self.structured_output.cache_bytes,
+        )
 
     @property
     def compilation_cache_dir(self) -> str | None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 
-from jaxpaged.engine.core import EngineCore
+from jaxpaged.engine.core import ACK_DEFERRED, EngineCore
 from jaxpaged.engine.core_messages import delta_finished
 
 # Most requests and steps kept (the oldest are dropped beyond).
@@ -48,7 +48,7 @@ class TracingEngineCore(EngineCore):
         error = super().add_request(
             request_id, prompt_token_ids, params, arrival_time, *args, **kwargs
         )
-        if error is None and len(self.requests) < MAX_RECORDS:
+        if error in (None, ACK_DEFERRED) and len(self.requests) < MAX_RECORDS:
             self.requests[request_id] = {
                 "arrival": arrival_time,
                 "received": received,

@@ -13,8 +13,14 @@ BACKENDS = ("auto", "xgrammar", "guidance")
 class StructuredOutputsConfig:
     """Engine-wide settings of constrained decoding (``--structured-outputs-config``).
 
+    The last three fields are jaxpaged's budgets (vLLM's nearest knobs are environment
+    variables: ``VLLM_XGRAMMAR_CACHE_MB``, 512, for xgrammar's own cache, and
+    ``VLLM_REGEX_COMPILATION_TIMEOUT_S``, 5, for regexes only). A request past a budget is
+    refused when it is added (HTTP 400) with a message naming its constraint field and the
+    budget's ``structured_outputs_config.<name>``.
+
     Raises:
-        ValueError: an unknown backend or key, naming it.
+        ValueError: an unknown backend or key, or a value of the wrong type or range, naming it.
     """
 
     backend: str = "auto"
@@ -29,6 +35,17 @@ class StructuredOutputsConfig:
     request's grammar starts after that parser's end of thinking (``</think>``), unless its
     ``reasoning_end_token_ids`` say otherwise. The server's ``--reasoning-parser`` does the
     same for its requests."""
+    grammar_cache_mb: float = 512.0
+    """Compiled grammars kept for reuse, in MiB (least recently used dropped first; the size is
+    xgrammar's ``CompiledGrammar.memory_size_bytes``, or the grammar text for llguidance). One
+    grammar larger than this is used by its request but not kept. Its size now is the
+    ``grammar_cache_bytes`` metric."""
+    grammar_compile_timeout_s: float = 10.0
+    """Most seconds one constraint may take to be converted and compiled against the vocabulary
+    (on the compile threads; the engine keeps stepping meanwhile)."""
+    max_grammar_bytes: int = 1 << 20
+    """Largest constraint accepted, in bytes of its UTF-8 text (the schema as JSON, the regex,
+    the grammar, the choices as a JSON list, the structural tag)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -47,6 +64,17 @@ class StructuredOutputsConfig:
                     f"structured_outputs_config.{name} must be a boolean, "
                     f"got {getattr(self, name)!r}"
                 )
+        for name in ("grammar_cache_mb", "grammar_compile_timeout_s", "max_grammar_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(
+                    f"structured_outputs_config.{name} must be a positive number, got {value!r}"
+                )
+
+    @property
+    def grammar_cache_bytes(self) -> int:
+        """``grammar_cache_mb`` in bytes."""
+        return int(self.grammar_cache_mb * (1 << 20))
 
     @classmethod
     def parse(cls, value) -> StructuredOutputsConfig:

@@ -2,31 +2,45 @@
 
 Life of a constrained request (vLLM v1's ``StructuredOutputManager`` plays the same part):
 
-1. ``add_request`` (engine thread, when the request is added): the constraint is parsed into a
-   tokenizer-free grammar, so a bad schema, regex or grammar raises ``ValueError`` naming the
-   field before the request enters the scheduler (no blocks taken); then its compilation is
-   submitted to the thread pool (or found in the cache).
-2. ``grammar_bitmask`` (before each step that samples a constrained row): every such row's
+1. ``add_request`` (engine thread, when the request is added): the budgets are checked
+   (``admission.check_budgets``: size, external ``$ref``), then the constraint is queued for
+   the compile workers (``compiler.py``; or found in the cache), which check it with the
+   backend, compile it against the vocabulary and probe it (``admission.compile_constraint``).
+2. Admission (vLLM's ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``): the request enters the
+   scheduler only once its grammar is compiled. The engine either waits for it (``wait``:
+   ``LLM`` and direct ``add_request`` callers, so that a refused grammar raises there), or
+   ``hold``s the request and, between steps, ``take_admitted`` hands over the requests whose
+   grammar is ready and those refused (compile error, probe, or past
+   ``structured_outputs_config.grammar_compile_timeout_s``): the engine core's way, which never
+   waits, acks each add once its verdict is known, so a refusal is still an HTTP 400.
+3. ``bitmask_filler`` (before each step that samples a constrained row): every such row's
    matcher is brought up to date with its committed tokens and fills its row of the packed
-   bitmask; other rows allow everything. A grammar still compiling is waited for here.
-3. ``update`` (after each commit): matchers accept the new tokens; a sequence whose token the
+   bitmask; other rows allow everything.
+4. ``update`` (after each commit): matchers accept the new tokens; a sequence whose token the
    grammar rejected is reported to be aborted; finished requests' state is dropped. A complete
    grammar needs no action: its mask allows only EOS, which stops the request (``stop``) by the
    engine's usual EOS rule, so the text keeps every grammar token and drops only the EOS.
-4. ``remove_request`` on abort.
+5. ``remove_request`` on abort.
 
-The tokenizer is loaded on the first compilation (the engine core process has none), on the
-compile thread.
+Start-up: the manager's first job imports the backend (xgrammar imports torch: seconds), loads
+the tokenizer (the engine core process has none) and compiles a one-token grammar, on a worker,
+so the first constrained request does not pay for it and the engine is not held up. The backend
+``auto`` resolved to is logged then.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import os
+import threading
+import time
 
 import numpy as np
 
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxpaged.sequence import PLACEHOLDER_TOKEN_ID
+from jaxpaged.structured_output import admission
 from jaxpaged.structured_output.bitmask import ALL_ALLOWED, num_words
 from jaxpaged.structured_output.compiler import GrammarCompiler
 from jaxpaged.structured_output.config import StructuredOutputsConfig
@@ -34,17 +48,19 @@ from jaxpaged.structured_output.request_state import SequenceGrammar
 
 logger = logging.getLogger(__name__)
 
+_PENDING = object()  # no verdict yet
+
 
 class _RequestGrammar:
-    """A request's compiled grammar (a future) and its sequences' matchers."""
+    """A request's compilation (a ``compiler.Compilation``) and its sequences' matchers."""
 
-    __slots__ = ("future", "seqs", "error", "group", "start_after")
+    __slots__ = ("future", "so", "seqs", "group", "start_after")
 
-    def __init__(self, future, start_after: list[int] | None = None):
+    def __init__(self, future, so: StructuredOutputsParams):
         self.future = future
-        self.start_after = start_after  # StructuredOutputsParams.reasoning_end_token_ids
+        self.so = so
+        self.start_after = so.reasoning_end_token_ids
         self.seqs: dict[str, SequenceGrammar] = {}
-        self.error: str | None = None
         self.group = None  # the SequenceGroup, known once one of its sequences samples
 
 
@@ -53,9 +69,10 @@ class StructuredOutputManager:
 
     Args:
         config: the engine's ``StructuredOutputsConfig``.
-        load_tokenizer: returns the HF tokenizer (called once, on the compile thread).
+        load_tokenizer: returns the HF tokenizer (called once, on a compile worker).
         vocab_size: the model's vocabulary size (bitmask width ``ceil(vocab_size / 32)``).
         eos_token_id: the engine's EOS: the one token a completed grammar allows.
+        warm_up: start the backend on a worker now (see the module doc).
     """
 
     def __init__(
@@ -65,6 +82,7 @@ class StructuredOutputManager:
         *,
         vocab_size: int,
         eos_token_id: int | None,
+        warm_up: bool = True,
     ):
         self.config = config
         self.vocab_size = vocab_size
@@ -72,27 +90,79 @@ class StructuredOutputManager:
         self._load_tokenizer = load_tokenizer
         self._eos_token_id = eos_token_id
         self._backend = None
-        self._compiler: GrammarCompiler | None = None
+        self._backend_lock = threading.Lock()
+        # As vLLM's grammar pool: half the cores (at least 2, so that one slow grammar does
+        # not hold up every other); the workers run at a lower priority than the engine.
+        self._compiler = GrammarCompiler(
+            lambda compiled: self._backend.nbytes(compiled),
+            max_workers=max(2, min(8, (os.cpu_count() or 2) // 2)),
+            max_bytes=config.grammar_cache_bytes,
+        )
         self._requests: dict[str, _RequestGrammar] = {}
+        self._held: dict[str, object] = {}  # request id -> SequenceGroup waiting for grammar
+        self.warm_up = self._compiler.run(self._warm_up) if warm_up else None
 
     @property
     def backend(self):
-        """The grammar backend, created (and xgrammar imported) on first use."""
-        if self._backend is None:
-            self._backend = _backend_class(self.config.backend)(
-                self._load_tokenizer,
-                vocab_size=self.vocab_size,
-                stop_token_ids=None if self._eos_token_id is None else [self._eos_token_id],
-                disable_any_whitespace=self.config.disable_any_whitespace,
-                disable_additional_properties=self.config.disable_additional_properties,
-            )
-            self._compiler = GrammarCompiler(self._backend.compile)
+        """The grammar backend (created on a compile worker at start-up, or here)."""
+        return self._backend or self._ready_backend()
+
+    def _ready_backend(self):
+        with self._backend_lock:
+            if self._backend is None:
+                cls, reason = _backend_class(self.config.backend)
+                self._backend = cls(
+                    self._load_tokenizer,
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=None if self._eos_token_id is None else [self._eos_token_id],
+                    disable_any_whitespace=self.config.disable_any_whitespace,
+                    disable_additional_properties=self.config.disable_additional_properties,
+                )
+                logger.info(
+                    "structured outputs: backend %s (structured_outputs_config.backend %r%s)",
+                    cls.name,
+                    self.config.backend,
+                    reason,
+                )
         return self._backend
+
+    def _warm_up(self) -> float:
+        started = time.monotonic()
+        try:
+            self._compile(StructuredOutputsParams(regex="a"))
+        except Exception as error:  # the first request reports it, naming the field
+            logger.warning(
+                "structured outputs: the grammar backend did not start (constrained requests "
+                "will be refused with this reason): %s",
+                error,
+            )
+            raise
+        seconds = time.monotonic() - started
+        logger.info("structured outputs: %s ready in %.1f s", self._backend.name, seconds)
+        return seconds
+
+    def _compile(self, so: StructuredOutputsParams):
+        return admission.compile_constraint(self._ready_backend(), so)
 
     @property
     def num_compiled(self) -> int:
         """Grammar compilations submitted so far (cache misses)."""
-        return 0 if self._compiler is None else self._compiler.num_compiled
+        return self._compiler.num_compiled
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the compiled grammars kept for reuse (``grammar_cache_bytes`` metric)."""
+        return self._compiler.cache_bytes
+
+    @property
+    def num_compiling(self) -> int:
+        """Compile jobs running now (those past their time budget included)."""
+        return self._compiler.num_running
+
+    @property
+    def num_held(self) -> int:
+        """Requests held back until their grammar is compiled (``hold``)."""
+        return len(self._held)
 
     def has_requests(self) -> bool:
         return bool(self._requests)
@@ -100,39 +170,95 @@ class StructuredOutputManager:
     def is_constrained(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def is_held(self, request_id: str) -> bool:
+        return request_id in self._held
+
     # --------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, params: SamplingParams) -> None:
-        """Check the request's constraint and start compiling it (no-op when unconstrained).
+        """Check the request's budgets and queue its constraint for compilation (no-op when
+        unconstrained); the engine then ``wait``s or ``hold``s.
 
         Raises:
-            SamplingParamsError: (a ``ValueError``) naming the constraint field when the
-                backend cannot parse it or does not support it.
+            SamplingParamsError: (a ``ValueError``) naming the constraint field: larger than
+                ``max_grammar_bytes``, or an external ``$ref``.
+            GrammarCompilerBusy: (a ``ValueError``) too many compilations past their time
+                budget are still running.
         """
         so = params.structured_outputs
         if so is None:
             return
-        grammar = self.backend.check(so)
-        self._requests[request_id] = _RequestGrammar(
-            self._compiler.submit(so.cache_key, grammar), so.reasoning_end_token_ids
-        )
+        admission.check_budgets(so, self.config)
+        future = self._compiler.submit(so.cache_key, lambda: self._compile(so))
+        self._requests[request_id] = _RequestGrammar(future, so)
+
+    def wait(self, request_id: str) -> None:
+        """Block until the request's grammar is compiled.
+
+        Raises:
+            SamplingParamsError: (a ``ValueError``) the grammar was refused (the request's
+                grammar state is dropped): the backend's reason, or past the time budget.
+        """
+        request = self._requests[request_id]
+        future = request.future
+        while (verdict := self._verdict(request, time.monotonic())) is _PENDING:
+            if future.started is None:  # queued: its clock has not started
+                timeout = 0.05
+            else:
+                timeout = future.started + self.config.grammar_compile_timeout_s
+                timeout = max(0.0, timeout - time.monotonic()) + 0.001
+            concurrent.futures.wait([future], timeout)
+        if verdict is not None:
+            self._requests.pop(request_id, None)
+            raise verdict
+
+    def hold(self, group) -> None:
+        """Keep ``group`` (its request added) out of the scheduler until ``take_admitted``
+        hands it over."""
+        self._held[group.request_id] = group
+
+    def take_admitted(self) -> list[tuple[object, ValueError | None]]:
+        """Held requests whose verdict is known, as ``(group, None)`` (grammar ready: schedule
+        it) or ``(group, error)`` (refused; its grammar state is dropped). Never blocks; a
+        compilation past the time budget is abandoned here."""
+        if not self._held:
+            return []
+        now, verdicts = time.monotonic(), []
+        for request_id, group in list(self._held.items()):
+            verdict = self._verdict(self._requests[request_id], now)
+            if verdict is _PENDING:
+                continue
+            del self._held[request_id]
+            if verdict is not None:
+                del self._requests[request_id]
+            verdicts.append((group, verdict))
+        return verdicts
+
+    def _verdict(self, request: _RequestGrammar, now: float):
+        """None (compiled), the refusal, or ``_PENDING``."""
+        future = request.future
+        if future.done():
+            error = future.exception()
+            return None if error is None else admission.refusal(request.so, error)
+        budget = self.config.grammar_compile_timeout_s
+        if future.started is not None and now - future.started > budget:
+            self._compiler.abandon(future)
+            return admission.timed_out(request.so, self.config)
+        return _PENDING
 
     def remove_request(self, request_id: str) -> None:
         """Forget an aborted or finished request's grammar state."""
         self._requests.pop(request_id, None)
+        self._held.pop(request_id, None)
 
     def _seq_state(self, seq) -> SequenceGrammar | None:
         request = self._requests.get(seq.group.request_id)
-        if request is None or request.error is not None:
+        if request is None:
             return None
         request.group = seq.group
         state = request.seqs.get(seq.seq_id)
         if state is None:
-            try:  # compiled on the pool since add_request; waits if it is still compiling
-                compiled = request.future.result()
-            except Exception as error:  # validated at add; a compile failure is a backend bug
-                logger.error("grammar of request %s failed to compile: %s", seq.seq_id, error)
-                request.error = str(error)
-                return None
+            # Admitted, so compiled (``wait`` / ``take_admitted``): this never waits.
+            compiled = request.future.result(timeout=0)
             state = request.seqs[seq.seq_id] = SequenceGrammar(
                 self.backend.matcher(compiled), request.start_after
             )
@@ -197,8 +323,8 @@ class StructuredOutputManager:
         """Advance the matchers of ``seqs`` (just committed) and drop finished requests.
 
         Returns:
-            The unfinished sequences whose last token the grammar rejected or whose grammar
-            failed to compile (the engine aborts them).
+            The unfinished sequences whose last token the grammar rejected (the engine aborts
+            them).
         """
         rejected, pending = [], []
         if not self._requests:
@@ -217,9 +343,6 @@ class StructuredOutputManager:
                 continue
             if seq.is_finished:
                 request.seqs.pop(seq.seq_id, None)
-                continue
-            if request.error is not None:
-                rejected.append(seq)
                 continue
             state = request.seqs.get(seq.seq_id)
             if state is None:
@@ -251,21 +374,18 @@ class StructuredOutputManager:
 
 
 def _backend_class(name: str):
-    """The backend class of ``structured_outputs_config.backend``; ``auto`` takes xgrammar
-    when it imports (it needs torch), else guidance.
-
-    Raises:
-        ValueError: the chosen backend's package is not installed (naming it).
+    """``(backend class, why)`` for ``structured_outputs_config.backend``; ``auto`` takes
+    xgrammar when it imports (it needs torch), else guidance. Imports the backend's package.
     """
     from jaxpaged.structured_output.backend import XGrammarBackend
     from jaxpaged.structured_output.backend_guidance import GuidanceBackend
 
     if name == "xgrammar":
-        return XGrammarBackend
+        return XGrammarBackend, ""
     if name == "guidance":
-        return GuidanceBackend
+        return GuidanceBackend, ""
     try:
         import xgrammar  # noqa: F401
-    except Exception:  # ImportError, or a broken install (its native library, torch)
-        return GuidanceBackend
-    return XGrammarBackend
+    except Exception as error:  # ImportError, or a broken install (its native library, torch)
+        return GuidanceBackend, f": xgrammar does not import ({type(error).__name__}: {error})"
+    return XGrammarBackend, ": xgrammar imports"

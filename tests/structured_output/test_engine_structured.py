@@ -16,11 +16,11 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams, StructuredOutputsParams
 from jaxpaged.sampling_params import SamplingParamsError
+from tests.structured_output.conftest import ENGINE
 from tests.structured_output.schemas import SCHEMAS
 
 pytest.importorskip("xgrammar")
 
-ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64)
 PROMPT = "Once upon a time"
 MAX_TOKENS = 120
 FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
@@ -35,17 +35,6 @@ REGEXES = [
     r"\w{2,6}@\w{2,6}\.(com|org)",
 ]
 CHOICES = [["yes", "no"], ["red", "green", "blue"], ["Lily", "Tom", "a long answer"], ['q"uote']]
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(**ENGINE)
-
-
-@pytest.fixture(scope="module")
-def guidance_llm():
-    pytest.importorskip("llguidance")
-    return LLM(**ENGINE, structured_outputs_config={"backend": "guidance"})
 
 
 def _has_number(schema) -> bool:

@@ -3,8 +3,9 @@ layout against a plain-numpy reference, and the compile cache."""
 
 from __future__ import annotations
 
-import concurrent.futures
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from jaxpaged import SamplingParams, StructuredOutputsParams
 from jaxpaged.engine.core_messages import params_from_wire, params_to_wire
 from jaxpaged.sampling_params import SamplingParamsError
 from jaxpaged.structured_output.bitmask import allowed_tokens, apply_token_bitmask, num_words
-from jaxpaged.structured_output.compiler import GrammarCompiler
+from jaxpaged.structured_output.compiler import GrammarCompiler, GrammarCompilerBusy
 from jaxpaged.structured_output.config import StructuredOutputsConfig
 
 
@@ -112,21 +113,69 @@ def test_apply_token_bitmask_matches_a_numpy_reference(vocab_size):
 def test_compiler_caches_by_key_and_runs_off_the_calling_thread():
     threads = []
 
-    def compile_fn(grammar):
-        threads.append(threading.current_thread().name)
-        return grammar.upper()
+    def job(text):
+        def run():
+            threads.append(threading.current_thread().name)
+            return text.upper()
 
-    compiler = GrammarCompiler(compile_fn, max_entries=2)
-    first = compiler.submit(("regex", "a"), "a")
-    assert compiler.submit(("regex", "a"), "a") is first
+        return run
+
+    compiler = GrammarCompiler(len, max_bytes=1 << 20)
+    first = compiler.submit(("regex", "a"), job("a"))
+    assert compiler.submit(("regex", "a"), job("a")) is first
     assert first.result() == "A" and compiler.num_compiled == 1
-    compiler.submit(("regex", "b"), "b")
-    compiler.submit(("regex", "c"), "c")  # evicts "a" (LRU of 2)
-    again = compiler.submit(("regex", "a"), "a")
-    concurrent.futures.wait([again])
-    assert compiler.num_compiled == 4
     assert all(name.startswith("jaxpaged-grammar") for name in threads)
-    compiler.shutdown()
+    compiler.shutdown(wait=True)
+
+
+def test_compiler_cache_is_bounded_by_bytes_and_keeps_no_failure():
+    # sizeof: the result's length; each entry also counts its key's text ("regex", "k0").
+    compiler = GrammarCompiler(len, max_bytes=250)
+    for i in range(10):
+        compiler.submit(("regex", f"k{i}"), lambda: "x" * 100).result()
+    # 107 bytes each: two fit in 250, the least recently used go first.
+    assert compiler.cache_bytes == 214
+    compiler.submit(("regex", "k8"), lambda: "never run")  # a hit: k8 is now the newest
+    compiler.submit(("regex", "big"), lambda: "y" * 1000).result()  # larger than the budget
+    assert compiler.cache_bytes <= 250
+    assert compiler.submit(("regex", "k8"), lambda: "z").result() == "x" * 100
+    assert compiler.submit(("regex", "k7"), lambda: "new").result() == "new"  # evicted
+    failed = compiler.submit(("regex", "bad"), lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failed.result()
+    assert compiler.submit(("regex", "bad"), lambda: "ok").result() == "ok"  # not cached
+    compiler.shutdown(wait=True)
+
+
+def test_an_abandoned_job_gets_a_replacement_worker_and_busy_refuses():
+    release = threading.Event()
+    compiler = GrammarCompiler(len, max_workers=1, max_abandoned=1)
+    slow = compiler.submit(("regex", "slow"), lambda: release.wait(30) and "slow")
+    while slow.started is None:
+        time.sleep(0.001)
+    queued = compiler.submit(("regex", "next"), lambda: "next")
+    assert not queued.done()  # its only worker is busy
+    compiler.abandon(slow)
+    assert queued.result(timeout=10) == "next"  # served by the replacement
+    with pytest.raises(GrammarCompilerBusy, match="past their time budget"):
+        compiler.submit(("regex", "another"), lambda: "x")
+    release.set()
+    assert slow.result(timeout=10) == "slow"
+    assert compiler.submit(("regex", "another"), lambda: "x").result(timeout=10) == "x"
+    compiler.shutdown(wait=True)
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="thread priorities are Linux's")
+def test_compile_workers_run_below_the_engine_threads_priority():
+    compiler = GrammarCompiler(len)
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def niceness():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    assert compiler.run(niceness).result(timeout=10) > own
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+    compiler.shutdown(wait=True)
 
 
 def test_auto_backend_falls_back_to_guidance_without_xgrammar(monkeypatch):
@@ -136,7 +185,9 @@ def test_auto_backend_falls_back_to_guidance_without_xgrammar(monkeypatch):
     from jaxpaged.structured_output.backend_guidance import GuidanceBackend
     from jaxpaged.structured_output.manager import _backend_class
 
-    assert _backend_class("guidance") is GuidanceBackend
-    assert _backend_class("xgrammar") is XGrammarBackend
+    assert _backend_class("guidance")[0] is GuidanceBackend
+    assert _backend_class("xgrammar")[0] is XGrammarBackend
+    assert _backend_class("auto") == (XGrammarBackend, ": xgrammar imports")
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # as if it were not installed
-    assert _backend_class("auto") is GuidanceBackend
+    backend, reason = _backend_class("auto")
+    assert backend is GuidanceBackend and "xgrammar does not import" in reason

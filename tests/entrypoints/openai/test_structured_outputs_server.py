@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import pytest
@@ -152,3 +154,79 @@ def http_metrics(server):
             return _value(_metrics(http), "jaxpaged:kv_cache_usage_perc")
 
     return kv_usage
+
+
+def _nested(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "param", "needle"),
+    [
+        ("completions", {"guided_json": _nested(440)}, "guided_json", "nested too deeply"),
+        ("completions", {"guided_grammar": 'root ::= root "a"'}, "guided_grammar", "no complete"),
+        ("chat", {"guided_regex": r"[^\s\S]"}, "guided_regex", "no complete text"),
+        ("chat", {"guided_json": {"$ref": "file:///etc/passwd"}}, "guided_json", "external $ref"),
+        (
+            "chat",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": {"type": "integer", "multipleOf": 3}},
+                }
+            },
+            "response_format",
+            "multipleOf",
+        ),
+    ],
+)
+def test_hostile_constraints_are_a_400_when_added(
+    client, http_metrics, route, extra, param, needle
+):
+    # Before: accepted with 200, then "abort" (or any JSON, or minutes of compilation).
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as info:
+        if route == "completions":
+            _complete(client, extra_body=extra)
+        else:
+            _chat(client, extra_body=extra)
+    assert time.monotonic() - started < 10
+    assert info.value.body["param"] == param, info.value.body
+    assert needle in info.value.body["message"]
+    assert http_metrics() == 0
+
+
+def test_a_compiling_grammar_never_holds_up_other_requests(client):
+    # ~1 s of xgrammar compilation on the core's workers; before, the step that first sampled
+    # the request waited for it, and every other request with it.
+    choices = [f"w{i}" for i in range(20_000)]
+    done = {}
+
+    def constrained():
+        response = _complete(client, max_tokens=8, extra_body={"guided_choice": choices})
+        done["constrained"] = (time.monotonic(), response.choices[0].text)
+
+    thread = threading.Thread(target=constrained)
+    thread.start()
+    time.sleep(0.05)
+    plain_done = []
+    while thread.is_alive() and len(plain_done) < 3:
+        _complete(client, max_tokens=4)
+        plain_done.append(time.monotonic())
+    thread.join(60)
+    assert done["constrained"][1] in choices
+    assert len(plain_done) >= 3 and plain_done[2] < done["constrained"][0]
+
+
+def test_metrics_report_the_grammar_cache(client, server):
+    import httpx
+
+    from tests.live_server import API_KEY
+
+    _complete(client, extra_body={"guided_regex": "[0-9]{3}"})
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        cached = _value(_metrics(http), "jaxpaged:grammar_cache_bytes")
+    assert 0 < cached <= 512 << 20  # structured_outputs_config.grammar_cache_mb's default
