@@ -8,11 +8,11 @@ first compilation: on a worker, while the engine starts) and the first constrain
 
 H100 / H200, Llama-3-8B shape with a 128k-token vocabulary::
 
-    python scripts/grammar_isolation.py --model benchmarks/configs/llama-3-8b \\
+    python benchmarks/grammar_isolation.py --model benchmarks/configs/llama-3-8b \\
         --load-format dummy --synthetic-vocab --dtype bfloat16 --max-model-len 2048 \\
         --max-num-seqs 64 --out grammar_isolation.json
 
-CPU smoke test: ``python scripts/grammar_isolation.py --dtype float32 --max-model-len 256``
+CPU smoke test: ``python benchmarks/grammar_isolation.py --dtype float32 --max-model-len 256``
 (stories260k).
 """
 
@@ -28,12 +28,12 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from benchmarks.structured_outputs import _commit, synthetic_tokenizer  # noqa: E402
 from jaxpaged.entrypoints.cli import (  # noqa: E402
     add_engine_args,
     engine_args_from,
     set_jax_memory_fraction,
 )
-from scripts.benchmark_structured_outputs import _commit, synthetic_tokenizer  # noqa: E402
 
 
 def _nested(depth: int) -> dict:
