@@ -1,6 +1,6 @@
 """How fast the API processes admit a burst of streaming completions into the engine core.
 
-Issue 13: at rate ``inf`` the served run starts with 1000 simultaneous HTTP requests, and the
+At rate ``inf`` the served run starts with 1000 simultaneous HTTP requests, and the
 engine runs small batches until they have reached its waiting queue. This script measures that
 ingestion alone, on the CPU: an engine core that never steps (``IngestOnlyCore``, stories260k),
 ``--api-server-count`` API processes as ``jaxpaged serve`` runs them
@@ -33,7 +33,7 @@ clients start, dumped on SIGUSR2 once the core holds all N) and prints the top f
     python -m scripts.benchmark_ingest --num-prompts 250 --client httpx
     python -m scripts.benchmark_ingest --num-prompts 1000 --profile 1 --rounds 1
 
-Issue 13, the 2-core CPU machine (client, API processes and core share the 2 cores), 128-id
+On the 2-core CPU machine (client, API processes and core share the 2 cores), 128-id
 prompts, raw client, medians of 3-5 rounds: one API process admitted 1000 requests in 1.35 s
 (740 req/s, ~1000 CPU us/request) before the admission path was trimmed (one-pass token-id
 checks, the prompt union's order, ``check_supported`` over the fields set) and in 0.92 s

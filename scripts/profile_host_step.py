@@ -27,7 +27,7 @@ token ids with the wire params a completions request of ``benchmark_serving`` se
 them (after msgpack). It prints the median microseconds per add over ``--repeats`` rounds
 (every round aborts its requests, untimed, so each starts from an empty queue);
 ``--cprofile 1`` then profiles one more round and prints the top functions by cumulative
-time. Issue 13 (stories260k, a busy 2-core CPU machine, 1000 adds of 128 tokens, 11
+time. Measured (stories260k, a busy 2-core CPU machine, 1000 adds of 128 tokens, 11
 rounds, six paired runs): 82-125 us/add before the admission path was trimmed, 42-69 after
 (about half in every pair). The trim: one ``SamplingParams`` built instead of two
 (``dataclasses.replace`` validated again), no ``int()`` copy of ids that are ints, and the

@@ -1,5 +1,5 @@
 """Each request's life in the engine core under load: arrival -> add -> first scheduled step ->
-first token out, with the device step that was running when it arrived (issue 28).
+first token out, with the device step that was running when it arrived.
 
 Starts the engine-core process as ``jaxpaged serve`` does (``start_core_process``) with
 ``TracingEngineCore`` (``jaxpaged/engine/request_trace.py``), and plays the API process itself:

@@ -8,7 +8,7 @@ Each step gives every scheduled sequence a range of its tokens to compute:
 
 When the step computes a sequence's last token (`do_sample`), the model samples one new token for
 it, which `update_from_output` appends; that token is the only one the next step has to compute
-(a decode). The policy is vLLM v1's unified token budget (DESIGN.md section 2, step 1) over vLLM
+(a decode). The policy is vLLM v1's unified token budget (docs/architecture.md, "One engine step") over vLLM
 v0's sequence groups, which bring swap preemption, parallel sampling and beam search.
 """
 

@@ -1,7 +1,7 @@
 """A snapshot of scheduler and KV-cache state for metrics (host only; no JAX).
 
-Field names follow vLLM's Prometheus metrics (`vllm:<name>`; counters gain `_total` on export),
-see `../shared/reference/vllm_surface.md` section 3.
+Field names follow vLLM v1's Prometheus metrics (`vllm:<name>`; counters gain `_total` on
+export; `vllm/v1/metrics/loggers.py`).
 """
 
 from __future__ import annotations

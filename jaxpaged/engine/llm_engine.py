@@ -1,6 +1,6 @@
 """``LLMEngine``: ``add_request`` / ``step`` / ``abort_request`` over the scheduler and the runner.
 
-One ``step`` is DESIGN.md §2: schedule (host), prepare + run (one transfer, one jitted step),
+One ``step`` (docs/architecture.md, "One engine step"): schedule (host), prepare + run (one transfer, one jitted step),
 commit (append tokens, check stops, free finished sequences' blocks), then the output processor
 detokenizes, applies stop strings and emits outputs.
 """

@@ -1,5 +1,5 @@
 """A request's life in the engine core, step by step: arrival -> add -> first scheduled step ->
-first token out (issue 28).
+first token out (docs/benchmarks.md, "First tokens sooner").
 
 ``TracingEngineCore`` is an ``EngineCore`` that records, on the core's host clock
 (``time.monotonic()``, one clock for the processes of a host):

@@ -1,6 +1,6 @@
 """The packed step buffer: every small array of one step in a single int32 host buffer.
 
-One host-to-device transfer per step carries it (DESIGN.md §2); the jitted step slices it back
+One host-to-device transfer per step carries it (docs/architecture.md, "One engine step"); the jitted step slices it back
 into arrays by static offsets (``PackedLayout.unpack``) and bit-casts the float and unsigned
 sampling columns (``SamplingMetadata.from_packed``). This module is the one place that says which
 sections exist, in what order, how long each is for a bucket of ``T`` tokens and ``B``

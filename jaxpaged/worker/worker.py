@@ -7,7 +7,7 @@ Start-up, in vLLM's order (``vllm/v1/worker/gpu_worker.py``: ``load_model``,
    resolves the attention backend.
 2. ``load_model()``: weights (or dummies) onto the device(s); the KV cache's geometry follows.
 3. ``determine_num_blocks()``: profiles one step at the full token budget and sizes the KV cache
-   (DESIGN.md §3), or takes the forced count / byte budget of the config.
+   (docs/architecture.md, "KV cache sizing"), or takes the forced count / byte budget of the config.
 4. ``initialize_cache(num_blocks)``: builds the ``ModelRunner``, compiles every step bucket
    against the cache's shapes (before allocating it, so XLA's autotuner sees the memory the
    cache will take), allocates the cache and the host swap space (``BlockMover``).

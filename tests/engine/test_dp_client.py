@@ -1,5 +1,5 @@
-"""``jaxpaged serve --data-parallel-size 2``: two engine-core processes behind one API server
-(issue 16). Outputs equal the offline engine's, both cores take load, a dead core leaves the
+"""``jaxpaged serve --data-parallel-size 2``: two engine-core processes behind one API server.
+Outputs equal the offline engine's, both cores take load, a dead core leaves the
 other serving and is reported on /health and in /metrics."""
 
 from __future__ import annotations

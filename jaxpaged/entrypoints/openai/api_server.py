@@ -5,7 +5,7 @@ core runs in its own process (``jaxpaged/engine/core.py``) and is reached throug
 ``EngineCoreClient`` (vLLM v1's split). ``python -m jaxpaged.entrypoints.openai.api_server``
 takes the same flags as ``jaxpaged serve``.
 
-Routes (vLLM's, ``reference/vllm_surface.md`` section 2.2): ``POST /v1/completions``,
+Routes (vLLM's, ``vllm/entrypoints/openai/api_server.py``): ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (200, or 503 once the engine
 core has died), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
 (Prometheus text), ``POST /invocations`` (SageMaker), ``GET /load`` and, with its flag,
