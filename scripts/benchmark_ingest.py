@@ -62,7 +62,7 @@ import time
 
 import numpy as np
 
-from jaxpaged.engine.core import EngineCore
+from jaxpaged.engine_core.core import EngineCore
 
 CORE_CLASS = "scripts.benchmark_ingest:IngestOnlyCore"
 MODEL = "stories"
@@ -215,8 +215,8 @@ def _aborts(port: int) -> float:
 
 
 async def _run(args, core, sock, processes, metrics_dir) -> None:
-    from jaxpaged.engine.core_client import EngineCoreClient
-    from jaxpaged.engine.core_messages import Kind
+    from jaxpaged.engine_core.core_client import EngineCoreClient
+    from jaxpaged.engine_core.core_messages import Kind
 
     port = sock.getsockname()[1]
     count = args.api_server_count
@@ -347,7 +347,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from jaxpaged.config import EngineArgs
-    from jaxpaged.engine.core_process import start_core_process
+    from jaxpaged.engine_core.core_process import start_core_process
     from jaxpaged.entrypoints.env import prometheus_multiproc_dir
     from jaxpaged.entrypoints.openai.multi_api_server import bind_server_socket
 

@@ -11,7 +11,7 @@ Builds the engine on the embedded stories260k model (token-id prompts, no tokeni
     outputs    OutputProcessor.process
 
 With ``--core-clients C`` the engine is stepped as the served engine core steps it
-(``jaxpaged.engine.core.EngineCore``, in-process, no sockets): requests are added as an API
+(``jaxpaged.engine_core.core.EngineCore``, in-process, no sockets): requests are added as an API
 process adds them (``core_messages`` wire params, DELTA, spread over ``C`` clients), and each
 step is ``core.step()``, ``core.route()`` and one ``core_messages.encode`` per client message.
 Three more phases are then timed:
@@ -60,9 +60,9 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from jaxpaged.config import EngineArgs  # noqa: E402
-from jaxpaged.engine.core import EngineCore, freeze_gc_heap  # noqa: E402
-from jaxpaged.engine.core_messages import Kind, decode, encode, params_to_wire  # noqa: E402
 from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxpaged.engine_core.core import EngineCore, freeze_gc_heap  # noqa: E402
+from jaxpaged.engine_core.core_messages import Kind, decode, encode, params_to_wire  # noqa: E402
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 PHASES = ("schedule", "prepare", "device", "commit", "outputs")

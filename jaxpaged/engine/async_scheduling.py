@@ -46,7 +46,7 @@ from jaxpaged.worker.model_runner import PendingStep
 @dataclasses.dataclass
 class StepTimes:
     """When one async ``LLMEngine.step`` did what (``time.monotonic()`` seconds), for the engine
-    core's choice of when to schedule the next step (``engine/admission.py``) and its traces.
+    core's choice of when to schedule the next step (``engine_core/admission.py``) and its traces.
 
     ``device_start`` is when the step this call dispatched began on the device: when the previous
     step's tokens became ready if the host was already waiting for them (the device runs steps in

@@ -495,8 +495,8 @@ class LLMEngine:
         this step runs on the device (``engine/async_scheduling.py``).
 
         Args:
-            token_deltas: the engine core's form: each output is its text-free wire delta
-                (``core_messages.delta_to_wire``) and nothing is detokenized
+            token_deltas: the engine core's form: each output is its text-free token delta
+                (``engine/deltas.py``) and nothing is detokenized
                 (``OutputProcessor.process``).
         """
         if self.async_scheduling or self._in_flight is not None:

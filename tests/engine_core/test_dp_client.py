@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxpaged.engine.dp_client import device_group
+from jaxpaged.engine_core.dp_client import device_group
 
 PROMPTS = [
     f"Once upon a time there was a {w}" for w in ("cat", "dog", "girl", "boy", "tree", "sun")

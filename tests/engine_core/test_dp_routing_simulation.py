@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from jaxpaged.config import EngineArgs
-from jaxpaged.engine.dp_balancer import DPBalancer
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_core.dp_balancer import DPBalancer
 from jaxpaged.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import time
 
-from jaxpaged.engine.core import EngineCore
-from jaxpaged.engine.core_messages import delta_finished
+from jaxpaged.engine.deltas import delta_finished
+from jaxpaged.engine_core.core import EngineCore
 
 # Most requests and steps kept (the oldest are dropped beyond).
 MAX_RECORDS = 200_000

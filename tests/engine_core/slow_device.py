@@ -82,7 +82,7 @@ def _simulated(core_class):
 
 
 def _tracing_classes():
-    from jaxpaged.engine.request_trace import EagerTracingEngineCore, TracingEngineCore
+    from jaxpaged.engine_core.request_trace import EagerTracingEngineCore, TracingEngineCore
 
     return _simulated(TracingEngineCore), _simulated(EagerTracingEngineCore)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpaged.detokenizer import IncrementalDetokenizer
-from jaxpaged.engine.core_messages import EngineCoreOutput
+from jaxpaged.engine_core.core_messages import EngineCoreOutput
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 

@@ -42,9 +42,9 @@ from collections.abc import Callable
 import zmq
 
 from jaxpaged.beam_search import BeamSearchParams
-from jaxpaged.engine.client_outputs import ClientRequestState
-from jaxpaged.engine.core import QueueFullError
-from jaxpaged.engine.core_messages import (
+from jaxpaged.engine_core.client_outputs import ClientRequestState
+from jaxpaged.engine_core.core import QueueFullError
+from jaxpaged.engine_core.core_messages import (
     Kind,
     decode,
     decode_output,
@@ -52,7 +52,7 @@ from jaxpaged.engine.core_messages import (
     params_to_wire,
     scheduler_stats,
 )
-from jaxpaged.engine.core_process import (
+from jaxpaged.engine_core.core_process import (
     CoreConnection,
     RemoteCoreProcess,
     client_sockets,
@@ -194,7 +194,7 @@ class EngineCoreClient:
         *,
         tokenizer=None,
         max_num_queued_requests: int | None = None,
-        core_class: str = "jaxpaged.engine.core:EngineCore",
+        core_class: str = "jaxpaged.engine_core.core:EngineCore",
         heartbeat_timeout_s: float = 10.0,
         metrics=None,
         cuda_visible_devices: str | None = None,

@@ -1,4 +1,4 @@
-"""Late scheduling (``engine/admission.py``): under async scheduling, a request that reaches the
+"""Late scheduling (``engine_core/admission.py``): under async scheduling, a request that reaches the
 engine core while step N runs on the device is in step N + 1, not N + 2.
 
 The core's loop runs in a thread on the session's stories260k engine, whose device is simulated
@@ -14,12 +14,13 @@ import pytest
 import zmq
 
 from jaxpaged import SamplingParams
-from jaxpaged.engine import core as core_module
-from jaxpaged.engine.admission import AdmissionWindow
 from jaxpaged.engine.async_scheduling import StepTimes
-from jaxpaged.engine.core import EngineCore
-from jaxpaged.engine.core_messages import Kind, decode, delta_finished, encode, params_to_wire
-from tests.engine.slow_device import SlowDevice
+from jaxpaged.engine.deltas import delta_finished
+from jaxpaged.engine_core import core as core_module
+from jaxpaged.engine_core.admission import AdmissionWindow
+from jaxpaged.engine_core.core import EngineCore
+from jaxpaged.engine_core.core_messages import Kind, decode, encode, params_to_wire
+from tests.engine_core.slow_device import SlowDevice
 
 STEP_S = 0.2
 
