@@ -422,7 +422,7 @@ class ModelRunner:
             enabled=variant.prompt_logprobs,
         )
         if num_beam_candidates:
-            temperature = SamplingMetadata.from_packed(arrays).temperature
+            temperature = SamplingMetadata.from_arrays(arrays).temperature
             out["beams"] = top_logprobs(logits, temperature, num_beam_candidates)
         return out, kv_caches, logits_state
 
@@ -472,7 +472,7 @@ class ModelRunner:
         return hidden, logits, kv_caches, model
 
     def _sample_rows(self, logits, logits_state, prev_tokens, arrays, bitmask, variant):
-        sampling = SamplingMetadata.from_packed(arrays)
+        sampling = SamplingMetadata.from_arrays(arrays)
         if bitmask is not None:
             # Grammar-disallowed tokens go to -inf before anything reads the logits, so the
             # sampler, the logprobs (raw ones too, as vLLM's) and beam candidates all see it.
