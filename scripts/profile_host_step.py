@@ -5,8 +5,8 @@ Builds the engine on the embedded stories260k model (token-id prompts, no tokeni
 ``--steps`` decode steps phase by phase and prints microseconds per step:
 
     schedule   Scheduler.schedule
-    prepare    ModelRunner._assign_logits_state_slots + _prepare_inputs (the packed buffer)
-    device     the rest of execute_model: transfer, jitted step, np.asarray read-back
+    prepare    ModelRunner.prepare (bucket key, LogitsState slots, the packed buffer)
+    device     ModelRunner.launch + collect: transfer, jitted step, np.asarray read-back
     commit     Scheduler.update_from_output
     outputs    OutputProcessor.process
 
@@ -132,10 +132,9 @@ def instrument(engine: LLMEngine) -> PhaseTimer:
     timer = PhaseTimer()
     runner = engine.worker.model_runner
     timer.wrap(engine.scheduler, "schedule", "schedule")
-    timer.wrap(runner, "_assign_logits_state_slots", "prepare")
-    timer.wrap(runner, "_prepare_inputs", "prepare")
-    # execute_model includes prepare; "device" is reported as execute_model minus prepare.
-    timer.wrap(runner, "execute_model", "execute_model")
+    timer.wrap(runner, "prepare", "prepare")
+    timer.wrap(runner, "launch", "device")
+    timer.wrap(runner, "collect", "device")
     timer.wrap(engine.scheduler, "update_from_output", "commit")
     timer.wrap(engine.output_processor, "process", "outputs")
     return timer
@@ -266,7 +265,6 @@ def main(argv=None) -> None:
         step()
         samples["step (total)"].append(1e6 * (time.perf_counter() - start))
         seconds = timer.seconds
-        seconds["device"] = seconds.pop("execute_model") - seconds["prepare"]
         if served is not None:
             seconds["core step"] -= seconds.pop("engine step")
         for phase, value in seconds.items():

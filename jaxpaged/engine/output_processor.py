@@ -26,9 +26,10 @@ from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.engine.deltas import completion_delta, logprobs_delta, request_delta, token_delta
 from jaxpaged.engine.group_outputs import ranked_completions
 from jaxpaged.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
-from jaxpaged.sample.logprobs import LogprobsBuilder, ModelRunnerOutput
+from jaxpaged.sample.logprobs import LogprobsBuilder
 from jaxpaged.sampling_params import RequestOutputKind
 from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from jaxpaged.worker.step_output import ModelRunnerOutput
 
 
 @dataclasses.dataclass

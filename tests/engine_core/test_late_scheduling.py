@@ -46,14 +46,14 @@ def _warm_up(engine) -> None:
 @pytest.fixture
 def slow_async_engine(stories_llm):
     engine = stories_llm.llm_engine
-    worker, was_async = engine.worker, engine.async_scheduling
+    worker, was_async = engine.pipeline.worker, engine.async_scheduling
     engine.async_scheduling = True
     _warm_up(engine)
-    engine.worker = SlowDevice(worker, STEP_S)
+    engine.pipeline.worker = SlowDevice(worker, STEP_S)
     try:
         yield engine
     finally:
-        engine.worker, engine.async_scheduling = worker, was_async
+        engine.pipeline.worker, engine.async_scheduling = worker, was_async
 
 
 class LoopThread:
@@ -109,7 +109,7 @@ class LoopThread:
 def test_a_request_arriving_while_step_n_runs_is_in_step_n_plus_1(
     slow_async_engine, core_class, expected_lag
 ):
-    device = slow_async_engine.worker
+    device = slow_async_engine.pipeline.worker
     core = core_class(slow_async_engine)
     loop = LoopThread(core)
     try:
