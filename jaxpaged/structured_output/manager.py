@@ -6,9 +6,11 @@ Life of a constrained request (vLLM v1's ``StructuredOutputManager`` plays the s
    tokenizer-free grammar, so a bad schema, regex or grammar raises ``ValueError`` naming the
    field before the request enters the scheduler (no blocks taken); then its compilation is
    submitted to the thread pool (or found in the cache).
-2. ``grammar_bitmask`` (before each step that samples a constrained row): every such row's
-   matcher is brought up to date with its committed tokens and fills its row of the packed
-   bitmask; other rows allow everything. A grammar still compiling is waited for here.
+2. ``bitmask_filler`` (right before the segment that samples a step with a constrained row
+   launches; ``engine/step_pipeline.py``): every such row's matcher is brought up to date with
+   its committed tokens and fills its row of the bitmask; other rows allow everything. A
+   grammar still compiling is waited for here. (``grammar_bitmask`` returns the same rows as
+   an array, for tests and tools.)
 3. ``update`` (after each commit): matchers accept the new tokens; a sequence whose token the
    grammar rejected is reported to be aborted; finished requests' state is dropped. A complete
    grammar needs no action: its mask allows only EOS, which stops the request (``stop``) by the
