@@ -115,7 +115,7 @@ def resolve(
         if seq.seq_id in sampled and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
             seq.replace_last_token(sampled[seq.seq_id])
             seq.cumulative_logprob += runner_output.sampled_logprobs.get(seq.seq_id, 0.0)
-            status = scheduler.check_stop(seq)
+            status = seq.stop_status(scheduler.max_model_len)
             if seq.is_finished:
                 # Finished by length on the placeholder; EOS or a stop token on that same
                 # token comes first in the order of the stop checks.
