@@ -60,11 +60,6 @@ class DeviceStep:
     handed: dict | None = None  # what the last launched segment hands to the next
     out: dict | None = None  # the sampled outputs on the device, once ``sample`` launched
 
-    @property
-    def launched(self) -> bool:
-        """Whether the step's outputs are on their way (True for an empty step)."""
-        return not self.scheduled or self.out is not None
-
 
 class ModelRunner:
     """Runs the model on scheduled sequences and returns one sampled token per finished prefill
