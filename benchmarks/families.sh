@@ -1,6 +1,7 @@
 #!/bin/bash
-# Issue 17's model families on one H200, dummy bf16 weights of the published configs
-# (benchmarks/configs/): per model, 1000 x 128/128 offline throughput and batch-1 TPOT
+# The model families on one H200 (docs/benchmarks.md, "Model families"), dummy bf16 weights of
+# the published configs (benchmarks/configs/): per model, 1000 x 128/128 offline throughput and
+# batch-1 TPOT
 # (benchmarks/e2e_suite.py, one engine for both), then one table next to the
 # weight-read floors (benchmarks/lib/families_report.py). families.sh first runs the GPU-only
 # tests (tiny HF checkpoints through the compiled Pallas kernels and the Mosaic GPU grouped

@@ -1,6 +1,6 @@
 """How fast the API processes admit a burst of streaming completions into the engine core.
 
-Issue 13: at rate ``inf`` the served run starts with 1000 simultaneous HTTP requests, and the
+At rate ``inf`` the served run starts with 1000 simultaneous HTTP requests, and the
 engine runs small batches until they have reached its waiting queue. This script measures that
 ingestion alone, on the CPU: an engine core that never steps (``IngestOnlyCore``, stories260k),
 ``--api-server-count`` API processes as ``jaxpaged serve`` runs them
@@ -33,7 +33,7 @@ clients start, dumped on SIGUSR2 once the core holds all N) and prints the top f
     python -m benchmarks.ingest --num-prompts 250 --client httpx
     python -m benchmarks.ingest --num-prompts 1000 --profile 1 --rounds 1
 
-Issue 13, the 2-core CPU machine (client, API processes and core share the 2 cores), 128-id
+On the 2-core CPU machine (client, API processes and core share the 2 cores), 128-id
 prompts, raw client, medians of 3-5 rounds: one API process admitted 1000 requests in 1.35 s
 (740 req/s, ~1000 CPU us/request) before the admission path was trimmed (one-pass token-id
 checks, the prompt union's order, ``check_supported`` over the fields set) and in 0.92 s
@@ -62,7 +62,7 @@ import time
 
 import numpy as np
 
-from jaxpaged.engine.core import EngineCore
+from jaxpaged.engine_core.core import EngineCore
 
 CORE_CLASS = "benchmarks.ingest:IngestOnlyCore"
 MODEL = "stories"
@@ -215,8 +215,8 @@ def _aborts(port: int) -> float:
 
 
 async def _run(args, core, sock, processes, metrics_dir) -> None:
-    from jaxpaged.engine.core_client import EngineCoreClient
-    from jaxpaged.engine.core_messages import Kind
+    from jaxpaged.engine_core.core_client import EngineCoreClient
+    from jaxpaged.engine_core.core_messages import Kind
 
     port = sock.getsockname()[1]
     count = args.api_server_count
@@ -347,7 +347,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from jaxpaged.config import EngineArgs
-    from jaxpaged.engine.core_process import start_core_process
+    from jaxpaged.engine_core.core_process import start_core_process
     from jaxpaged.entrypoints.env import prometheus_multiproc_dir
     from jaxpaged.entrypoints.openai.multi_api_server import bind_server_socket
 

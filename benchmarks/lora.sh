@@ -1,5 +1,5 @@
 #!/bin/bash
-# Multi-LoRA on one H200 (issue 15): Llama-3-8B shapes, bf16, dummy base weights; 1000 requests
+# Multi-LoRA on one H200: Llama-3-8B shapes, bf16, dummy base weights; 1000 requests
 # of 128 prompt / 128 output tokens with 8 random rank-16 adapters on all seven projections
 # spread round-robin over the requests, vs the base model alone; batch-1 TPOT with one adapter
 # vs the base; an XLA micro-benchmark of the batched LoRA matmul. Two processes (one engine

@@ -1,4 +1,4 @@
-"""Quantized-linear kernels against bf16 and the hardware ceilings, one process (issue 25).
+"""Quantized-linear kernels against bf16 and the hardware ceilings, one process.
 
 ``python benchmarks/quant_kernels.py --out quant_kernels.json`` (H200: about 4 minutes;
 ``--budget-s`` bounds the sweep). ``--tiny`` runs tiny shapes on any backend (interpret mode

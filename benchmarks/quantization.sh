@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 14 on one H200: Llama-3-8B shape, dummy weights, max_num_seqs 512, async scheduling,
+# Quantized serving on one H200: Llama-3-8B shape, dummy weights, max_num_seqs 512, async scheduling,
 # one engine process per configuration (benchmarks/e2e_suite.py: 1000 x 128/128 random
 # output tok/s, then batch-1 TPOT of 128/128; fp8 also 1000 ShareGPT-like requests), side by
 # side: bf16 | fp8 online + fp8 KV | INT8 W8A8 (compressed-tensors) | W4A16 AWQ, XLA path |

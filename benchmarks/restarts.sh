@@ -1,5 +1,5 @@
 #!/bin/bash
-# Start-up and load-time figures of issue 18 on one H200 (<= 8 min), Llama-3-8B shapes, bf16:
+# Start-up and load-time figures on one H200 (<= 8 min), Llama-3-8B shapes, bf16:
 #   1. cold start (empty compilation cache) and warm start (cache filled) to the first token,
 #      each in a fresh process, dummy weights (no weight files: start-up = import + compile);
 #      each start's JSON holds its start-up phases and when the background thread had every

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 13's job: the same engine offline and behind `jaxpaged serve` (API processes + engine-core
+# The same engine offline and behind `jaxpaged serve` (API processes + engine-core
 # process), on one H200: Llama-3-8B shape, bf16, dummy weights, max_num_seqs 512, async
 # scheduling. The server runs --api-server-count $API_SERVERS (default 4 of the host's 16 CPU
 # cores; one Python API process cannot stream 16k tok/s). Logs and JSON in $OUT; one table at
@@ -10,7 +10,7 @@
 #   SATURATION_ONLY=1 ...   # only the server's warm-up and saturation runs (diagnosis); every
 #   run samples `top` once a second during saturation (which process is busy) into $OUT.
 # The saturation run's load comes from $CLIENTS benchmark processes (default 4;
-# --num-client-processes), so the client is not what it measures (issue 13); CLIENTS=1 for one.
+# --num-client-processes), so the client is not what it measures; CLIENTS=1 for one.
 # After the server: the request-life trace of the 20 req/s and 16-client loads
 # (scripts/trace_request_life.py: the engine-core process alone, driven over its wire; arrival ->
 # add -> first scheduled step -> first token, per request) with late scheduling and, for

@@ -1,5 +1,5 @@
 """Structured outputs' cost: throughput with every request under a JSON schema vs none, and
-batch-1 TPOT with and without (issue 26's targets: >= 0.9x throughput, <= +10% TPOT).
+batch-1 TPOT with and without (targets: >= 0.9x throughput, <= +10% TPOT).
 
 One engine serves all four runs (same card, same compiled buckets). Prompts are random token
 ids; every request runs to its output length (``ignore_eos``), and the default schema needs

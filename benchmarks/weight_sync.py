@@ -1,5 +1,5 @@
 """RL weight sync and sleep mode: ``update_weights`` from a device pytree, ``sleep`` / ``wake_up``,
-and throughput before and after the round trip (issue 27's GPU targets).
+and throughput before and after the round trip (against the GPU targets in docs/benchmarks.md).
 
 One engine on dummy weights of the model's real shapes (default: Llama-3-8B,
 ``benchmarks/configs/llama-3-8b``, bfloat16), prompts as random token ids. Timed, each

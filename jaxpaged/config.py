@@ -1,7 +1,7 @@
 """Engine configuration: ``EngineArgs`` (what a user sets) validated once into typed configs.
 
 Names and defaults follow vLLM's ``EngineArgs`` (vllm/engine/arg_utils.py) where vLLM has the
-knob; see ``../shared/reference/vllm_surface.md``.
+knob.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class EngineArgs:
         "auto/safetensors: read weights; dummy: random weights of the real shapes (benchmarks); "
         "bitsandbytes: read and quantize to 8 bits (with quantization=bitsandbytes).",
     )
-    # Quantization (issue 14; docs/quantization.md).
+    # Quantization (docs/quantization.md).
     quantization: str | None = _arg(
         None,
         f"Weight quantization, one of {', '.join(QUANTIZATION_METHODS)}; None: the checkpoint's "

@@ -1,7 +1,6 @@
 """Prometheus metrics of one served engine: vLLM's names under the ``jaxpaged:`` prefix.
 
-Names, types and histogram buckets follow vLLM v1 (``vllm/v1/metrics/loggers.py``; the list is
-in ``reference/vllm_surface.md`` section 3), with both the old and the new names where vLLM
+Names, types and histogram buckets follow vLLM v1 (``vllm/v1/metrics/loggers.py``), with both the old and the new names where vLLM
 renamed one (``gpu_cache_usage_perc`` / ``kv_cache_usage_perc``, ``time_per_output_token_seconds``
 / ``inter_token_latency_seconds``, which observe the same per-token gaps). Every metric carries a
 ``model_name`` label (the first served model name). Counters are declared without ``_total``;
@@ -251,7 +250,7 @@ class ServerMetrics:
         in first-seen order, as vLLM's), replacing the previous label set (removed after the
         new one is set, so a scrape never finds the metric empty).
 
-        Called once at construction (no adapters); with multi-LoRA (issue 15) the engine loop
+        Called once at construction (no adapters); with multi-LoRA the engine loop
         calls it after each step with the scheduler's running and waiting adapter names.
         A no-op unless ``observes_engine``."""
         if not self.observes_engine:

@@ -1,7 +1,6 @@
 """``SamplingParams``: how one request is sampled, with vLLM's names, defaults and validation.
 
-Semantics follow vLLM's ``vllm/sampling_params.py`` (see ``../shared/reference/vllm_surface.md``
-§1.3). Validation errors are ``SamplingParamsError`` (a ``ValueError``) carrying the parameter
+Semantics follow vLLM's ``vllm/sampling_params.py``. Validation errors are ``SamplingParamsError`` (a ``ValueError``) carrying the parameter
 name and value so the HTTP layer can answer 400 naming the field. Checks that need the model
 (token ids inside the vocabulary, ``logprobs <= max_logprobs``) are made by the engine when the
 request is added.

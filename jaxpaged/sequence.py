@@ -255,6 +255,26 @@ class Sequence:
         self.output_token_ids.pop()
         return True
 
+    def stop_status(self, max_model_len: int) -> SequenceStatus | None:
+        """The status this sequence finishes with after its last token (vLLM's stop checks, in
+        order), or None; sets ``stop_reason`` for a stop token. Does not finish it."""
+        params = self.sampling_params
+        last = self.last_token_id
+        num_output_tokens = self.num_output_tokens
+        # EOS and stop tokens only count after min_tokens (the sampler masks them before that).
+        if num_output_tokens >= (getattr(params, "min_tokens", 0) or 0):
+            if not params.ignore_eos and last == self.eos_token_id:
+                return SequenceStatus.FINISHED_STOPPED
+            if params.stop_token_ids and last in params.stop_token_ids:
+                self.stop_reason = last
+                return SequenceStatus.FINISHED_STOPPED
+        max_tokens = params.max_tokens
+        if max_tokens is not None and num_output_tokens >= max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if self.num_tokens >= max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
     def fork(self, seq_id: str) -> Sequence:
         """A copy with its own token lists, counters and id, in the same group.
 

@@ -4,7 +4,7 @@
 (``LlamaConfig``'s ``rope_theta``, ``rms_norm_eps``, ...), renames older keys (``rope_scaling`` ->
 ``rope_parameters``) and maps aliases (``attribute_map``: GPT-2's ``hidden_size`` is ``n_embd``).
 Importing transformers takes seconds, most of them PyTorch's import when it is installed (9.8 s of
-an 18 s warm start on the H200, issue 18). The first start therefore stores what the engine reads
+an 18 s warm start on the H200; docs/benchmarks.md, "Start-up and checkpoint loading"). The first start therefore stores what the engine reads
 of the resolved config, and a later start with the same ``config.json`` rebuilds it as a
 ``CachedConfig`` without importing transformers.
 

@@ -37,7 +37,7 @@ AUTO_BACKENDS: dict[str, tuple[tuple[int | None, str], ...]] = {
     "w8": ((16, "pallas"), (None, "xla")),
 }
 AUTO_BACKENDS_MEASURED: str | None = (
-    "H100 80GB HBM3, tree f94aa64, 2026-12-05, docs/benchmarks.md 'Quantized kernels (issue 25)'"
+    "H100 80GB HBM3, tree f94aa64, 2026-12-05, docs/benchmarks.md 'Quantized kernels'"
 )
 
 

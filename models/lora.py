@@ -109,7 +109,7 @@ LORA_PATHS = ("dense", "gather", "bgmv")
 # first H200 run (Llama-3-8B, max_num_seqs 1024, gpu_memory_utilization 0.9) the fold engine ran
 # out of device memory in its first steps (a 1.49 GiB allocation in ``jit__step``) where the
 # dense layout's engine has run; the cause is not found yet (on the CPU the compiled step's KV
-# aliasing, temporaries and live arrays match the dense layout's). docs/benchmarks.md, issue 15.
+# aliasing, temporaries and live arrays match the dense layout's). docs/benchmarks.md, "Multi-LoRA".
 LORA_FOLD = False
 
 

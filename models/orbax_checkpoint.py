@@ -28,7 +28,7 @@ unaligned buffer). ``restore_arrays`` reads each shard into a 64-byte-aligned ho
 a CPU device adopts without a copy and an accelerator copies once, on a pool of threads, so that
 file reads and device copies overlap. Measured on a 2-core CPU (1.6 GiB of bf16, page cache
 warm, the restore alone): orbax's restore 860k page faults and 3.0-3.5 CPU s, this reader 400k
-and ~2.1 s; with 8 MiB chunks 190k-260k and ~1.8 s (docs/benchmarks.md, issue 18). Checkpoints
+and ~2.1 s; with 8 MiB chunks 190k-260k and ~1.8 s (docs/benchmarks.md, "Start-up and checkpoint loading"). Checkpoints
 converted earlier (one chunk per shard, some zstd-compressed) and zarr3 arrays restore the same
 way: TensorStore reads each array's chunking and codec from its metadata.
 """
@@ -178,7 +178,7 @@ def write_arrays(
 
     Uncompressed: orbax compresses with zstd by default, and decompressing 15 GB of bf16 kept the
     H200's restore CPU-bound at 0.69 GiB/s with the files in the page cache (a serving checkpoint
-    is read far more often than written; docs/benchmarks.md, issue 18). Chunked: on a 2-core CPU
+    is read far more often than written; docs/benchmarks.md, "Start-up and checkpoint loading"). Chunked: on a 2-core CPU
     8 MiB chunks cut ``restore_arrays``' page faults from 400k to 190k-260k and its CPU time
     from ~2.1 to ~1.8 s against one chunk per shard (32 MiB: no fewer faults; 2 MiB: more CPU
     per chunk). Orbax picks the chunk shape, dividing each shard.

@@ -1,4 +1,4 @@
-"""Linear layers whose weight stays quantized on the device (issue 14; ``models.quantization``).
+"""Linear layers whose weight stays quantized on the device (``models.quantization``).
 
 The Llama family (``models.llama``) builds one of these instead of ``nnx.Linear`` /
 ``MergedColumnParallelLinear`` for each projection that ``get_linear_method`` quantizes

@@ -1,7 +1,7 @@
 """Per-row expert matmul for MoE decode: ``out[r] = x[r] @ w[expert_ids[r]]``, reading only the
 experts some row uses.
 
-Why (docs/benchmarks.md, issue 17): at decode (``T * k`` of a few dozen rows) the Mosaic GPU
+Why (docs/benchmarks.md, "Model families"): at decode (``T * k`` of a few dozen rows) the Mosaic GPU
 grouped GEMM (``pallas_kernels.grouped_matmul``) still streams every expert's weights: its
 static grid gives each group a row tile, and an empty group's tile loads its weights before
 finding no row to store. Mixtral's batch-1 TPOT sat near the all-experts floor. Gathering the

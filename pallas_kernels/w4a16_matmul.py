@@ -9,7 +9,7 @@ compressed-tensors formats are ``models.quantization.w4a16`` (imports point ``pa
 
 Why a kernel: on the H200, XLA compiles ``models.quantization.awq.awq_linear`` at ``T = 1`` into
 a loop fusion that reads the packed weights at about 223 GB/s, against 2.5-2.7 TB/s for the bf16
-GEMV (``docs/benchmarks.md``, "Quantized linears (issue 14)"). A decode step only streams
+GEMV (``docs/benchmarks.md``, "Quantized linears"). A decode step only streams
 weights, so 4-bit weights should take about a quarter of bf16's time.
 
 Kernel layout (``in`` inputs, ``out`` outputs, ``G = in // group_size`` groups, ``P = in // 8``):
@@ -127,7 +127,7 @@ class W4A16Tiling:
 
 
 # Defaults by token count, (largest T, tiling), first match wins. Measured on an H100 (tree
-# f94aa64, docs/benchmarks.md "Quantized kernels (issue 25)"; the sweep's first pass only): at
+# f94aa64, docs/benchmarks.md "Quantized kernels"; the sweep's first pass only): at
 # T = 16 and 32 the dot tiling runs Llama-3-8B's layer in 0.79x bf16's time, at T = 1 the
 # elementwise fold in 1.08x; T = 1 therefore takes the dot tiling too (its 16-row tile does the
 # same work as T = 16). The T > 32 tiling is 3.6-4.0x bf16's time: ``auto`` sends those steps

@@ -1,6 +1,6 @@
 """Weight-only 8-bit GEMV for decode: ``out = (x @ w.T) * scale`` with ``w`` in FP8 or INT8.
 
-Why (docs/benchmarks.md, issue 14): at batch-1 decode a linear layer only streams its weights,
+Why (docs/benchmarks.md, "Quantized linears"): at batch-1 decode a linear layer only streams its weights,
 so 8-bit weights should take about half bf16's time; XLA's GEMV fusions read 8-bit weights at
 1.3-1.8 TB/s against bf16's 2.5-2.8 TB/s, leaving FP8 at 0.87x bf16 per layer.
 
@@ -23,7 +23,7 @@ stored). A second token tile reads every weight again: the kernel is for ``T`` u
 
 HBM bytes: ``out * in`` weight bytes per token tile, plus ``x``, the partials and the output.
 Tiles: ``W8GemvTiling``; ``benchmarks/quant_kernels.py`` sweeps them beside bf16 and XLA's
-W8A8 (first H100 figures: docs/benchmarks.md, "Quantized kernels (issue 25)").
+W8A8 (first H100 figures: docs/benchmarks.md, "Quantized kernels").
 
 Backend: Pallas Triton on GPU (``interpret=True`` on CPU; the e4m3 -> bfloat16 convert needs
 compute capability >= 8.9). Triton's dot needs every dimension >= 16 and power-of-two tiles:

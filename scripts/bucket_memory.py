@@ -7,7 +7,7 @@ and every bucket of ``ModelRunner.all_bucket_keys()``, and prints, per bucket, t
 ``compiled.memory_analysis()``: temporaries, arguments, outputs and outputs aliased to (donated)
 arguments, and how far each bucket's temporaries exceed the profiled bucket's. A bucket whose
 temporaries exceed the profiled ones by more than the headroom can run out of memory after
-start-up (issue 15).
+start-up.
 
     python scripts/bucket_memory.py --model benchmarks/configs/llama-3-8b --load-format dummy \\
         --skip-tokenizer-init --dtype bfloat16 --max-num-seqs 1024 \\

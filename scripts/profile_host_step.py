@@ -5,13 +5,13 @@ Builds the engine on the embedded stories260k model (token-id prompts, no tokeni
 ``--steps`` decode steps phase by phase and prints microseconds per step:
 
     schedule   Scheduler.schedule
-    prepare    ModelRunner._assign_logits_state_slots + _prepare_inputs (the packed buffer)
-    device     the rest of execute_model: transfer, jitted step, np.asarray read-back
+    prepare    ModelRunner.prepare (bucket key, LogitsState slots, the packed buffer)
+    device     ModelRunner.launch + collect: transfer, jitted step, np.asarray read-back
     commit     Scheduler.update_from_output
     outputs    OutputProcessor.process
 
 With ``--core-clients C`` the engine is stepped as the served engine core steps it
-(``jaxpaged.engine.core.EngineCore``, in-process, no sockets): requests are added as an API
+(``jaxpaged.engine_core.core.EngineCore``, in-process, no sockets): requests are added as an API
 process adds them (``core_messages`` wire params, DELTA, spread over ``C`` clients), and each
 step is ``core.step()``, ``core.route()`` and one ``core_messages.encode`` per client message.
 Three more phases are then timed:
@@ -27,7 +27,7 @@ token ids with the wire params a completions request of ``benchmark_serving`` se
 them (after msgpack). It prints the median microseconds per add over ``--repeats`` rounds
 (every round aborts its requests, untimed, so each starts from an empty queue);
 ``--cprofile 1`` then profiles one more round and prints the top functions by cumulative
-time. Issue 13 (stories260k, a busy 2-core CPU machine, 1000 adds of 128 tokens, 11
+time. Measured (stories260k, a busy 2-core CPU machine, 1000 adds of 128 tokens, 11
 rounds, six paired runs): 82-125 us/add before the admission path was trimmed, 42-69 after
 (about half in every pair). The trim: one ``SamplingParams`` built instead of two
 (``dataclasses.replace`` validated again), no ``int()`` copy of ids that are ints, and the
@@ -60,9 +60,9 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from jaxpaged.config import EngineArgs  # noqa: E402
-from jaxpaged.engine.core import EngineCore, freeze_gc_heap  # noqa: E402
-from jaxpaged.engine.core_messages import Kind, decode, encode, params_to_wire  # noqa: E402
 from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxpaged.engine_core.core import EngineCore, freeze_gc_heap  # noqa: E402
+from jaxpaged.engine_core.core_messages import Kind, decode, encode, params_to_wire  # noqa: E402
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 PHASES = ("schedule", "prepare", "device", "commit", "outputs")
@@ -132,10 +132,9 @@ def instrument(engine: LLMEngine) -> PhaseTimer:
     timer = PhaseTimer()
     runner = engine.worker.model_runner
     timer.wrap(engine.scheduler, "schedule", "schedule")
-    timer.wrap(runner, "_assign_logits_state_slots", "prepare")
-    timer.wrap(runner, "_prepare_inputs", "prepare")
-    # execute_model includes prepare; "device" is reported as execute_model minus prepare.
-    timer.wrap(runner, "execute_model", "execute_model")
+    timer.wrap(runner, "prepare", "prepare")
+    timer.wrap(runner, "launch", "device")
+    timer.wrap(runner, "collect", "device")
     timer.wrap(engine.scheduler, "update_from_output", "commit")
     timer.wrap(engine.output_processor, "process", "outputs")
     return timer
@@ -266,7 +265,6 @@ def main(argv=None) -> None:
         step()
         samples["step (total)"].append(1e6 * (time.perf_counter() - start))
         seconds = timer.seconds
-        seconds["device"] = seconds.pop("execute_model") - seconds["prepare"]
         if served is not None:
             seconds["core step"] -= seconds.pop("engine step")
         for phase, value in seconds.items():

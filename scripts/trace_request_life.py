@@ -1,8 +1,8 @@
 """Each request's life in the engine core under load: arrival -> add -> first scheduled step ->
-first token out, with the device step that was running when it arrived (issue 28).
+first token out, with the device step that was running when it arrived.
 
 Starts the engine-core process as ``jaxpaged serve`` does (``start_core_process``) with
-``TracingEngineCore`` (``jaxpaged/engine/request_trace.py``), and plays the API process itself:
+``TracingEngineCore`` (``jaxpaged/engine_core/request_trace.py``), and plays the API process itself:
 ``--num-prompts`` requests of ``--input-len`` random token ids and ``--output-len`` tokens
 (``ignore_eos``, greedy), sent at ``--request-rate`` per second (Poisson, seeded) or by
 ``--max-concurrency`` closed-loop clients (``--seed`` seeds the prompts and arrivals), over the core's own wire (no HTTP: what it measures
@@ -49,26 +49,26 @@ import numpy as np
 import zmq
 
 from jaxpaged import SamplingParams
-from jaxpaged.engine.core_messages import (
+from jaxpaged.engine.deltas import delta_finished
+from jaxpaged.engine_core.core_messages import (
     Kind,
     decode,
     decode_output,
-    delta_finished,
     encode,
     params_to_wire,
 )
-from jaxpaged.engine.core_process import start_core_process
-from jaxpaged.engine.request_trace import format_lives, request_lives, summarize
+from jaxpaged.engine_core.core_process import start_core_process
+from jaxpaged.engine_core.request_trace import format_lives, request_lives, summarize
 from jaxpaged.entrypoints.cli import add_engine_args, engine_args_from, set_jax_memory_fraction
 
 CORES = {
-    "late": "jaxpaged.engine.request_trace:TracingEngineCore",
-    "eager": "jaxpaged.engine.request_trace:EagerTracingEngineCore",
+    "late": "jaxpaged.engine_core.request_trace:TracingEngineCore",
+    "eager": "jaxpaged.engine_core.request_trace:EagerTracingEngineCore",
 }
-# --simulated-device: the same, on a device that takes 50 ms a step (tests/engine/slow_device.py)
+# --simulated-device: the same, on a device that takes 50 ms a step (tests/engine_core/slow_device.py)
 SIMULATED_CORES = {
-    "late": "tests.engine.slow_device:SimulatedTracingEngineCore",
-    "eager": "tests.engine.slow_device:SimulatedEagerTracingEngineCore",
+    "late": "tests.engine_core.slow_device:SimulatedTracingEngineCore",
+    "eager": "tests.engine_core.slow_device:SimulatedEagerTracingEngineCore",
 }
 
 
@@ -337,7 +337,7 @@ def main(argv=None) -> int:
         "--simulated-device",
         action="store_true",
         help="CPU demonstration: every step takes 50 ms on a simulated device "
-        "(tests/engine/slow_device.py; run from the repository root)",
+        "(tests/engine_core/slow_device.py; run from the repository root)",
     )
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     add_engine_args(parser)

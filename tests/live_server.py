@@ -1,5 +1,5 @@
 """A real jaxpaged server on loopback for the tests: uvicorn in a background thread, its engine
-core in its own process (``jaxpaged/engine/core.py``), as ``jaxpaged serve`` runs them.
+core in its own process (``jaxpaged/engine_core/core.py``), as ``jaxpaged serve`` runs them.
 
 ``tests/conftest.py`` builds one per session and worker (the ``server`` fixture). Its engine has
 the same arguments as the session's ``stories_llm`` (the reference for greedy outputs) but is
@@ -14,7 +14,7 @@ import gc
 import threading
 import time
 
-from jaxpaged.engine.core import EngineCore
+from jaxpaged.engine_core.core import EngineCore
 from tests.conftest import SMALL_ENGINE
 
 API_KEY = "test-key"
@@ -133,7 +133,7 @@ def spawn_client(**overrides):
     from transformers import AutoTokenizer
 
     from jaxpaged.config import EngineArgs, default_model_path
-    from jaxpaged.engine.core_client import EngineCoreClient
+    from jaxpaged.engine_core.core_client import EngineCoreClient
 
     client_kwargs = {
         key: overrides.pop(key)

@@ -1,4 +1,4 @@
-"""The table of ``benchmarks/quantization.sh``: each configuration's figures, its ratio to bf16 and issue 14's targets.
+"""The table of ``benchmarks/quantization.sh``: each configuration's figures, its ratio to bf16 and the quantization targets.
 
     python benchmarks/lib/quantization_summary.py OUT       # reads OUT/<row>/suite.json
     python benchmarks/lib/quantization_summary.py --smoke-configs DIR   # quantization.sh --smoke
@@ -22,7 +22,7 @@ ROWS = {  # row -> label
     "awq-xla": "W4A16 AWQ, XLA",
     "awq-pallas": "W4A16 AWQ, Pallas kernel",
 }
-# Issue 14's H200 targets: (row, metric) -> (kind, value); kind "min"/"max" absolute,
+# The quantization work's H200 targets (docs/benchmarks.md, "Quantized linears"): (row, metric) -> (kind, value); kind "min"/"max" absolute,
 # "ratio" at least this multiple of bf16's figure.
 TARGETS = {
     ("fp8", "random"): ("min", 28_000),

@@ -1,5 +1,6 @@
 """The table of benchmarks/server.sh: served vs offline and the latency targets
-of issues 13 and 28, the server's own latency split, and the request-life trace
+of docs/benchmarks.md's serving and late-scheduling sections, the server's own latency split,
+and the request-life trace
 (``trace.json`` of ``scripts/trace_request_life.py``) when there is one. Prints the table and
 writes it as ``OUT_DIR/summary.json``. Usage: ``python benchmarks/lib/server_summary.py OUT_DIR``."""
 

@@ -10,7 +10,8 @@ The streams are read by ``sse_client.StreamingClient`` (httpx), which keeps each
 line's raw bytes and the arrival time of the read that brought it; the JSON is decoded after the
 run (``decode_result``). Events that arrive in one read share one arrival time (an ITL of 0).
 The event loop is uvloop's when installed. ``--num-client-processes N`` splits the requests over
-N processes for loads one process cannot read (issue 13 in docs/benchmarks.md).
+N processes for loads one process cannot read (docs/benchmarks.md, "Serving through the engine-core
+process").
 
 Datasets: ``random`` sends token-id prompts (no tokenizer needed), lengths drawn around
 ``--random-input-len`` / ``--random-output-len`` by ``--random-range-ratio``;

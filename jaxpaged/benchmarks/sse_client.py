@@ -3,7 +3,7 @@
 ``jaxpaged bench serve`` reads thousands of SSE events a second. Reading them with ``httpx``'s
 ``aiter_lines`` and decoding each event's JSON as it arrives cost the client about 100 µs of CPU
 per event on the CPU machine, enough to make the client, not the server, the bottleneck on the
-H200 (issue 13, docs/benchmarks.md). Here each network read (``httpx``'s ``aiter_bytes``: HTTP
+H200 (docs/benchmarks.md, serving). Here each network read (``httpx``'s ``aiter_bytes``: HTTP
 framing stays httpx's) is split into ``data:`` lines (the SSE format, WHATWG HTML §9.2) kept as
 raw bytes with the read's arrival time; the caller decodes the JSON after the run.
 """

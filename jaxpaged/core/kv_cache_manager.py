@@ -21,7 +21,7 @@ class KVCacheManager:
     `allocate_slots`, running out of blocks is answered by a return value (`False`, with nothing
     changed), and the scheduler turns it into waiting or preemption.
 
-    Memory-management features (DESIGN.md section 4):
+    Memory-management features (docs/architecture.md, "Block manager rules"):
       - Prefix caching (`enable_caching`): `get_computed_blocks` finds the longest run of a new
         sequence's full blocks already cached; `cache_full_blocks` registers blocks once the step
         that filled them has run (so a hash always describes K/V that exist).

@@ -8,13 +8,14 @@ Each step gives every scheduled sequence a range of its tokens to compute:
 
 When the step computes a sequence's last token (`do_sample`), the model samples one new token for
 it, which `update_from_output` appends; that token is the only one the next step has to compute
-(a decode). The policy is vLLM v1's unified token budget (DESIGN.md section 2, step 1) over vLLM
+(a decode). The policy is vLLM v1's unified token budget (docs/architecture.md, "One engine step") over vLLM
 v0's sequence groups, which bring swap preemption, parallel sampling and beam search.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import logging
 import time
@@ -24,6 +25,7 @@ from jaxpaged.core.beam_search import advance_beams
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from jaxpaged.core.stats import SchedulerStats
+from jaxpaged.core.token_plan import is_decoding, num_planned_tokens, plan_tokens
 from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus, derive_seed
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,18 @@ logger = logging.getLogger(__name__)
 PREEMPTION_MODES = (None, "recompute", "swap")
 
 __all__ = ["PREEMPTION_MODES", "ScheduledSequence", "Scheduler", "SchedulerOutput"]
+
+
+@dataclasses.dataclass
+class _StepSoFar:
+    """What ``Scheduler.schedule`` has decided so far in one step, handed from phase to phase."""
+
+    budget: int  # tokens left under max_num_batched_tokens
+    num_seats: int  # sequences of the running groups, under max_num_seqs
+    scheduled: dict[str, list[ScheduledSequence]] = dataclasses.field(default_factory=dict)
+    preempted: list[SequenceGroup] = dataclasses.field(default_factory=list)
+    preempted_seq_ids: list[str] = dataclasses.field(default_factory=list)
+    loras: set[int] = dataclasses.field(default_factory=set)  # adapters of the running groups
 
 
 class Scheduler:
@@ -170,49 +184,37 @@ class Scheduler:
 
     # ---------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's sequences and token counts; see the class docstring for the policy."""
-        kv = self.kv_cache_manager
-        budget = self.max_num_batched_tokens
-        scheduled: dict[str, list[ScheduledSequence]] = {}
-        preempted: list[SequenceGroup] = []
-        preempted_seq_ids: list[str] = []
-        num_seats = sum(group.num_seats for group in self.running)
+        """Pick this step's sequences and token counts in the class docstring's three phases:
+        running groups, then (only if nothing was preempted) swapped groups, then (only if
+        nothing was preempted and nothing is swapped) waiting groups."""
+        step = _StepSoFar(
+            budget=self.max_num_batched_tokens,
+            num_seats=sum(group.num_seats for group in self.running),
+        )
+        self._schedule_running(step)
+        # The adapters of the groups still running after phase 1.
+        step.loras = {g.seqs[0].lora_int_id for g in self.running} - {0}
+        self._schedule_swapped(step)
+        self._schedule_waiting(step)
+        return self._scheduler_output(step)
 
-        # 1. Running groups: decodes first so that they are never starved by prefill chunks.
-        is_decoding = [_is_decoding(g) for g in self.running]
-        order = [g for g, d in zip(self.running, is_decoding, strict=True) if d]
-        order += [g for g, d in zip(self.running, is_decoding, strict=True) if not d]
+    def _schedule_running(self, step: _StepSoFar) -> None:
+        """Phase 1: the running groups, decodes first so that prefill chunks never starve
+        them; preempts the newest running group when blocks run out."""
+        decoding = [is_decoding(g) for g in self.running]
+        order = [g for g, d in zip(self.running, decoding, strict=True) if d]
+        order += [g for g, d in zip(self.running, decoding, strict=True) if not d]
         gone: set[str] = set()  # request ids taken off the device during this loop
         for group in order:
-            if budget == 0:
+            if step.budget == 0:
                 break
             if group.request_id in gone:
                 continue
             if not group.forked:  # only parallel sampling forks; skip the call otherwise
                 self._fork_if_ready(group)
-            plan = self._plan(group, budget)
+            plan = plan_tokens(group, step.budget, self.long_prefill_token_threshold)
             for seq, num_new in plan:
-                while not kv.allocate_slots(seq, num_new):
-                    victim = self.running[-1]
-                    if victim is group and len(self.running) == 1:
-                        # Alone on the device and still short of blocks: the group can never
-                        # fit (only multi-sequence groups can outgrow the cache), so end it
-                        # rather than preempt it forever.
-                        num_seats -= group.num_seats
-                        self._ignore_group(group)
-                        self._finished_while_scheduling.extend(group.seqs)
-                        gone.add(group.request_id)
-                        break
-                    undone = scheduled.pop(victim.request_id, None)
-                    if undone is not None:  # a newer decode scheduled before this prefill chunk
-                        budget += sum(item.num_new_tokens for item in undone)
-                    preempted_seq_ids.extend(s.seq_id for s in victim.unfinished_seqs)
-                    num_seats -= victim.num_seats
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    gone.add(victim.request_id)
-                    if victim is group:
-                        break
+                self._allocate_or_preempt(step, group, seq, num_new, gone)
                 if group.request_id in gone:
                     break
             if group.request_id in gone or not plan:
@@ -220,47 +222,77 @@ class Scheduler:
                 # every other running group is older and already visited; with decodes first,
                 # older prefill chunks may still be unvisited, so go on.
                 continue
-            scheduled[group.request_id] = [self._scheduled(s, n) for s, n in plan]
-            budget -= _num_planned_tokens(plan)
+            step.scheduled[group.request_id] = [self._scheduled(s, n) for s, n in plan]
+            step.budget -= num_planned_tokens(plan)
 
-        # 2. Swapped groups, oldest first; not after a preemption, since the blocks just freed
-        #    belong to the running groups that needed them.
-        loras = {g.seqs[0].lora_int_id for g in self.running} - {0}
-        while not preempted and self.swapped and budget > 0:
+    def _allocate_or_preempt(
+        self, step: _StepSoFar, group: SequenceGroup, seq: Sequence, num_new: int, gone: set
+    ) -> None:
+        """Blocks for ``num_new`` tokens of ``seq``, preempting the newest running groups until
+        they fit (``group`` itself, when it is the newest; it then joins ``gone``)."""
+        while not self.kv_cache_manager.allocate_slots(seq, num_new):
+            victim = self.running[-1]
+            if victim is group and len(self.running) == 1:
+                # Alone on the device and still short of blocks: the group can never fit
+                # (only multi-sequence groups can outgrow the cache), so end it rather than
+                # preempt it forever.
+                step.num_seats -= group.num_seats
+                self._ignore_group(group)
+                self._finished_while_scheduling.extend(group.seqs)
+                gone.add(group.request_id)
+                return
+            undone = step.scheduled.pop(victim.request_id, None)
+            if undone is not None:  # a newer decode scheduled before this prefill chunk
+                step.budget += sum(item.num_new_tokens for item in undone)
+            step.preempted_seq_ids.extend(s.seq_id for s in victim.unfinished_seqs)
+            step.num_seats -= victim.num_seats
+            self._preempt(victim)
+            step.preempted.append(victim)
+            gone.add(victim.request_id)
+            if victim is group:
+                return
+
+    def _schedule_swapped(self, step: _StepSoFar) -> None:
+        """Phase 2: swapped groups, oldest first, swapped in while their blocks fit; not after a
+        preemption, since the blocks just freed belong to the running groups that needed them."""
+        kv = self.kv_cache_manager
+        while not step.preempted and self.swapped and step.budget > 0:
             group = self.swapped[0]
-            if num_seats + group.num_seats > self.max_num_seqs:
+            if step.num_seats + group.num_seats > self.max_num_seqs:
                 break
-            if not self._lora_fits(group, loras):
+            if not self._lora_fits(group, step.loras):
                 break
             seqs = group.unfinished_seqs
             # One spare block per sequence lets each decode right away; alone, just fit.
             if not kv.can_swap_in(seqs, len(seqs) if self.running else 0):
                 break
             self.swapped.pop(0)
-            loras.add(group.seqs[0].lora_int_id)
+            step.loras.add(group.seqs[0].lora_int_id)
             kv.swap_in(seqs)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
-            num_seats += group.num_seats
+            step.num_seats += group.num_seats
             self._fork_if_ready(group)
-            plan = self._plan(group, budget)
+            plan = plan_tokens(group, step.budget, self.long_prefill_token_threshold)
             # All or none: a group in step must not sample with only some of its sequences.
             # Blocks taken before a failure stay with their sequence for the next step.
             if plan and all(kv.allocate_slots(s, n) for s, n in plan):
-                scheduled[group.request_id] = [self._scheduled(s, n) for s, n in plan]
-                budget -= sum(n for _, n in plan)
+                step.scheduled[group.request_id] = [self._scheduled(s, n) for s, n in plan]
+                step.budget -= sum(n for _, n in plan)
 
-        # 3. Waiting groups, first come first served.
+    def _schedule_waiting(self, step: _StepSoFar) -> None:
+        """Phase 3: waiting groups, first come first served, each with its cached prefix; only
+        if nothing was preempted and nothing is swapped."""
         skipped: list[SequenceGroup] = []  # over the LoRA limit; they keep their places
-        while not preempted and not self.swapped and self.waiting and budget > 0:
+        while not step.preempted and not self.swapped and self.waiting and step.budget > 0:
             group = self.waiting[0]
-            if num_seats + group.num_seats > self.max_num_seqs:
+            if step.num_seats + group.num_seats > self.max_num_seqs:
                 break
-            if not self._lora_fits(group, loras):
+            if not self._lora_fits(group, step.loras):
                 skipped.append(self.waiting.popleft())
                 continue
-            items = self._admit(group, budget)
+            items = self._admit(group, step.budget)
             if items is None:
                 if self.running:
                     break  # the head waits for blocks; later arrivals do not overtake it
@@ -272,26 +304,27 @@ class Scheduler:
                 continue
             self.waiting.popleft()
             self.running.append(group)
-            loras.add(group.seqs[0].lora_int_id)
-            num_seats += group.num_seats
-            scheduled[group.request_id] = items
-            budget -= sum(item.num_new_tokens for item in items)
+            step.loras.add(group.seqs[0].lora_int_id)
+            step.num_seats += group.num_seats
+            step.scheduled[group.request_id] = items
+            step.budget -= sum(item.num_new_tokens for item in items)
         self.waiting.extendleft(reversed(skipped))
 
-        items = [item for group_items in scheduled.values() for item in group_items]
+    def _scheduler_output(self, step: _StepSoFar) -> SchedulerOutput:
+        items = [item for group_items in step.scheduled.values() for item in group_items]
         # Stable partition: 1-token decodes first, then prefill chunks (the runner's layout).
         items.sort(key=lambda item: item.seq.is_prefill)
-        swap_in, swap_out, copies = kv.take_block_ops()
+        swap_in, swap_out, copies = self.kv_cache_manager.take_block_ops()
         # Only beam groups count, so the others skip the any() over their items.
         beam_widths = [
             self.requests[rid].beam_width
-            for rid, group_items in scheduled.items()
+            for rid, group_items in step.scheduled.items()
             if self.requests[rid].beam_width and any(item.do_sample for item in group_items)
         ]
         return SchedulerOutput(
             scheduled=items,
             num_batched_tokens=sum(item.num_new_tokens for item in items),
-            preempted_seq_ids=preempted_seq_ids,
+            preempted_seq_ids=step.preempted_seq_ids,
             blocks_to_swap_in=swap_in,
             blocks_to_swap_out=swap_out,
             blocks_to_copy=copies,
@@ -317,31 +350,6 @@ class Scheduler:
             return True
         return len(loras - {0}) < self.max_loras
 
-    def _plan(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens to compute) for this step; empty when the group waits this step."""
-        seqs = group.unfinished_seqs
-        if not group.forked:
-            # Parallel sampling computes the prompt once, up to its last token, then forks.
-            parent = seqs[0]
-            room = parent.num_prompt_tokens - 1 - parent.num_computed_tokens
-            num_new = min(self._num_new_tokens(parent, budget), room)
-            return [(parent, num_new)] if num_new > 0 else []
-        if len(seqs) == 1:
-            num_new = self._num_new_tokens(seqs[0], budget)
-            return [(seqs[0], num_new)] if num_new > 0 else []
-        if all(seq.num_uncomputed_tokens == 1 for seq in seqs):
-            # In step: every sequence computes its last token and samples, or none does.
-            return [(seq, 1) for seq in seqs] if budget >= len(seqs) else []
-        plan = []
-        for seq in seqs:  # catching up after recompute: prefill all but the last token
-            num_new = min(self._num_new_tokens(seq, budget), seq.num_uncomputed_tokens - 1)
-            if num_new > 0:
-                plan.append((seq, num_new))
-                budget -= num_new
-                if budget == 0:
-                    break
-        return plan
-
     def _admit(self, group: SequenceGroup, budget: int) -> list[ScheduledSequence] | None:
         """Give a waiting group its cached prefix and first chunk; None (nothing changed) if the
         blocks are not there."""
@@ -356,7 +364,7 @@ class Scheduler:
             hits[seq.seq_id] = num_hit
         was_forked = group.forked
         self._fork_if_ready(group)
-        plan = self._plan(group, budget)
+        plan = plan_tokens(group, budget, self.long_prefill_token_threshold)
         if not plan or not all(kv.allocate_slots(seq, n) for seq, n in plan):
             for seq in group.unfinished_seqs:
                 kv.free(seq)
@@ -453,7 +461,7 @@ class Scheduler:
             if sampled_logprobs is not None:
                 seq.cumulative_logprob += sampled_logprobs[seq.seq_id]
             seq.append_token(sampled_token_ids[seq.seq_id])
-            status = self.check_stop(seq)
+            status = seq.stop_status(self.max_model_len)
             if status is not None:
                 self._finish_seq(seq, status)
             outputs.append(seq)
@@ -598,13 +606,6 @@ class Scheduler:
         return mode
 
     # ---------------------------------------------------------------------------- helpers
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        num_new = min(seq.num_uncomputed_tokens, budget)
-        if 0 < self.long_prefill_token_threshold < num_new:
-            # Cap one prefill's share of a step so that concurrent prompts interleave (vLLM).
-            num_new = self.long_prefill_token_threshold
-        return num_new
-
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         return ScheduledSequence(
             seq=seq,
@@ -614,58 +615,6 @@ class Scheduler:
             do_sample=seq.num_computed_tokens + num_new == seq.num_tokens,
         )
 
-    def check_stop(self, seq: Sequence) -> SequenceStatus | None:
-        """The status ``seq`` finishes with after its last token (vLLM's stop checks, in order),
-        or None; sets ``stop_reason`` for a stop token. Does not finish it."""
-        params = seq.sampling_params
-        last = seq.last_token_id
-        num_output_tokens = seq.num_output_tokens
-        # EOS and stop tokens only count after min_tokens (the sampler masks them before that).
-        if num_output_tokens >= (getattr(params, "min_tokens", 0) or 0):
-            if not params.ignore_eos and last == seq.eos_token_id:
-                return SequenceStatus.FINISHED_STOPPED
-            if params.stop_token_ids and last in params.stop_token_ids:
-                seq.stop_reason = last
-                return SequenceStatus.FINISHED_STOPPED
-        max_tokens = params.max_tokens
-        if max_tokens is not None and num_output_tokens >= max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
-
     def get_stats(self) -> SchedulerStats:
-        """A snapshot for metrics (see `SchedulerStats`)."""
-        kv = self.kv_cache_manager
-        stored, held = kv.slots_stored_vs_held()
-        return SchedulerStats(
-            num_requests_running=len(self.running),
-            num_requests_waiting=len(self.waiting),
-            num_requests_swapped=len(self.swapped),
-            kv_cache_usage_perc=kv.usage,
-            cpu_cache_usage_perc=kv.cpu_usage,
-            num_gpu_blocks=kv.num_blocks,
-            num_cpu_blocks=kv.num_cpu_blocks,
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-            num_preemptions_swap=self.num_preemptions_by_mode["swap"],
-            num_preemptions_recompute=self.num_preemptions_by_mode["recompute"],
-            kv_cache_tokens_stored=stored,
-            kv_cache_slots_held=held,
-        )
-
-
-def _is_decoding(group: SequenceGroup) -> bool:
-    """Every unfinished sequence of the group is decoding (true of a group with none)."""
-    seqs = group.seqs
-    if len(seqs) == 1:  # the common case, without the generator
-        seq = seqs[0]
-        return seq.is_finished or not seq.is_prefill
-    return all(not seq.is_prefill for seq in group.unfinished_seqs)
-
-
-def _num_planned_tokens(plan: list[tuple[Sequence, int]]) -> int:
-    if len(plan) == 1:  # the common case, without the generator
-        return plan[0][1]
-    return sum(n for _, n in plan)
+        """A snapshot for metrics (see ``SchedulerStats``)."""
+        return SchedulerStats.of(self)

@@ -40,11 +40,6 @@ class SchedulerOutput:
     # Beam search: how many top (token, logprob) candidates each sampled row must return
     # (2 * the widest beam group scheduled); 0 when no beam group samples in this step.
     num_beam_candidates: int = 0
-    # Structured outputs: ``fill(out)`` writing the token bitmask of the scheduled rows into
-    # ``out`` (i32[B, W], all ones, rows in ``scheduled`` order; layout in
-    # ``jaxpaged.structured_output.bitmask``), set by the engine before the step runs; None when
-    # no row samples under a grammar.
-    grammar_bitmask: object = None
 
     @property
     def is_empty(self) -> bool:

@@ -1,7 +1,7 @@
 """A snapshot of scheduler and KV-cache state for metrics (host only; no JAX).
 
-Field names follow vLLM's Prometheus metrics (`vllm:<name>`; counters gain `_total` on export),
-see `../shared/reference/vllm_surface.md` section 3.
+Field names follow vLLM v1's Prometheus metrics (`vllm:<name>`; counters gain `_total` on
+export; `vllm/v1/metrics/loggers.py`).
 """
 
 from __future__ import annotations
@@ -52,3 +52,25 @@ class SchedulerStats:
         if not self.kv_cache_slots_held:
             return 0.0
         return 1.0 - self.kv_cache_tokens_stored / self.kv_cache_slots_held
+
+    @classmethod
+    def of(cls, scheduler) -> SchedulerStats:
+        """The snapshot of a ``core.scheduler.Scheduler`` and its KV cache manager now."""
+        kv = scheduler.kv_cache_manager
+        stored, held = kv.slots_stored_vs_held()
+        return cls(
+            num_requests_running=len(scheduler.running),
+            num_requests_waiting=len(scheduler.waiting),
+            num_requests_swapped=len(scheduler.swapped),
+            kv_cache_usage_perc=kv.usage,
+            cpu_cache_usage_perc=kv.cpu_usage,
+            num_gpu_blocks=kv.num_blocks,
+            num_cpu_blocks=kv.num_cpu_blocks,
+            prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits,
+            num_preemptions=scheduler.num_preemptions,
+            num_preemptions_swap=scheduler.num_preemptions_by_mode["swap"],
+            num_preemptions_recompute=scheduler.num_preemptions_by_mode["recompute"],
+            kv_cache_tokens_stored=stored,
+            kv_cache_slots_held=held,
+        )

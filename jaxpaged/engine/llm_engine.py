@@ -1,8 +1,10 @@
-"""``LLMEngine``: ``add_request`` / ``step`` / ``abort_request`` over the scheduler and the runner.
+"""``LLMEngine``: ``add_request`` / ``step`` / ``abort_request`` over the scheduler and the worker.
 
-One ``step`` is DESIGN.md §2: schedule (host), prepare + run (one transfer, one jitted step),
-commit (append tokens, check stops, free finished sequences' blocks), then the output processor
-detokenizes, applies stop strings and emits outputs.
+One ``step`` (docs/architecture.md, "One engine step"): schedule (host), prepare + run (one
+transfer, one jitted step), commit (append tokens, check stops, free finished sequences'
+blocks), then the output processor detokenizes, applies stop strings and emits outputs; the
+step's plan (synchronous, pipelined under async scheduling, or split around a grammar's
+bitmask) is ``engine/step_pipeline.py``'s.
 """
 
 from __future__ import annotations
@@ -20,17 +22,12 @@ from jaxpaged.core.kv_cache_snapshot import KVCacheSnapshot, take_snapshot
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.stats import SchedulerStats
 from jaxpaged.core.step_history import StepHistory
-from jaxpaged.engine.async_scheduling import (
-    InFlightStep,
-    StepTimes,
-    commit_with_placeholders,
-    resolve,
-)
+from jaxpaged.engine.async_scheduling import StepTimes
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.startup import StartupTimer, prefetch_transformers
+from jaxpaged.engine.step_pipeline import StepPipeline
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
 from jaxpaged.sequence import (
     EngineSleepingError,
@@ -44,7 +41,6 @@ from jaxpaged.sequence import (
 )
 from jaxpaged.structured_output.manager import StructuredOutputManager
 from jaxpaged.worker.compilation_cache import cache_root
-from jaxpaged.worker.model_runner import PendingStep
 from jaxpaged.worker.worker import Worker
 from models.config_cache import read_cached_config
 from models.weights import load_config
@@ -139,12 +135,20 @@ class LLMEngine:
             vocab_size=self.vocab_size,
             eos_token_id=self.eos_token_id,
         )
-        # Async scheduling: the dispatched step whose tokens are not yet on the host. The flag
-        # may be switched between runs (benchmarks compare both); a step in flight drains first.
-        self._in_flight: InFlightStep | None = None
+        # One step's stages, along the plan each step needs (engine/step_pipeline.py); it
+        # holds the step in flight under async scheduling.
+        self.pipeline = StepPipeline(
+            self.scheduler,
+            self.worker,
+            self.structured_output,
+            self.output_processor,
+            self.step_history,
+            self.kv_cache_manager,
+        )
+        # Async scheduling (vLLM's --async-scheduling). The flag may be switched between runs
+        # (benchmarks compare both); a step still in flight keeps the pipeline going until a
+        # step leaves nothing in flight.
         self.async_scheduling = config.async_scheduling
-        # Host-clock marks of the last async step (None after a synchronous one).
-        self.step_times: StepTimes | None = None
         self._seed_counter = itertools.count()
         # Sleep mode: 0 awake, else the level of the last sleep() (vLLM's is_sleeping).
         self._sleep_level = 0
@@ -497,7 +501,7 @@ class LLMEngine:
 
     def _check_idle(self, what: str) -> None:
         for _ in range(2):  # async scheduling: resolve a last step still on the device
-            if self._in_flight is None or self.has_unfinished_requests():
+            if self.pipeline.in_flight is None or self.has_unfinished_requests():
                 break
             self.step()
         if self.has_unfinished_requests():
@@ -535,123 +539,24 @@ class LLMEngine:
         """Run one engine step and return the outputs of requests that advanced or finished.
 
         With ``async_scheduling`` the outputs are those of the previous step, read back while
-        this step runs on the device (``engine/async_scheduling.py``).
+        this step runs on the device (``engine/step_pipeline.py``, ``async_scheduling.py``).
 
         Args:
-            token_deltas: the engine core's form: each output is its text-free wire delta
-                (``core_messages.delta_to_wire``) and nothing is detokenized
-                (``OutputProcessor.process``).
+            token_deltas: the engine core's form: each output is its text-free token delta
+                (``engine/deltas.py``) and nothing is detokenized (``OutputProcessor.process``).
         """
-        if self.async_scheduling or self._in_flight is not None:
-            return self._step_async(token_deltas)
-        return self._step_sync(token_deltas)
+        return self.pipeline.step(async_scheduling=self.async_scheduling, token_deltas=token_deltas)
+
+    @property
+    def step_times(self) -> StepTimes | None:
+        """Host-clock marks of the last step, when it overlapped resolving the previous one
+        (async scheduling; None otherwise): the engine core's late scheduling reads them."""
+        return self.pipeline.step_times
 
     def step_in_flight_done(self) -> bool | None:
         """Async scheduling: whether the step on the device has computed its tokens (never
         blocks); None when no step is in flight."""
-        if self._in_flight is None:
-            return None
-        return self.worker.is_ready(self._in_flight.pending)
-
-    def _step_async(self, token_deltas: bool) -> list:
-        started = time.monotonic()
-        self.step_times = None
-        scheduler_output = self.scheduler.schedule()
-        self.step_history.record(scheduler_output, self.kv_cache_manager.usage)
-        in_flight, self._in_flight = self._in_flight, None
-        scheduled = scheduler_output.scheduled
-        constrained = self.structured_output.needs_bitmask(scheduled)
-        if (
-            constrained
-            and not scheduler_output.num_beam_candidates
-            and not any(s.seq.sampling_params.prompt_logprobs is not None for s in scheduled)
-        ):
-            return self._step_split(scheduler_output, in_flight, token_deltas)
-        if scheduler_output.num_beam_candidates or constrained:
-            # Beam steps (and grammar steps with prompt logprobs) need the previous tokens on
-            # the host before they launch: finish the pipeline first.
-            outputs = [] if in_flight is None else self._resolve(in_flight, token_deltas)
-            runner_output = self._run_sync(scheduler_output)
-            return outputs + self._commit(scheduler_output, runner_output, token_deltas)
-        pending = PendingStep([], None)
-        if not scheduler_output.is_empty:
-            self.worker.execute_block_ops(scheduler_output)
-            pending = self.worker.dispatch(scheduler_output)
-        times = StepTimes(started, time.monotonic(), has_device_work=pending.out is not None)
-        outputs = [] if in_flight is None else self._resolve(in_flight, token_deltas, times)
-        self._in_flight = commit_with_placeholders(self.scheduler, scheduler_output, pending)
-        if not pending.scheduled and not self._in_flight.updated:
-            self._in_flight = None
-        self.step_times = times
-        return outputs
-
-    def _step_split(self, scheduler_output, in_flight, token_deltas: bool) -> list:
-        """An async step that samples under a grammar: its forward half runs while the host
-        reads back and resolves the previous step, then fills the bitmask from the resolved
-        tokens; the sample half follows (engine/async_scheduling.py, "Grammars")."""
-        self.worker.execute_block_ops(scheduler_output)
-        forward = self.worker.dispatch_forward(scheduler_output)
-        outputs = [] if in_flight is None else self._resolve(in_flight, token_deltas)
-        fill = self.structured_output.bitmask_filler(scheduler_output.scheduled)
-        pending = self.worker.dispatch_sample(forward, fill or (lambda out: None))
-        self._in_flight = commit_with_placeholders(self.scheduler, scheduler_output, pending)
-        return outputs
-
-    def _resolve(
-        self, in_flight: InFlightStep, token_deltas: bool, times: StepTimes | None = None
-    ) -> list:
-        if times is not None:  # when the step's tokens were ready, and whether we waited
-            times.previous_waited = not self.worker.is_ready(in_flight.pending)
-            self.worker.wait(in_flight.pending)
-            times.previous_ready = time.monotonic()
-        runner_output = self.worker.collect(in_flight.pending)
-        updated = resolve(self.scheduler, in_flight, runner_output)
-        self._update_grammars(updated)
-        return self.output_processor.process(
-            runner_output, updated, time.monotonic(), token_deltas=token_deltas
-        )
-
-    def _run_sync(self, scheduler_output) -> ModelRunnerOutput:
-        if scheduler_output.is_empty:
-            return ModelRunnerOutput({})
-        scheduler_output.grammar_bitmask = self.structured_output.bitmask_filler(
-            scheduler_output.scheduled
-        )
-        self.worker.execute_block_ops(scheduler_output)
-        return self.worker.execute_model(scheduler_output)
-
-    def _commit(
-        self, scheduler_output, runner_output: ModelRunnerOutput, token_deltas: bool
-    ) -> list:
-        # Also commits what finished while scheduling (ignored groups) when nothing ran.
-        updated = self.scheduler.update_from_output(
-            scheduler_output,
-            runner_output.sampled_token_ids,
-            runner_output.sampled_logprobs,
-            beam_candidates=self.worker.beam_candidates,
-        )
-        self._update_grammars(updated)
-        return self.output_processor.process(
-            runner_output, updated, time.monotonic(), token_deltas=token_deltas
-        )
-
-    def _update_grammars(self, updated: list[Sequence]) -> None:
-        """Feed just-committed tokens to the grammars; abort a sequence whose token the grammar
-        rejected (possible only when every token was masked, e.g. min_tokens forbidding the
-        EOS a complete grammar requires). A complete grammar allows only EOS, so it stops by
-        the usual EOS rule."""
-        rejected = self.structured_output.update(updated)
-        for seq in rejected:
-            self.scheduler.finish_sequence(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
-        if rejected:
-            self.structured_output.update(rejected)  # drops their state
-
-    def _step_sync(self, token_deltas: bool) -> list:
-        self.step_times = None
-        scheduler_output = self.scheduler.schedule()
-        self.step_history.record(scheduler_output, self.kv_cache_manager.usage)
-        runner_output = self._run_sync(scheduler_output)
-        return self._commit(scheduler_output, runner_output, token_deltas)
+        return self.pipeline.in_flight_done()
 
 
 def lora_cache_keys(lora_request: LoRARequest | None) -> tuple:

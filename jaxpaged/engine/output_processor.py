@@ -9,7 +9,7 @@ freed at once; the request ends with its last sequence) and, as in vLLM v1, over
 what is new (DELTA) or comes only at the end (FINAL_ONLY).
 
 The engine core's path (``process(token_deltas=True)``) skips the text: each due output is its
-wire delta (``core_messages.delta_to_wire``), built straight from the sequences, without
+token delta (``engine/deltas.py``), built straight from the sequences, without
 ``RequestOutput`` objects, a prompt copy or a detokenizer call; the API process, which has the
 text, detokenizes and looks for stop strings (``client_outputs``).
 
@@ -23,17 +23,13 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpaged.detokenizer import IncrementalDetokenizer
-from jaxpaged.engine.core_messages import (
-    completion_to_wire,
-    delta_to_wire,
-    logprobs_to_wire,
-    token_to_wire,
-)
+from jaxpaged.engine.deltas import completion_delta, logprobs_delta, request_delta, token_delta
 from jaxpaged.engine.group_outputs import ranked_completions
 from jaxpaged.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
-from jaxpaged.sample.logprobs import LogprobsBuilder, ModelRunnerOutput
+from jaxpaged.sample.logprobs import LogprobsBuilder
 from jaxpaged.sampling_params import RequestOutputKind
 from jaxpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from jaxpaged.worker.step_output import ModelRunnerOutput
 
 
 @dataclasses.dataclass
@@ -112,7 +108,7 @@ class OutputProcessor:
             updated: sequences that got a token this step (``Scheduler.update_from_output``),
                 or finished while it was scheduled.
             now: ``time.monotonic()`` of the step's end.
-            token_deltas: return wire deltas (``core_messages.delta_to_wire``) instead of
+            token_deltas: return token deltas (``engine/deltas.py``) instead of
                 ``RequestOutput``s, and run no detokenizer (no text, no stop strings: the
                 engine core's requests have none; the API process looks for them).
         """
@@ -253,9 +249,9 @@ class OutputProcessor:
         )
 
     def _make_delta(self, state: RequestState, *, finished: bool) -> list:
-        """``_make_output``'s content as a wire delta, without text: the same completions,
-        token ids, logprobs and reasons (``core_messages.delta_to_wire``), or just the new
-        token (``core_messages.token_to_wire``) when nothing else changed."""
+        """``_make_output``'s content as a token delta, without text: the same completions,
+        token ids, logprobs and reasons (``deltas.request_delta``), or just the new token
+        (``deltas.token_delta``) when nothing else changed."""
         group = state.group
         delta = state.output_kind is RequestOutputKind.DELTA
         if delta and not finished and len(group.seqs) == 1:
@@ -266,30 +262,30 @@ class OutputProcessor:
             # logprobs), one new token of a running sequence without logprobs.
             if sent and seq.num_output_tokens == sent + 1 and seq_state.logprobs is None:
                 seq_state.num_sent_tokens = sent + 1
-                return token_to_wire(group.request_id, seq.output_token_ids[-1])
+                return token_delta(group.request_id, seq.output_token_ids[-1])
         completions = []
         for index, seq in enumerate(ranked_completions(group)):
             start, logprobs, cumulative_logprob = _take_new(
                 group, self._seq_state(state, seq), seq, delta
             )
             completions.append(
-                completion_to_wire(
+                completion_delta(
                     index,
                     seq.output_token_ids[start:],
                     cumulative_logprob,
-                    logprobs_to_wire(logprobs),
+                    logprobs_delta(logprobs),
                     seq.finish_reason,
                     seq.stop_reason,
                 )
             )
         prompt_logprobs = _take_prompt_logprobs(state, delta)
-        return delta_to_wire(
+        return request_delta(
             group.request_id,
             finished,
             group.num_cached_tokens or 0,
             [group.arrival_time, state.first_token_time, state.finished_time],
             completions,
-            logprobs_to_wire(prompt_logprobs),
+            logprobs_delta(prompt_logprobs),
         )
 
 

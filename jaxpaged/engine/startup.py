@@ -1,4 +1,4 @@
-"""Start-up phases of an engine, timed and logged as one line (issue 18: fast restarts).
+"""Start-up phases of an engine, timed and logged as one line (fast restarts).
 
 ``StartupTimer`` times the phases of ``LLMEngine.__init__`` in order (``with timer.phase(name)``)
 plus the time from the process's start to the engine's construction (imports, mostly), and

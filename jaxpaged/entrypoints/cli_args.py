@@ -16,7 +16,7 @@ import typing
 from collections.abc import Mapping
 
 from jaxpaged.config import EngineArgs
-from jaxpaged.engine.dp_balancer import DP_ROUTING_CHOICES
+from jaxpaged.engine_core.dp_balancer import DP_ROUTING_CHOICES
 from jaxpaged.entrypoints.env import api_key_from_env, server_dev_mode_from_env
 from jaxpaged.metrics import DEFAULT_METRICS_PREFIX, METRICS_PREFIX_CHOICES
 

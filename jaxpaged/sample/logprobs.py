@@ -15,7 +15,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxpaged.outputs import Logprob
 
@@ -151,24 +150,6 @@ class TokenLogprobs(NamedTuple):
     top_logprobs: list[float]
 
 
-@dataclasses.dataclass
-class ModelRunnerOutput:
-    """What one step returns to the engine, keyed by sequence id."""
-
-    sampled_token_ids: dict[str, int]
-    """The token sampled for each sequence whose step computed its last token."""
-    sampled_logprobs: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Each sampled token's logprob (``sample.logprobs.sampled_logprobs``), summed by the engine
-    into ``cumulative_logprob`` (best_of ranking, beam scores, ``CompletionOutput``)."""
-    logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)
-    """For sampled sequences that asked for logprobs."""
-    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = dataclasses.field(
-        default_factory=dict
-    )
-    """For sequences that asked for prompt logprobs: (prompt position >= 1, its logprobs) for the
-    positions this step's tokens predict."""
-
-
 class LogprobsBuilder:
     """Turns ``TokenLogprobs`` into vLLM's ``{token_id: Logprob}`` dicts.
 
@@ -212,14 +193,3 @@ class LogprobsBuilder:
             if token_id not in out:
                 out[token_id] = Logprob(logprob, rank, self.decoded(token_id))
         return out
-
-
-def host_token_logprobs(top: dict[str, np.ndarray], i: int, token_id: int) -> TokenLogprobs:
-    """Row ``i`` of fetched ``TopLogprobs`` arrays (numpy, by field name)."""
-    return TokenLogprobs(
-        token_id=int(token_id),
-        logprob=float(top["logprobs"][i]),
-        rank=int(top["ranks"][i]),
-        top_ids=top["top_ids"][i].tolist(),
-        top_logprobs=top["top_logprobs"][i].tolist(),
-    )

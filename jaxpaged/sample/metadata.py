@@ -1,8 +1,8 @@
 """Per-row sampling parameters as the device reads them, and the sampler stages a step needs.
 
-Every field travels inside the step's packed int32 buffer (``worker/step_buffer.py``: order,
-padding values, dtypes; floats and unsigned seeds as bit patterns), so changing any request's
-parameters changes only data, never a shape: one compiled step per bucket serves every mix.
+Every field travels inside the step's packed int32 buffer (its sections, padding values and real
+dtypes are the worker's step buffer's to define), so changing any request's parameters changes
+only data, never a shape: one compiled step per bucket serves every mix.
 """
 
 from __future__ import annotations
@@ -10,12 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-
-from jaxpaged.worker.step_buffer import SAMPLING_COLUMNS
-
-_JNP = {np.float32: jnp.float32, np.int32: jnp.int32, np.uint32: jnp.uint32}
 
 
 @jax.tree_util.register_dataclass
@@ -47,14 +41,10 @@ class SamplingMetadata:
     prompt_target: jax.Array
 
     @classmethod
-    def from_packed(cls, arrays: dict[str, jax.Array]) -> SamplingMetadata:
-        """Reinterpret the int32 sampling sections of the step buffer with their real dtypes
-        (``step_buffer.SAMPLING_COLUMNS``)."""
-        values = {}
-        for name, dtype in SAMPLING_COLUMNS.items():
-            x = arrays[name]
-            values[name] = x if dtype is np.int32 else jax.lax.bitcast_convert_type(x, _JNP[dtype])
-        return cls(**values, prompt_target=arrays["prompt_target"])
+    def from_arrays(cls, arrays: dict[str, jax.Array]) -> SamplingMetadata:
+        """The fields of ``arrays`` (a step's unpacked inputs, already in the dtypes above;
+        other keys are ignored)."""
+        return cls(**{field.name: arrays[field.name] for field in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass(frozen=True)

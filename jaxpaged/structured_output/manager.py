@@ -13,9 +13,9 @@ Life of a constrained request (vLLM v1's ``StructuredOutputManager`` plays the s
    grammar is ready and those refused (compile error, probe, or past
    ``structured_outputs_config.grammar_compile_timeout_s``): the engine core's way, which never
    waits, acks each add once its verdict is known, so a refusal is still an HTTP 400.
-3. ``bitmask_filler`` (before each step that samples a constrained row): every such row's
-   matcher is brought up to date with its committed tokens and fills its row of the packed
-   bitmask; other rows allow everything.
+3. ``bitmask_filler`` (right before the segment that samples a step with a constrained row
+   launches; ``engine/step_pipeline.py``): every such row's matcher is brought up to date with
+   its committed tokens and fills its row of the packed bitmask; other rows allow everything.
 4. ``update`` (after each commit): matchers accept the new tokens; a sequence whose token the
    grammar rejected is reported to be aborted; finished requests' state is dropped. A complete
    grammar needs no action: its mask allows only EOS, which stops the request (``stop``) by the

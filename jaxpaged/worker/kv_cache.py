@@ -1,6 +1,6 @@
 """KV cache on the device: how many blocks fit, and allocating them.
 
-Sizing follows vLLM (DESIGN.md §3): after the weights are loaded and one profiling step at the
+Sizing follows vLLM (docs/architecture.md, "KV cache sizing"): after the weights are loaded and one profiling step at the
 full token budget has run, the KV cache gets ``gpu_memory_utilization * device_memory - peak``
 bytes (capped by the JAX allocator's pool; see ``MemoryBudget``). ``kv_cache_memory_bytes``
 replaces that rule (the default on CPU, where there is no device limit to read), and
@@ -55,7 +55,7 @@ def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int, *, cap: int) -> 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryBudget:
-    """How the device's memory was split, in bytes (DESIGN.md §3).
+    """How the device's memory was split, in bytes (docs/architecture.md, "KV cache sizing").
 
     ``usable = min(gpu_memory_utilization * total, pool)``: the engine may use the fraction of
     the card the user asked for, but never more than the JAX allocator's pool (JAX preallocates

@@ -1,10 +1,14 @@
-"""SchedulerOutput -> padded numpy metadata -> one host-to-device transfer -> the jitted step.
+"""The host side of one step: SchedulerOutput -> packed inputs -> launched segments -> outputs.
 
-This is the only place host arrays become device arrays. Every step's small int32 (and
-bit-cast float32) arrays travel in one packed buffer, unpacked inside the jitted step by static
-offsets. One executable per bucket is compiled ahead of time (``jit(...).lower().compile()``),
-so an unplanned shape is a ``KeyError``-free lookup miss that compiles visibly rather than a
-silent re-trace; ``num_compilations`` counts them for the tests.
+This is the only place host arrays become device arrays. One step goes through the runner as
+``prepare`` (bucket key, LogitsState slots, sampler variant, the packed int32 inputs, counters:
+the one preparation every step shares) -> ``launch`` of each of its segments (the device stages
+of ``worker/step_program.py``, one executable per segment) -> ``collect`` (the outputs read back,
+``worker/step_output.py``). Every step's small int32 (and bit-cast float32) arrays travel in one
+packed buffer, unpacked inside the jitted segment by static offsets. One executable per bucket
+and segment is compiled ahead of time (``jit(...).lower().compile()``), so an unplanned shape is
+a lookup miss that compiles visibly rather than a silent re-trace; ``num_compilations`` counts
+them for the tests.
 """
 
 from __future__ import annotations
@@ -21,26 +25,18 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from jaxpaged.core.scheduler import SchedulerOutput
+from jaxpaged.core.scheduler_output import SchedulerOutput
 from jaxpaged.sample import logits_state as ls
-from jaxpaged.sample.logprobs import (
-    ModelRunnerOutput,
-    host_token_logprobs,
-    sampled_logprobs,
-    step_prompt_logprobs,
-)
-from jaxpaged.sample.metadata import SamplerVariant, SamplingMetadata
-from jaxpaged.sample.sampler import sample
-from jaxpaged.structured_output.bitmask import apply_token_bitmask, num_words
-from jaxpaged.worker.beam_candidates import top_logprobs
+from jaxpaged.sample.metadata import SamplerVariant
+from jaxpaged.structured_output.bitmask import num_words
 from jaxpaged.worker.buckets import make_buckets, round_up_to_bucket
 from jaxpaged.worker.device_weights import DeviceWeights, array_specs
 from jaxpaged.worker.executables import ExecutableTable
 from jaxpaged.worker.input_prep import PackedInputBuilder
 from jaxpaged.worker.step_buffer import PackedLayout
+from jaxpaged.worker.step_output import ModelRunnerOutput, read_back
+from jaxpaged.worker.step_program import FORWARD, SAMPLE, WHOLE, BucketKey, StepProgram
 from jaxpaged.worker.step_timeline import StepTimeline
-from models.attention_metadata import AttentionMetadata
-from models.lora import LoRABatch
 
 # Smallest token bucket of a step that carries a prefill chunk; decode-only steps use the
 # sequence buckets, which start at 1.
@@ -49,42 +45,20 @@ _MIN_TOKEN_BUCKET = 16
 # and compiles more step shapes.
 SEQ_BUCKET_GAP = 512
 TOKEN_BUCKET_GAP = 512
-_DEFAULT_VARIANT = SamplerVariant()
-
-
-@dataclasses.dataclass(frozen=True)
-class BucketKey:
-    """Static shape of one compiled step: ``T`` tokens, ``B`` sequences, decode-only or mixed."""
-
-    num_tokens: int
-    num_seqs: int
-    decode_only: bool
-    # Beam search: top-k (token, logprob) pairs returned per row, a power of two; 0 (every
-    # bucket compiled at start-up) returns none, so beam steps compile only when beams are used.
-    num_beam_candidates: int = 0
-    # Optional sampler stages; start-up compiles the default (none), others compile on first use.
-    variant: SamplerVariant = _DEFAULT_VARIANT
-    # "step": the whole step; "forward" / "sample": its two halves, for async steps that sample
-    # under a grammar (the bitmask is filled while the forward runs; ``dispatch_forward``).
-    part: str = "step"
 
 
 @dataclasses.dataclass
-class ForwardStep:
-    """The forward half of a split step, dispatched: what its sample half needs."""
+class DeviceStep:
+    """One step on its way through the device: prepared on the host (``ModelRunner.prepare``),
+    its segments launched in order (``launch``), its outputs read back (``collect``)."""
 
-    scheduled: list
-    key: BucketKey  # the sample half's bucket
-    packed: jax.Array  # the step's packed inputs, on the device
-    logits: jax.Array  # f32[B, vocab_size], on the device
-
-
-@dataclasses.dataclass
-class PendingStep:
-    """A dispatched step: its scheduled sequences and its on-device outputs (None: empty)."""
-
-    scheduled: list
-    out: dict | None
+    scheduled: list  # ``ScheduledSequence``s in row order; empty: nothing runs
+    key: BucketKey | None = None  # the whole step's key (each segment's: ``key.for_segment``)
+    layout: PackedLayout | None = None  # the packed inputs' layout, shared by every segment
+    packed: np.ndarray | None = None  # i32[layout.size], the packed inputs on the host
+    inputs: jax.Array | None = None  # the same on the device, once the first segment launched
+    handed: dict | None = None  # what the last launched segment hands to the next
+    out: dict | None = None  # the sampled outputs on the device, once ``sample`` launched
 
 
 class ModelRunner:
@@ -156,32 +130,20 @@ class ModelRunner:
                 self._input_sharding,
             )
             self.logits_state = jax.device_put(self.logits_state, self._input_sharding)
-        self._jitted_step = jax.jit(
-            self._step,
-            static_argnames=("layout", "decode_only", "num_beam_candidates", "variant"),
+        # The device stages (step_program.py); every segment of every bucket is this one
+        # function, jitted with the segment's static key.
+        self.program = StepProgram(
+            self.weights,
+            max_logprobs=max_logprobs,
+            max_loras=lora_manager.max_loras if lora_manager is not None else 0,
+        )
+        self._jitted_run = jax.jit(
+            self.program.step_segment,
+            static_argnames=("key", "layout"),
             donate_argnames=("kv_caches", "logits_state"),
             **placement,
         )
-        halves = {"forward": {}, "sample": {}}
-        if mesh is not None:
-            halves["forward"]["out_shardings"] = (self._input_sharding, cache_shardings)
-            halves["sample"]["out_shardings"] = (self._input_sharding, self._input_sharding)
-        self._jitted_forward = jax.jit(
-            self._forward,
-            static_argnames=("layout", "decode_only"),
-            donate_argnames=("kv_caches",),
-            **halves["forward"],
-        )
-        self._jitted_sample = jax.jit(
-            self._sample,
-            static_argnames=("layout", "variant"),
-            donate_argnames=("logits_state",),
-            **halves["sample"],
-        )
-        # Beam search output of the last execute_model: seq_id -> (token_ids, logprobs), each
-        # [k] best first, for the sampled rows; empty when the step asked for none.
-        self.beam_candidates: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        # The last dispatched step's sampled ids, padded to the largest sequence bucket, and its
+        # The last launched step's sampled ids, padded to the largest sequence bucket, and its
         # scheduled sequences (row order): the next step reads placeholder tokens from it.
         self._prev_tokens = jax.device_put(
             np.zeros(self.seq_buckets[-1], np.int32), self._input_sharding
@@ -317,9 +279,12 @@ class ModelRunner:
         return self._executable_table.get(key)
 
     def _layout(self, key: BucketKey) -> PackedLayout:
-        # Only whole structured steps carry the token bitmask in the packed buffer (one variant
-        # per bucket, any schema); split ones get it as an argument of the sample half.
-        words = num_words(self.vocab_size) if key.variant.structured and key.part == "step" else 0
+        # The token bitmask rides in the packed inputs only when the segment that samples also
+        # carries them (one variant per bucket, any schema); a later sampling segment takes it
+        # as an input of its own (``handed``), so every segment of a step shares one layout.
+        words = 0
+        if key.variant.structured and FORWARD in key.segment and SAMPLE in key.segment:
+            words = num_words(self.vocab_size)
         return PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks, words)
 
     def _lower_and_compile(self, key: BucketKey) -> jax.stages.Compiled:
@@ -333,46 +298,29 @@ class ModelRunner:
         return traced.lower() if platforms is None else traced.lower(lowering_platforms=platforms)
 
     def trace(self, key: BucketKey) -> jax.stages.Traced:
-        """The program of bucket ``key`` (its part: the whole step or one half) traced against
+        """The program of bucket ``key`` (its segment of the step) traced against
         the shapes of the weights, caches and inputs, never their arrays; the platform choices
         made while tracing (``models.platform.target_platform``) are those of the caller's
         context."""
         layout = self._layout(key)
-        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         lora_weights = self._lora_weights()
-        lora_spec = None if lora_weights is None else array_specs(lora_weights, self._mesh)
-        if key.part == "forward":
-            return self._jitted_forward.trace(
-                self.weights.specs,
-                self._kv_cache_specs,
-                self._prev_tokens_spec,
-                packed,
-                lora_spec,
-                layout=layout,
-                decode_only=key.decode_only,
-            )
-        if key.part == "sample":
-            b, words = key.num_seqs, num_words(self.vocab_size)
-            return self._jitted_sample.trace(
-                self._replicated_spec((b, self.vocab_size), jnp.float32),
-                self._logits_state_spec,
-                self._prev_tokens_spec,
-                packed,
-                self._replicated_spec((b, words), jnp.int32),
-                layout=layout,
-                variant=key.variant,
-            )
-        return self._jitted_step.trace(
+        handed = None
+        if FORWARD not in key.segment:  # what the step's forward segment hands on
+            b = key.num_seqs
+            handed = {"logits": self._replicated_spec((b, self.vocab_size), jnp.float32)}
+            if key.variant.structured:
+                words = num_words(self.vocab_size)
+                handed["token_bitmask"] = self._replicated_spec((b, words), jnp.int32)
+        return self._jitted_run.trace(
             self.weights.specs,
             self._kv_cache_specs,
             self._logits_state_spec,
             self._prev_tokens_spec,
-            packed,
-            lora_spec,
+            jax.ShapeDtypeStruct((layout.size,), jnp.int32),
+            None if lora_weights is None else array_specs(lora_weights, self._mesh),
+            handed,
+            key=key,
             layout=layout,
-            decode_only=key.decode_only,
-            num_beam_candidates=key.num_beam_candidates,
-            variant=key.variant,
         )
 
     def _replicated_spec(self, shape, dtype) -> jax.ShapeDtypeStruct:
@@ -389,7 +337,7 @@ class ModelRunner:
         """Run the largest mixed bucket once on padding so the device's peak memory includes the
         step's activations (memory sizing reads it next)."""
         key = self.profile_key()
-        layout = PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks)
+        layout = self._layout(key)
         packed = self._prepare_inputs([], layout, [], profile=True)
         out, self.kv_caches, self.logits_state = self.executable(key)(
             self.weights.arrays,
@@ -398,222 +346,112 @@ class ModelRunner:
             self._prev_tokens,
             jax.device_put(packed, self._input_sharding),
             self._lora_weights(),
+            None,
         )
         out["token_ids"].block_until_ready()
 
     # ---------------------------------------------------------------------------- the step
-    def _step(
-        self,
-        weights,
-        kv_caches,
-        logits_state,
-        prev_tokens,
-        packed,
-        lora_weights,
-        *,
-        layout: PackedLayout,
-        decode_only: bool,
-        num_beam_candidates: int = 0,
-        variant: SamplerVariant = _DEFAULT_VARIANT,
-    ):
-        arrays = layout.unpack(packed)
-        hidden, logits, kv_caches, model = self._run_model(
-            weights, kv_caches, prev_tokens, arrays, lora_weights, layout, decode_only
-        )
-        bitmask = None
-        if variant.structured:
-            bitmask = arrays["token_bitmask"].reshape(layout.num_seqs, layout.bitmask_words)
-        out, logits, logits_state = self._sample_rows(
-            logits, logits_state, prev_tokens, arrays, bitmask, variant
-        )
-        out["prompt_logprobs"] = step_prompt_logprobs(
-            hidden,
-            logits,
-            model.compute_logits,
-            out.pop("sampling").prompt_target,
-            self.max_logprobs,
-            decode_only=decode_only,
-            enabled=variant.prompt_logprobs,
-        )
-        if num_beam_candidates:
-            temperature = SamplingMetadata.from_packed(arrays).temperature
-            out["beams"] = top_logprobs(logits, temperature, num_beam_candidates)
-        return out, kv_caches, logits_state
-
-    def _forward(
-        self, weights, kv_caches, prev_tokens, packed, lora_weights, *, layout, decode_only
-    ):
-        """The forward half of a split step: f32[B, vocab_size] logits of the sampling rows."""
-        _, logits, kv_caches, _ = self._run_model(
-            weights, kv_caches, prev_tokens, layout.unpack(packed), lora_weights, layout,
-            decode_only,
-        )  # fmt: skip
-        return logits.astype(jnp.float32), kv_caches
-
-    def _sample(self, logits, logits_state, prev_tokens, packed, bitmask, *, layout, variant):
-        """The sample half of a split step (no prompt logprobs, no beams: those steps run
-        whole)."""
-        out, _, logits_state = self._sample_rows(
-            logits, logits_state, prev_tokens, layout.unpack(packed), bitmask, variant
-        )
-        del out["sampling"]
-        return out, logits_state
-
-    def _run_model(
-        self, weights, kv_caches, prev_tokens, arrays, lora_weights, layout, decode_only
-    ):
-        prev_index = arrays["prev_index"]
-        input_ids = jnp.where(
-            prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], arrays["input_ids"]
-        )
-        b = layout.num_seqs
-        metadata = AttentionMetadata(
-            slot_mapping=arrays["slot_mapping"],
-            block_tables=arrays["block_tables"].reshape(b, layout.max_blocks),
-            seq_lens=arrays["seq_lens"],
-            cu_q_lens=arrays["cu_q_lens"],
-            decode_only=decode_only,
-        )
-        model = self.weights.model(weights)
-        lora = None
-        if lora_weights is not None:
-            lora = LoRABatch(arrays["lora_slots"], lora_weights, self.lora_manager.max_loras)
-        # Families without LoRA support (GPT-2, BLOOM) take no adapter argument.
-        extra = () if lora is None else (lora,)
-        hidden, kv_caches = model(input_ids, arrays["positions"], kv_caches, metadata, *extra)
-        # Only the rows that sample reach the LM head.
-        logits = model.compute_logits(hidden[arrays["logits_indices"]])
-        return hidden, logits, kv_caches, model
-
-    def _sample_rows(self, logits, logits_state, prev_tokens, arrays, bitmask, variant):
-        sampling = SamplingMetadata.from_packed(arrays)
-        if bitmask is not None:
-            # Grammar-disallowed tokens go to -inf before anything reads the logits, so the
-            # sampler, the logprobs (raw ones too, as vLLM's) and beam candidates all see it.
-            logits = apply_token_bitmask(logits.astype(jnp.float32), bitmask)
-        token_ids, logprobs, logits_state = sample(
-            logits, sampling, logits_state, num_logprobs=self.max_logprobs, variant=variant
-        )
-        out = {
-            "token_ids": token_ids,
-            "next_prev_tokens": jnp.zeros_like(prev_tokens).at[: token_ids.shape[0]].set(token_ids),
-            "sampled_logprobs": sampled_logprobs(logits, token_ids, sampling, logprobs),
-            "logprobs": logprobs,
-            "sampling": sampling,
-        }
-        return out, logits, logits_state
-
     def execute_block_ops(self, scheduler_output: SchedulerOutput, block_mover) -> None:
         """Run the step's swap-out, swap-in and copy-on-write block moves, in that order, on the
-        KV cache (``jaxpaged.worker.swap.BlockMover``); call before ``execute_model``."""
+        KV cache (``jaxpaged.worker.swap.BlockMover``); call before ``prepare``."""
         self.kv_caches = block_mover.execute(self.kv_caches, scheduler_output)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: the token sampled for each sequence that computed its last token, its
-        logprob, the logprobs its request asked for and, for beam-search steps, each sampled
-        row's best candidates (``self.beam_candidates``)."""
-        return self.collect(self.dispatch(scheduler_output))
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, fill_bitmask=None
+    ) -> ModelRunnerOutput:
+        """Run one step whole and wait for it: the token sampled for each sequence that computed
+        its last token, its logprob, the logprobs its request asked for and, for beam-search
+        steps, each sampled row's best candidates. ``fill_bitmask`` as in ``launch`` (None: no
+        row samples under a grammar)."""
+        step = self.prepare(scheduler_output, structured=fill_bitmask is not None)
+        return self.collect(self.launch(step, WHOLE, fill_bitmask=fill_bitmask))
 
-    def dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
-        """Launch one step on the device and return at once (nothing waits for the device).
+    def prepare(
+        self,
+        scheduler_output: SchedulerOutput,
+        *,
+        structured: bool = False,
+        segments: tuple[tuple[str, ...], ...] = (WHOLE,),
+    ) -> DeviceStep:
+        """The host work of one step before anything launches: its bucket key (beam candidates
+        and sampler variant included), each row's LogitsState slot (rows it lacks are rebuilt
+        on the device now), the packed inputs, and the token counters.
 
-        A scheduled token equal to ``PLACEHOLDER_TOKEN_ID`` is read on the device from the
-        previous dispatched step's sampled ids (async scheduling).
+        Args:
+            structured: some row samples under a grammar: the step takes a token bitmask.
+            segments: how the step's stages will be launched (``step_program.STAGES`` cut into
+                contiguous runs); the packed inputs' layout depends on the first.
         """
         scheduled = scheduler_output.scheduled
-        self.beam_candidates = {}
         if not scheduled:
-            return PendingStep([], None)
+            return DeviceStep([])
         decode_only = all(s.num_new_tokens == 1 for s in scheduled)
         key = self.bucket_for(scheduler_output.num_batched_tokens, len(scheduled), decode_only)
-        num_candidates = getattr(scheduler_output, "num_beam_candidates", 0)
+        num_candidates = scheduler_output.num_beam_candidates
         if num_candidates:
             padded = min(1 << (num_candidates - 1).bit_length(), self.vocab_size)
             key = dataclasses.replace(key, num_beam_candidates=padded)
         slots = self._assign_logits_state_slots(scheduled)
-        bitmask = scheduler_output.grammar_bitmask
         variant = SamplerVariant.for_step(scheduled, slots)
-        if bitmask is not None:
+        if structured:
             variant = dataclasses.replace(variant, structured=True)
         key = dataclasses.replace(key, variant=variant)
-        layout = self._layout(key)
+        layout = self._layout(key.for_segment(segments[0]))
         packed = self._prepare_inputs(scheduled, layout, slots)
-        if bitmask is not None:  # filled in place: at B=1024 and 128k tokens it is 16 MB
-            span = layout.spans()["token_bitmask"]
-            bitmask(packed[span].reshape(layout.num_seqs, layout.bitmask_words))
+        self._prev_scheduled = scheduled
         self.num_scheduled_tokens += scheduler_output.num_batched_tokens
         self.num_bucket_tokens += key.num_tokens
-        executable = self.executable(key)
-        out, self.kv_caches, self.logits_state = executable(
+        return DeviceStep(scheduled, key, layout, packed)
+
+    def launch(self, step: DeviceStep, segment=WHOLE, *, fill_bitmask=None) -> DeviceStep:
+        """Launch one segment of a prepared step and return at once (nothing waits for the
+        device); segments launch in stage order. A token equal to ``PLACEHOLDER_TOKEN_ID`` is
+        read on the device from the previous launched step's sampled ids (async scheduling).
+
+        Args:
+            fill_bitmask: for the segment that samples a structured step: ``fill(out)`` writes
+                the constrained rows of ``out`` (i32[B, W], all ones, rows in ``scheduled``
+                order); into the packed inputs when they travel with this segment, else into
+                an input of its own. None: every row allowed.
+        """
+        if not step.scheduled:
+            return step
+        key = step.key.for_segment(segment)
+        if step.inputs is None:  # the first segment carries the packed inputs
+            if fill_bitmask is not None and step.layout.bitmask_words:
+                # Filled in place: at B=1024 and 128k tokens the bitmask is 16 MB.
+                span = step.layout.spans()["token_bitmask"]
+                fill_bitmask(step.packed[span].reshape(key.num_seqs, step.layout.bitmask_words))
+            step.inputs = jax.device_put(step.packed, self._input_sharding)
+        handed = step.handed
+        if FORWARD not in segment and key.variant.structured:
+            bitmask = np.full((key.num_seqs, num_words(self.vocab_size)), -1, np.int32)
+            if fill_bitmask is not None:
+                fill_bitmask(bitmask)
+            handed = {**handed, "token_bitmask": jax.device_put(bitmask, self._input_sharding)}
+        out, self.kv_caches, self.logits_state = self.executable(key)(
             self.weights.arrays,
             self.kv_caches,
             self.logits_state,
             self._prev_tokens,
-            jax.device_put(packed, self._input_sharding),
+            step.inputs,
             self._lora_weights(),
+            handed,
         )
+        if SAMPLE not in segment:
+            step.handed = out
+            return step
         self._prev_tokens = out.pop("next_prev_tokens")
-        self._prev_scheduled = scheduled
+        step.out, step.handed = out, None
         if self.timeline is not None:
             self.timeline.dispatched(out["token_ids"])
-        return PendingStep(scheduled, out)
+        return step
 
-    def dispatch_forward(self, scheduler_output: SchedulerOutput) -> ForwardStep:
-        """Launch the forward half of a step that samples under a grammar (async scheduling):
-        the model runs while the host resolves the previous step's tokens and fills this
-        step's bitmask; ``dispatch_sample`` then launches the sampling. Not for beam search or
-        prompt-logprobs steps (they run whole)."""
-        scheduled = scheduler_output.scheduled
-        self.beam_candidates = {}
-        decode_only = all(s.num_new_tokens == 1 for s in scheduled)
-        key = self.bucket_for(scheduler_output.num_batched_tokens, len(scheduled), decode_only)
-        slots = self._assign_logits_state_slots(scheduled)
-        variant = dataclasses.replace(SamplerVariant.for_step(scheduled, slots), structured=True)
-        sample_key = dataclasses.replace(key, variant=variant, part="sample")
-        layout = self._layout(sample_key)  # no bitmask section: the sample half takes it apart
-        packed = jax.device_put(
-            self._prepare_inputs(scheduled, layout, slots), self._input_sharding
-        )
-        self.num_scheduled_tokens += scheduler_output.num_batched_tokens
-        self.num_bucket_tokens += key.num_tokens
-        # One forward executable per bucket serves every sampler variant.
-        forward = self.executable(dataclasses.replace(key, part="forward"))
-        logits, self.kv_caches = forward(
-            self.weights.arrays, self.kv_caches, self._prev_tokens, packed, self._lora_weights()
-        )
-        self._prev_scheduled = scheduled
-        return ForwardStep(scheduled, sample_key, packed, logits)
-
-    def dispatch_sample(self, step: ForwardStep, fill_bitmask) -> PendingStep:
-        """Launch the sample half of ``step``; ``fill_bitmask(out)`` writes the grammar rows of
-        ``out`` (i32[B, W], all ones) first. Returns at once, as ``dispatch``."""
-        bitmask = np.full((step.key.num_seqs, num_words(self.vocab_size)), -1, np.int32)
-        fill_bitmask(bitmask)
-        out, self.logits_state = self.executable(step.key)(
-            step.logits,
-            self.logits_state,
-            self._prev_tokens,
-            step.packed,
-            jax.device_put(bitmask, self._input_sharding),
-        )
-        self._prev_tokens = out.pop("next_prev_tokens")
-        if self.timeline is not None:
-            self.timeline.dispatched(out["token_ids"])
-        return PendingStep(step.scheduled, out)
-
-    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
-        """Wait for a dispatched step and read its tokens (and what else it computed) back."""
-        if pending.out is None:
+    def collect(self, step: DeviceStep) -> ModelRunnerOutput:
+        """Wait for a launched step and read its tokens (and what else it computed) back."""
+        if step.out is None:
             return ModelRunnerOutput({})
-        scheduled, out = pending.scheduled, pending.out
-        if "beams" in out:
-            beam_ids, beam_logprobs = (np.asarray(x) for x in out["beams"])
-            self.beam_candidates = {
-                s.seq.seq_id: (beam_ids[i], beam_logprobs[i])
-                for i, s in enumerate(scheduled)
-                if s.do_sample
-            }
-        return self._runner_output(scheduled, out)
+        return read_back(step.scheduled, step.out)
 
     def _assign_logits_state_slots(self, scheduled) -> list[int | None]:
         """LogitsState slot per scheduled sequence (None: needs none); rebuilds new rows."""
@@ -629,37 +467,6 @@ class ModelRunner:
             self.logits_state = ls.write_rows(self.logits_state, index, rows)
         by_id = dict(zip((seq.seq_id for seq in users), slots, strict=True))
         return [by_id.get(s.seq.seq_id) for s in scheduled]
-
-    def _runner_output(self, scheduled, out) -> ModelRunnerOutput:
-        token_ids = np.asarray(out["token_ids"])
-        chosen = np.asarray(out["sampled_logprobs"])
-        sampled = [(i, s.seq.seq_id) for i, s in enumerate(scheduled) if s.do_sample]
-        result = ModelRunnerOutput(
-            {seq_id: int(token_ids[i]) for i, seq_id in sampled},
-            sampled_logprobs={seq_id: float(chosen[i]) for i, seq_id in sampled},
-        )
-        # Logprob arrays leave the device only when some request of the step wants them.
-        if any(s.do_sample and s.seq.sampling_params.logprobs is not None for s in scheduled):
-            top = {k: np.asarray(v) for k, v in vars(out["logprobs"]).items()}
-            for i, s in enumerate(scheduled):
-                if s.do_sample and s.seq.sampling_params.logprobs is not None:
-                    result.logprobs[s.seq.seq_id] = host_token_logprobs(top, i, token_ids[i])
-        if any(s.seq.sampling_params.prompt_logprobs is not None for s in scheduled):
-            top = {k: np.asarray(v) for k, v in vars(out["prompt_logprobs"]).items()}
-            t = 0
-            for s in scheduled:
-                if s.seq.sampling_params.prompt_logprobs is not None:
-                    entries = []
-                    prompt = s.seq.prompt_token_ids
-                    for j in range(s.num_new_tokens):
-                        position = s.num_computed_tokens + j + 1
-                        if position < len(prompt):
-                            entries.append(
-                                (position, host_token_logprobs(top, t + j, prompt[position]))
-                            )
-                    result.prompt_logprobs[s.seq.seq_id] = entries
-                t += s.num_new_tokens
-        return result
 
     def _prepare_inputs(
         self, scheduled, layout: PackedLayout, slots: list, *, profile: bool = False

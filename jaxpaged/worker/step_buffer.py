@@ -1,8 +1,8 @@
 """The packed step buffer: every small array of one step in a single int32 host buffer.
 
-One host-to-device transfer per step carries it (DESIGN.md §2); the jitted step slices it back
-into arrays by static offsets (``PackedLayout.unpack``) and bit-casts the float and unsigned
-sampling columns (``SamplingMetadata.from_packed``). This module is the one place that says which
+One host-to-device transfer per step carries it (docs/architecture.md, "One engine step"); the jitted step slices it back
+into arrays by static offsets and bit-casts the float and unsigned sampling columns back to
+their dtypes (``PackedLayout.unpack``). This module is the one place that says which
 sections exist, in what order, how long each is for a bucket of ``T`` tokens and ``B``
 sequences, what a padding row or token holds, and the dtype each sampling column really has.
 ``input_prep.PackedInputBuilder`` fills it; ``model_runner.ModelRunner`` compiles against it.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 # The LogitsState row that holds no request's data: its index depends on the engine
@@ -99,9 +100,17 @@ class PackedLayout:
             offset += n
         return spans
 
-    def unpack(self, packed):
-        """Section name -> its slice of ``packed`` (a device or host array of ``size``)."""
-        return {name: packed[span] for name, span in self.spans().items()}
+    def unpack(self, packed) -> dict:
+        """Section name -> its slice of ``packed`` (i32[size], on the device inside the jitted
+        step, or on the host), bit-cast back to the section's dtype (``SECTIONS``)."""
+        on_host = isinstance(packed, np.ndarray)
+        arrays = {}
+        for (name, _, dtype, _), span in zip(SECTIONS, self.spans().values(), strict=True):
+            x = packed[span]
+            if dtype is not np.int32:
+                x = x.view(dtype) if on_host else jax.lax.bitcast_convert_type(x, dtype)
+            arrays[name] = x
+        return arrays
 
     def template(self, neutral_slot: int) -> np.ndarray:
         """The buffer of an empty step: i32[size], every section at its padding value

@@ -7,14 +7,15 @@ Start-up, in vLLM's order (``vllm/v1/worker/gpu_worker.py``: ``load_model``,
    resolves the attention backend.
 2. ``load_model()``: weights (or dummies) onto the device(s); the KV cache's geometry follows.
 3. ``determine_num_blocks()``: profiles one step at the full token budget and sizes the KV cache
-   (DESIGN.md §3), or takes the forced count / byte budget of the config.
+   (docs/architecture.md, "KV cache sizing"), or takes the forced count / byte budget of the config.
 4. ``initialize_cache(num_blocks)``: builds the ``ModelRunner``, compiles every step bucket
    against the cache's shapes (before allocating it, so XLA's autotuner sees the memory the
    cache will take), allocates the cache and the host swap space (``BlockMover``).
 
 Then, per step, the engine hands it a ``SchedulerOutput``: ``execute_block_ops`` (swaps and
-copy-on-write), then ``execute_model`` or, with async scheduling, ``dispatch`` / ``collect``.
-Nothing outside the worker writes the runner's fields.
+copy-on-write), ``prepare``, ``launch`` of each segment of the step's device stages, ``collect``
+(``engine/step_pipeline.py`` decides the segments and when to collect). Nothing outside the
+worker writes the runner's fields.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.scheduler_output import SchedulerOutput
 from jaxpaged.lora.manager import LoRAManager, create_lora_manager
-from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.worker.compilation_cache import CompileCounter, enable_compilation_cache
 from jaxpaged.worker.distributed import agree_on_min, initialize_distributed, is_driver
 from jaxpaged.worker.kv_cache import (
@@ -46,7 +46,9 @@ from jaxpaged.worker.kv_cache import (
 )
 from jaxpaged.worker.kv_size_memo import memo_key, remembered_num_blocks
 from jaxpaged.worker.memory_pool import configure_memory_pool
-from jaxpaged.worker.model_runner import ModelRunner, PendingStep
+from jaxpaged.worker.model_runner import DeviceStep, ModelRunner
+from jaxpaged.worker.step_output import ModelRunnerOutput
+from jaxpaged.worker.step_program import WHOLE
 from jaxpaged.worker.step_timeline import StepTimeline
 from jaxpaged.worker.swap import BlockMover
 from jaxpaged.worker.weight_update import update_device_weights
@@ -519,40 +521,39 @@ class Worker:
         """Swap-out, swap-in and copy-on-write block moves of the step, in that order."""
         self.model_runner.execute_block_ops(scheduler_output, self.block_mover)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and wait for its sampled tokens (``ModelRunner.execute_model``)."""
-        return self.model_runner.execute_model(scheduler_output)
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, fill_bitmask=None
+    ) -> ModelRunnerOutput:
+        """Run one step whole and wait for its outputs (``ModelRunner.execute_model``)."""
+        return self.model_runner.execute_model(scheduler_output, fill_bitmask)
 
-    def dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
-        """Launch one step and return at once (async scheduling; ``ModelRunner.dispatch``)."""
-        return self.model_runner.dispatch(scheduler_output)
+    def prepare(
+        self,
+        scheduler_output: SchedulerOutput,
+        *,
+        structured: bool = False,
+        segments: tuple[tuple[str, ...], ...] = (WHOLE,),
+    ) -> DeviceStep:
+        """A step's host preparation before any launch (``ModelRunner.prepare``)."""
+        return self.model_runner.prepare(scheduler_output, structured=structured, segments=segments)
 
-    def dispatch_forward(self, scheduler_output: SchedulerOutput):
-        """Launch a split step's forward half (``ModelRunner.dispatch_forward``)."""
-        return self.model_runner.dispatch_forward(scheduler_output)
+    def launch(self, step: DeviceStep, segment=WHOLE, *, fill_bitmask=None) -> DeviceStep:
+        """Launch one segment of a prepared step and return at once (``ModelRunner.launch``)."""
+        return self.model_runner.launch(step, segment, fill_bitmask=fill_bitmask)
 
-    def dispatch_sample(self, step, fill_bitmask) -> PendingStep:
-        """Launch a split step's sample half (``ModelRunner.dispatch_sample``)."""
-        return self.model_runner.dispatch_sample(step, fill_bitmask)
-
-    def is_ready(self, pending: PendingStep) -> bool:
-        """Whether a dispatched step's sampled tokens are computed (never blocks; True for an
+    def is_ready(self, step: DeviceStep) -> bool:
+        """Whether a launched step's sampled tokens are computed (never blocks; True for an
         empty step). The engine core polls it to know when the step on the device is done."""
-        return pending.out is None or pending.out["token_ids"].is_ready()
+        return step.out is None or step.out["token_ids"].is_ready()
 
-    def wait(self, pending: PendingStep) -> None:
-        """Block until a dispatched step's sampled tokens are computed (not yet read back)."""
-        if pending.out is not None:
-            pending.out["token_ids"].block_until_ready()
+    def wait(self, step: DeviceStep) -> None:
+        """Block until a launched step's sampled tokens are computed (not yet read back)."""
+        if step.out is not None:
+            step.out["token_ids"].block_until_ready()
 
-    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
-        """Wait for a dispatched step and read its outputs (``ModelRunner.collect``)."""
-        return self.model_runner.collect(pending)
-
-    @property
-    def beam_candidates(self) -> dict:
-        """Beam candidates of the last collected step (``ModelRunner.beam_candidates``)."""
-        return self.model_runner.beam_candidates
+    def collect(self, step: DeviceStep) -> ModelRunnerOutput:
+        """Wait for a launched step and read its outputs (``ModelRunner.collect``)."""
+        return self.model_runner.collect(step)
 
 
 def _head_dim(hf_config) -> int:

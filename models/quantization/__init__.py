@@ -1,6 +1,6 @@
 """Quantized linear layers: one module per method, plus the shared pieces they stand on.
 
-Why under ``models/`` and not ``jaxpaged/`` (DESIGN.md §1 names ``jaxpaged/quantization/``): a
+Why under ``models/`` and not ``jaxpaged/`` (docs/architecture.md, "Layers"): a
 quantized linear is called from inside the model's layers (``models/llama.py``,
 ``models/merged_linear.py``), and imports point one way, ``pallas_kernels`` <- ``models`` <-
 ``jaxpaged``. The engine (``jaxpaged/config.py``) can still import the JAX-free parsing in

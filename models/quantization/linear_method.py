@@ -1,6 +1,6 @@
 """One object per quantized linear layer: what it loads, how it splits, how it multiplies.
 
-DESIGN.md §10: a linear layer's method is chosen once from the checkpoint's
+docs/architecture.md, "Quantized linears and LoRA inside the step": a linear layer's method is chosen once from the checkpoint's
 ``quantization_config`` (or the flag). :func:`get_linear_method` returns it for a layer name
 (None: the layer stays unquantized, e.g. ``lm_head`` or an ``ignore``d module), and the model and
 loaders then only call its four members; no method-specific code outside this package:

@@ -19,7 +19,7 @@ serves the same numbers here as there:
 Shapes: ``x: [..., in]`` (``T`` tokens after flattening), ``weight: [out, in]`` as stored,
 ``weight_scale: f32[out]`` (per channel) or ``f32[1]`` (per tensor).
 
-Decode policy (issue 14): a step of at most :data:`W8_GEMV_MAX_TOKENS` tokens on a platform in
+Decode policy (docs/benchmarks.md, "Quantized linears"): a step of at most :data:`W8_GEMV_MAX_TOKENS` tokens on a platform in
 :data:`W8_GEMV_PLATFORMS` skips the activation quantization and runs the weights through the
 weight-only Pallas GEMV (``pallas_kernels.w8_gemv``, :func:`weight_only_linear`), which streams
 8-bit weights faster than XLA's GEMV fusions should. This changes the numbers (activations

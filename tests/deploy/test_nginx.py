@@ -1,5 +1,5 @@
 """The real Nginx (Debian's package) with deploy/nginx.conf in front of three ``jaxpaged serve``
-replicas of the embedded model on loopback (issue 16).
+replicas of the embedded model on loopback.
 
 Three replicas start as processes through ``scripts/launch_replicas.py``'s ``ReplicaSet``; Nginx
 runs the rendered config from a temporary directory. 200 concurrent streaming completions all

@@ -130,7 +130,7 @@ def test_abort_while_a_step_is_in_flight_frees_everything(engines):
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=50))
     engine.step()
     engine.step()  # r* are decoding with a step in flight
-    assert engine._in_flight is not None
+    assert engine.step_in_flight_done() is not None
     engine.abort_request("r1")
     finished = {}
     while engine.has_unfinished_requests():
@@ -138,7 +138,7 @@ def test_abort_while_a_step_is_in_flight_frees_everything(engines):
             if out.finished:
                 finished[out.request_id] = out
     assert set(finished) == {"r0", "r2"}
-    while engine._in_flight is not None:  # the pipeline drains on empty steps
+    while engine.step_in_flight_done() is not None:  # the pipeline drains on empty steps
         engine.step()
     manager = engine.kv_cache_manager
     assert manager.num_free_blocks == manager.num_blocks
@@ -158,7 +158,7 @@ def test_abort_of_a_request_finished_on_a_token_still_in_flight(engines):
     output = engine.abort_request("a")
     assert output.finished and output.outputs[0].finish_reason == "abort"
     assert -1 not in output.outputs[0].token_ids and len(output.outputs[0].token_ids) == 2
-    while engine._in_flight is not None:
+    while engine.step_in_flight_done() is not None:
         engine.step()
     assert not engine.has_unfinished_requests()
     manager = engine.kv_cache_manager

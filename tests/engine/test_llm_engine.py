@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 BLOCK_SIZE = 16
-# Lengths 1, block_size-1, block_size, block_size+1 and several blocks (DESIGN.md §3).
+# Lengths 1, block_size-1, block_size, block_size+1 and several blocks: the edges of a block.
 PROMPT_LENGTHS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 5)
 MAX_TOKENS = 20
 

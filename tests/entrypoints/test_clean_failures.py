@@ -76,7 +76,7 @@ def test_cli_generate_and_serve_name_a_bad_checkpoint_and_exit_2(truncated_model
     reads the config in its own process and the weights in the engine core's, whose
     ValueError reaches it as one (not as "the engine core failed to start")."""
     from jaxpaged.config import EngineArgs
-    from jaxpaged.engine.core_process import start_core_process
+    from jaxpaged.engine_core.core_process import start_core_process
 
     bad_config = _bad_config_model(tmp_path, {"hidden_size": -64})
     # Started together: each is a fresh interpreter importing JAX (seconds).

@@ -71,7 +71,7 @@ TINY_CONFIGS = {
 }
 
 
-# The families added in issue 17 (tests/models/test_families.py builds only these).
+# The families beyond the first Llama-like ones (tests/models/test_families.py builds only these).
 FAMILY_CONFIGS = {
     # Per-head q/k RMSNorm; untied lm_head; Qwen3's default head_dim (128) overridden.
     "qwen3": dict(architecture="Qwen3ForCausalLM", head_dim=16, tie_word_embeddings=False),

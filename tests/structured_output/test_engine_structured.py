@@ -270,8 +270,8 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm):
     got = async_llm.generate(prompts, params, use_tqdm=False)
     want = llm.generate(prompts, params, use_tqdm=False)
     # The grammar steps ran split (forward, then sample once the bitmask was filled), not whole.
-    parts = {key.part for key in async_llm.llm_engine.worker.model_runner._executables}
-    assert {"forward", "sample"} <= parts
+    segments = {key.segment for key in async_llm.llm_engine.worker.model_runner._executables}
+    assert {("forward",), ("sample",)} <= segments
     for g, w in zip(got, want, strict=True):
         assert len(g.outputs) == len(w.outputs)
         for a, b in zip(g.outputs, w.outputs, strict=True):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import SamplingParams, StructuredOutputsParams
-from jaxpaged.engine.core_messages import params_from_wire, params_to_wire
+from jaxpaged.engine_core.core_messages import params_from_wire, params_to_wire
 from jaxpaged.sampling_params import SamplingParamsError
 from jaxpaged.structured_output.bitmask import allowed_tokens, apply_token_bitmask, num_words
 from jaxpaged.structured_output.compiler import GrammarCompiler, GrammarCompilerBusy

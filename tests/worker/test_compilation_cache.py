@@ -48,7 +48,7 @@ def test_restart_compiles_nothing_and_a_changed_config_recompiles(tmp_path):
     assert changed["compiled"] >= changed["buckets"], changed
     assert changed["tokens"] == cold["tokens"]
     # every step bucket of both configs was stored, under its own key
-    after = list(pathlib.Path(cold["cache_dir"]).glob("jit__step-*"))
+    after = list(pathlib.Path(cold["cache_dir"]).glob("jit_step_segment-*"))
     assert len(after) == cold["buckets"] + changed["buckets"]
 
 

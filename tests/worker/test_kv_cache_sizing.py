@@ -1,4 +1,4 @@
-"""KV-cache sizing from gpu_memory_utilization (DESIGN.md §3) on fake memory statistics."""
+"""KV-cache sizing from gpu_memory_utilization (docs/architecture.md, "KV cache sizing") on fake memory statistics."""
 
 from __future__ import annotations
 

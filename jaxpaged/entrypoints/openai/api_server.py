@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP server: a FastAPI app in the API process, over an engine core.
 
 This process does HTTP, tokenization, detokenization, stop strings and streaming; the engine
-core runs in its own process (``jaxpaged/engine/core.py``) and is reached through an
+core runs in its own process (``jaxpaged/engine_core/core.py``) and is reached through an
 ``EngineCoreClient`` (vLLM v1's split). ``python -m jaxpaged.entrypoints.openai.api_server``
 takes the same flags as ``jaxpaged serve``.
 
-Routes (vLLM's, ``reference/vllm_surface.md`` section 2.2): ``POST /v1/completions``,
+Routes (vLLM's, ``vllm/entrypoints/openai/api_server.py``): ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (200, or 503 once the engine
 core has died), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
 (Prometheus text), ``POST /invocations`` (SageMaker), ``GET /load`` and, with its flag,
@@ -37,9 +37,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 
 import jaxpaged
-from jaxpaged.engine.core import freeze_gc_heap
-from jaxpaged.engine.core_client import EngineCoreClient
-from jaxpaged.engine.dp_client import DPEngineCoreClient
+from jaxpaged.engine_core.core import freeze_gc_heap
+from jaxpaged.engine_core.core_client import EngineCoreClient
+from jaxpaged.engine_core.dp_client import DPEngineCoreClient
 from jaxpaged.entrypoints.cli_args import add_serve_args, check_api_server_count, serve_options
 from jaxpaged.entrypoints.env import prometheus_multiproc_dir, set_jax_memory_fraction
 from jaxpaged.entrypoints.openai.chat_tools import resolve_parsers

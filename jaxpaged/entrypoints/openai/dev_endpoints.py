@@ -20,7 +20,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from jaxpaged.engine.core_client import EngineCoreClient, EngineDeadError
+from jaxpaged.engine_core.core_client import EngineCoreClient, EngineDeadError
 from jaxpaged.entrypoints.openai.errors import error_response
 
 

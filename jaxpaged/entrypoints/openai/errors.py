@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxpaged.engine.core_client import EngineDeadError, QueueFullError
+from jaxpaged.engine_core.core_client import EngineDeadError, QueueFullError
 from jaxpaged.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)

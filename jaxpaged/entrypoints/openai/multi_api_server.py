@@ -52,8 +52,8 @@ from typing import Any
 
 import zmq
 
-from jaxpaged.engine.core import freeze_gc_heap
-from jaxpaged.engine.core_messages import Kind, encode
+from jaxpaged.engine_core.core import freeze_gc_heap
+from jaxpaged.engine_core.core_messages import Kind, encode
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def run_multi_api_server(
         OSError: the address cannot be bound.
         RuntimeError: the engine core failed to start.
     """
-    from jaxpaged.engine.core_process import start_core_process
+    from jaxpaged.engine_core.core_process import start_core_process
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if api_server_count < 2:
@@ -215,7 +215,7 @@ def _watch(core, servers: Sequence[multiprocessing.Process]) -> int:
 
 def _core_exit_reason(core) -> str:
     """The error the core left on its status pipe, else its exit code."""
-    from jaxpaged.engine.core_process import death_message  # as start_core_process: on use
+    from jaxpaged.engine_core.core_process import death_message  # as start_core_process: on use
 
     return death_message(core.status_pipe) or f"exit code {core.process.exitcode}"
 
@@ -267,7 +267,7 @@ def run_api_server(
     threading.Thread(target=_leave_when_orphaned, args=(parent_pid,), daemon=True).start()
     import uvicorn
 
-    from jaxpaged.engine.core_client import EngineCoreClient
+    from jaxpaged.engine_core.core_client import EngineCoreClient
 
     tokenizer = None
     if tokenizer_path is not None:

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Sequence
 import jinja2
 from fastapi.responses import StreamingResponse
 
-from jaxpaged.engine.core_client import RequestStream
+from jaxpaged.engine_core.core_client import RequestStream
 from jaxpaged.entrypoints.openai.chat_tools import (
     ChatChoiceParser,
     check_tool_request,

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from jaxpaged.beam_search import BeamSearchParams
-from jaxpaged.engine.core_client import RequestStream
+from jaxpaged.engine_core.core_client import RequestStream
 from jaxpaged.entrypoints.openai.errors import BadRequestError, error_from_exception
 from jaxpaged.entrypoints.openai.protocol import (
     CompletionRequest,

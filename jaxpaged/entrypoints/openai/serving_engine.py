@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from pydantic import BaseModel
 
-from jaxpaged.engine.core_client import EngineCoreClient, RequestStream
+from jaxpaged.engine_core.core_client import EngineCoreClient, RequestStream
 from jaxpaged.entrypoints.openai.errors import BadRequestError, NotFoundError
 from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionLogProb,

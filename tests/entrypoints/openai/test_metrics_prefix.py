@@ -1,5 +1,5 @@
 """``jaxpaged serve --metrics-prefix vllm``: ``/metrics`` parses with prometheus_client and
-carries the names inference gateways read (issue 16)."""
+carries the names inference gateways read."""
 
 from __future__ import annotations
 

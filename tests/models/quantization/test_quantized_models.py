@@ -1,4 +1,4 @@
-"""Whole quantized checkpoints through the loaders and the Llama model (issue 14, wiring).
+"""Whole quantized checkpoints through the loaders and the Llama model (wiring).
 
 Weight-only formats must give the greedy tokens of the same model with the dequantized weights
 in float32 (``checkpoints.py`` builds both; logits within 1e-4 relative, float32 summation order

@@ -1,5 +1,5 @@
-"""``jaxpaged serve --data-parallel-size 2``: two engine-core processes behind one API server
-(issue 16). Outputs equal the offline engine's, both cores take load, a dead core leaves the
+"""``jaxpaged serve --data-parallel-size 2``: two engine-core processes behind one API server.
+Outputs equal the offline engine's, both cores take load, a dead core leaves the
 other serving and is reported on /health and in /metrics."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxpaged.engine.dp_client import device_group
+from jaxpaged.engine_core.dp_client import device_group
 
 PROMPTS = [
     f"Once upon a time there was a {w}" for w in ("cat", "dog", "girl", "boy", "tree", "sun")

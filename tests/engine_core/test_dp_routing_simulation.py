@@ -1,4 +1,5 @@
-"""Issue 16's claim for ``--dp-routing prefix``, at the level reachable without engine processes.
+"""The claim of docs/deployment.md for ``--dp-routing prefix``, at the level reachable without
+engine processes.
 
 Real in-process ``LLMEngine``s of the embedded model on CPU stand in for the data-parallel engine
 cores: ``DPBalancer`` routes each request of a shared-prefix workload (prompt families sharing a
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 
 from jaxpaged.config import EngineArgs
-from jaxpaged.engine.dp_balancer import DPBalancer
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine_core.dp_balancer import DPBalancer
 from jaxpaged.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16

@@ -98,7 +98,7 @@ class _SilentProcess:
 
 
 def test_a_core_that_stops_answering_is_declared_dead_and_killed():
-    from jaxpaged.engine.core_client import (
+    from jaxpaged.engine_core.core_client import (
         CoreConnection,
         EngineCoreClient,
         EngineDeadError,
@@ -208,7 +208,7 @@ def test_tokenizing_a_multi_megabyte_prompt_does_not_stall_health(server):
 def test_a_lagging_consumer_gets_the_newest_cumulative_output_then_the_error():
     """Outputs are cumulative: steps a consumer missed arrive merged into the newest one (no
     queue grows at saturation); an error that follows is raised after that output."""
-    from jaxpaged.engine.core_client import RequestStream
+    from jaxpaged.engine_core.core_client import RequestStream
     from jaxpaged.outputs import CompletionOutput, RequestOutput
 
     def output(num_tokens: int, finished: bool = False) -> RequestOutput:

@@ -1,7 +1,7 @@
 """Which data-parallel engine gets a request (host only; no JAX).
 
 Under ``--data-parallel-size N`` one API process feeds N engine cores, each with its own scheduler
-and KV cache (DESIGN.md §9). ``DPBalancer`` picks the core for every new request and keeps the
+and KV cache (docs/architecture.md, "The process boundary"). ``DPBalancer`` picks the core for every new request and keeps the
 count of requests each core has not finished yet:
 
 - ``"least_loaded"`` (default): the healthy engine with the fewest outstanding requests. Ties go

@@ -1,5 +1,5 @@
 """A request's life in the engine core, step by step: arrival -> add -> first scheduled step ->
-first token out (issue 28).
+first token out (docs/benchmarks.md, "First tokens sooner").
 
 ``TracingEngineCore`` is an ``EngineCore`` that records, on the core's host clock
 (``time.monotonic()``, one clock for the processes of a host):
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import time
 
-from jaxpaged.engine.core import ACK_DEFERRED, EngineCore
-from jaxpaged.engine.core_messages import delta_finished
+from jaxpaged.engine.deltas import delta_finished
+from jaxpaged.engine_core.core import ACK_DEFERRED, EngineCore
 
 # Most requests and steps kept (the oldest are dropped beyond).
 MAX_RECORDS = 200_000

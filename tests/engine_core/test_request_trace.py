@@ -1,4 +1,4 @@
-"""The request-life trace (``engine/request_trace.py``): what ``TracingEngineCore`` records on the
+"""The request-life trace (``engine_core/request_trace.py``): what ``TracingEngineCore`` records on the
 session's engine, and the lives and lags ``request_lives`` / ``summarize`` derive from a trace."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from jaxpaged import SamplingParams
-from jaxpaged.engine.core_messages import params_to_wire
-from jaxpaged.engine.request_trace import TracingEngineCore, request_lives, summarize
+from jaxpaged.engine_core.core_messages import params_to_wire
+from jaxpaged.engine_core.request_trace import TracingEngineCore, request_lives, summarize
 
 
 def test_the_tracing_core_records_each_request_and_step_in_order(stories_llm):

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxpaged.core.prefix_cache import update_block_hashes
-from jaxpaged.engine.dp_balancer import DPBalancer, NoHealthyEngineError
+from jaxpaged.engine_core.dp_balancer import DPBalancer, NoHealthyEngineError
 
 BLOCK = 4
 

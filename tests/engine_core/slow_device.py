@@ -1,8 +1,8 @@
 """A worker whose device takes a fixed time per step, for tests of when the core schedules.
 
 ``SlowDevice`` wraps a real ``Worker`` (stories260k on the CPU runs a step in about a
-millisecond): each dispatched step begins once it is dispatched and the previous step is done,
-and its tokens are ready ``step_s`` seconds later; ``is_ready``, ``wait`` and ``collect``
+millisecond): each step begins once its sampling is launched and the previous step is done, and
+its tokens are ready ``step_s`` seconds later; ``is_ready``, ``wait`` and ``collect``
 follow that clock. It records every step's sequence ids and simulated start and end.
 """
 
@@ -13,7 +13,7 @@ import time
 
 
 @dataclasses.dataclass
-class DeviceStep:
+class SimulatedStep:
     seq_ids: set[str]
     start: float  # time.monotonic()
     end: float
@@ -25,21 +25,21 @@ class SlowDevice:
     def __init__(self, worker, step_s: float):
         self._worker = worker
         self.step_s = step_s
-        self.steps: list[DeviceStep] = []
+        self.steps: list[SimulatedStep] = []
         self._due: dict[int, float] = {}
 
     def __getattr__(self, name):
         return getattr(self._worker, name)
 
-    def dispatch(self, scheduler_output):
-        pending = self._worker.dispatch(scheduler_output)
-        if pending.out is not None:
+    def launch(self, step, segment=("forward", "sample"), *, fill_bitmask=None):
+        step = self._worker.launch(step, segment, fill_bitmask=fill_bitmask)
+        if step.out is not None and id(step) not in self._due:  # its sampling just launched
             previous_end = self.steps[-1].end if self.steps else 0.0
             start = max(time.monotonic(), previous_end)
-            ids = {item.seq.seq_id for item in scheduler_output.scheduled}
-            self.steps.append(DeviceStep(ids, start, start + self.step_s))
-            self._due[id(pending)] = start + self.step_s
-        return pending
+            ids = {item.seq.seq_id for item in step.scheduled}
+            self.steps.append(SimulatedStep(ids, start, start + self.step_s))
+            self._due[id(step)] = start + self.step_s
+        return step
 
     def is_ready(self, pending) -> bool:
         return time.monotonic() >= self._due.get(id(pending), 0.0)
@@ -74,7 +74,7 @@ def _simulated(core_class):
 
     class Simulated(core_class):
         def __init__(self, engine, **kwargs):
-            engine.worker = SlowDevice(engine.worker, SIMULATED_STEP_S)
+            engine.pipeline.worker = SlowDevice(engine.pipeline.worker, SIMULATED_STEP_S)
             super().__init__(engine, **kwargs)
 
     Simulated.__name__ = Simulated.__qualname__ = f"Simulated{core_class.__name__}"
@@ -82,7 +82,7 @@ def _simulated(core_class):
 
 
 def _tracing_classes():
-    from jaxpaged.engine.request_trace import EagerTracingEngineCore, TracingEngineCore
+    from jaxpaged.engine_core.request_trace import EagerTracingEngineCore, TracingEngineCore
 
     return _simulated(TracingEngineCore), _simulated(EagerTracingEngineCore)
 

@@ -1,4 +1,4 @@
-"""Late scheduling (``engine/admission.py``): under async scheduling, a request that reaches the
+"""Late scheduling (``engine_core/admission.py``): under async scheduling, a request that reaches the
 engine core while step N runs on the device is in step N + 1, not N + 2.
 
 The core's loop runs in a thread on the session's stories260k engine, whose device is simulated
@@ -14,12 +14,13 @@ import pytest
 import zmq
 
 from jaxpaged import SamplingParams
-from jaxpaged.engine import core as core_module
-from jaxpaged.engine.admission import AdmissionWindow
 from jaxpaged.engine.async_scheduling import StepTimes
-from jaxpaged.engine.core import EngineCore
-from jaxpaged.engine.core_messages import Kind, decode, delta_finished, encode, params_to_wire
-from tests.engine.slow_device import SlowDevice
+from jaxpaged.engine.deltas import delta_finished
+from jaxpaged.engine_core import core as core_module
+from jaxpaged.engine_core.admission import AdmissionWindow
+from jaxpaged.engine_core.core import EngineCore
+from jaxpaged.engine_core.core_messages import Kind, decode, encode, params_to_wire
+from tests.engine_core.slow_device import SlowDevice
 
 STEP_S = 0.2
 
@@ -45,14 +46,14 @@ def _warm_up(engine) -> None:
 @pytest.fixture
 def slow_async_engine(stories_llm):
     engine = stories_llm.llm_engine
-    worker, was_async = engine.worker, engine.async_scheduling
+    worker, was_async = engine.pipeline.worker, engine.async_scheduling
     engine.async_scheduling = True
     _warm_up(engine)
-    engine.worker = SlowDevice(worker, STEP_S)
+    engine.pipeline.worker = SlowDevice(worker, STEP_S)
     try:
         yield engine
     finally:
-        engine.worker, engine.async_scheduling = worker, was_async
+        engine.pipeline.worker, engine.async_scheduling = worker, was_async
 
 
 class LoopThread:
@@ -108,7 +109,7 @@ class LoopThread:
 def test_a_request_arriving_while_step_n_runs_is_in_step_n_plus_1(
     slow_async_engine, core_class, expected_lag
 ):
-    device = slow_async_engine.worker
+    device = slow_async_engine.pipeline.worker
     core = core_class(slow_async_engine)
     loop = LoopThread(core)
     try:

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from jaxpaged import SamplingParams
-from jaxpaged.engine.client_outputs import ClientRequestState
-from jaxpaged.engine.core import EngineCore
-from jaxpaged.engine.core_messages import (
+from jaxpaged.engine_core.client_outputs import ClientRequestState
+from jaxpaged.engine_core.core import EngineCore
+from jaxpaged.engine_core.core_messages import (
     Kind,
     decode,
     decode_output,
@@ -20,7 +20,7 @@ from jaxpaged.engine.core_messages import (
     params_to_wire,
 )
 from jaxpaged.sampling_params import RequestOutputKind
-from tests.engine.wire_reference import encode_output
+from tests.engine_core.wire_reference import encode_output
 
 PROMPTS = ["Once upon a time", "The dog ran", "Tom had a red ball"]
 

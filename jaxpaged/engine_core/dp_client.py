@@ -5,7 +5,7 @@ each: its own scheduler, KV cache and device group) and serves them through ``DP
 which has the client's interface (``add_request``, ``abort``, ``call_utility``, ``start``,
 ``shutdown``, ``is_dead``, ``info``), so the routes need not know how many cores there are.
 
-- Routing: ``DPBalancer`` (``jaxpaged/engine/dp_balancer.py``): least outstanding requests, or
+- Routing: ``DPBalancer`` (``jaxpaged/engine_core/dp_balancer.py``): least outstanding requests, or
   ``--dp-routing prefix`` (the hash of the prompt's first full blocks picks a stable core).
 - Devices: core ``i`` uses the GPUs ``[i * tp, (i + 1) * tp)`` of those the process sees (JAX's
   ``jax_cuda_visible_devices``, set in the core before its backend starts); on CPU every core
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from jaxpaged.engine.core_client import EngineCoreClient, EngineDeadError, RequestStream
-from jaxpaged.engine.dp_balancer import DPBalancer, NoHealthyEngineError
+from jaxpaged.engine_core.core_client import EngineCoreClient, EngineDeadError, RequestStream
+from jaxpaged.engine_core.dp_balancer import DPBalancer, NoHealthyEngineError
 from jaxpaged.metrics import ServerMetrics
 from jaxpaged.sampling_params import SamplingParams
 

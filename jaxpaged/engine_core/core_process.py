@@ -22,8 +22,8 @@ import time
 import zmq
 import zmq.asyncio
 
-from jaxpaged.engine.core import run_engine_core
-from jaxpaged.engine.core_messages import Kind, decode, encode
+from jaxpaged.engine_core.core import run_engine_core
+from jaxpaged.engine_core.core_messages import Kind, decode, encode
 
 
 class CoreConnection:
@@ -171,7 +171,7 @@ def start_core_process(
     engine_args,
     *,
     num_clients: int = 1,
-    core_class: str = "jaxpaged.engine.core:EngineCore",
+    core_class: str = "jaxpaged.engine_core.core:EngineCore",
     max_num_queued_requests: int | None = None,
     cuda_visible_devices: str | None = None,
 ) -> StartedCore:

@@ -26,15 +26,10 @@ Core -> API process (``OUTPUT_*`` kinds), on the client's own output socket:
 - ``outputs``: ``[[delta, ...], stats dict]`` after each step (client 0: every step; another
   client: steps with news for it), one delta per request of this client that advanced or
   finished, carrying only what is new (DELTA; FINAL_ONLY for ``best_of > n`` and beam search:
-  the ranked completions, once). A delta is full, ``[request_id, finished, num_cached_tokens,
-  [arrival_time, first_token_time, finished_time], completions, prompt_logprobs]``
-  (``delta_to_wire``; a completion is ``[index, new token ids, cumulative_logprob, new
-  logprobs, finish_reason, stop_reason]``, ``completion_to_wire``; logprobs positions are
-  ``[[token_id, logprob, rank], ...]`` or None, ``logprobs_to_wire``), or short,
-  ``[request_id, token_id]`` (``token_to_wire``): the common decode step, one new token for
-  the only completion of a running request without logprobs, everything else as before.
-  ``OutputProcessor.process(token_deltas=True)`` builds them straight from the sequences (no
-  ``RequestOutput``, no text); ``decode_output`` reads both forms. ``stats`` is
+  the ranked completions, once). The deltas are the engine's own token deltas, sent as they
+  are: full or short, in the layouts of ``jaxpaged.engine.deltas`` (``LLMEngine.step(
+  token_deltas=True)`` builds them straight from the sequences: no ``RequestOutput``, no
+  text); ``decode_output`` reads both forms. ``stats`` is
   ``LLMEngine.get_stats()`` as a dict plus ``num_steps``, ``num_unfinished_requests``,
   ``num_free_blocks``, ``step_start`` (``time.monotonic()`` when the step began) and
   ``scheduled`` (this client's ids that entered the running batch this step), and with LoRA
@@ -183,72 +178,14 @@ def lora_from_wire(wire: list | None) -> LoRARequest | None:
 
 
 # --------------------------------------------------------------------------------- outputs
-def logprobs_to_wire(steps: list | None) -> list | None:
-    """Logprobs positions (``{token_id: Logprob}`` or None each; a beam's are ``{token_id:
-    float}``, rank None) as ``[[token_id, logprob, rank], ...]`` or None each (the decoded
-    text stays behind); None stays None."""
-    if steps is None:
-        return None
-    return [
-        None
-        if step is None
-        else [
-            [t, lp, None] if isinstance(lp, float) else [t, lp.logprob, lp.rank]
-            for t, lp in step.items()
-        ]
-        for step in steps
-    ]
-
-
 def _logprobs_from_wire(steps):
+    """``{token_id: Logprob}`` or None per position of ``deltas.logprobs_delta``'s form."""
     if steps is None:
         return None
     return [
         None if step is None else {t: Logprob(logprob=lp, rank=rank) for t, lp, rank in step}
         for step in steps
     ]
-
-
-def completion_to_wire(
-    index: int,
-    token_ids: list[int],
-    cumulative_logprob: float | None,
-    logprobs: list | None,
-    finish_reason: str | None,
-    stop_reason: int | str | None,
-) -> list:
-    """One completion's delta: ``[index, new token ids (list of int), cumulative_logprob,
-    new logprobs (logprobs_to_wire), finish_reason, stop_reason]``. The token ids are a list:
-    one or two per step pack faster than an array."""
-    return [index, token_ids, cumulative_logprob, logprobs, finish_reason, stop_reason]
-
-
-def delta_to_wire(
-    request_id: str,
-    finished: bool,
-    num_cached_tokens: int,
-    times: list,
-    completions: list,
-    prompt_logprobs: list | None,
-) -> list:
-    """One request's delta: ``[request_id, finished, num_cached_tokens, [arrival,
-    first_token, finished] times, completions (completion_to_wire), prompt_logprobs
-    (logprobs_to_wire)]``. Built straight from the engine's sequences by
-    ``OutputProcessor.process(token_deltas=True)``, the core's path."""
-    return [request_id, finished, num_cached_tokens, times, completions, prompt_logprobs]
-
-
-def token_to_wire(request_id: str, token_id: int) -> list:
-    """The short delta of the common decode step, ``[request_id, token_id]``: one new token
-    for the request's only completion (index 0), which is unfinished and has no logprobs;
-    nothing else changed (``num_cached_tokens`` and the times went with an earlier full
-    delta, prompt logprobs too). About a quarter of a full delta's msgpack cost."""
-    return [request_id, token_id]
-
-
-def delta_finished(wire: list) -> bool:
-    """Whether a wire delta (full or short) ends its request."""
-    return len(wire) > 2 and wire[1]
 
 
 @dataclasses.dataclass
@@ -266,8 +203,8 @@ class EngineCoreOutput:
 
 
 def decode_output(wire: list) -> EngineCoreOutput:
-    """The ``EngineCoreOutput`` of a full (``delta_to_wire``) or short (``token_to_wire``)
-    delta."""
+    """The ``EngineCoreOutput`` of a full (``deltas.request_delta``) or short
+    (``deltas.token_delta``) delta."""
     if len(wire) == 2:
         request_id, token_id = wire
         return EngineCoreOutput(

@@ -6,14 +6,14 @@ vLLM v1's ``EngineCoreProc`` (``vllm/v1/engine/core.py``) in our terms. The loop
         take every waiting message (block only while no request is unfinished)
         apply adds (each acked: accepted, or the error that refused it), aborts, utility calls
         with a step in flight (async scheduling): go on taking messages until just before it
-            ends (late scheduling, ``engine/admission.py``), so arrivals join the next step
+            ends (late scheduling, ``engine_core/admission.py``), so arrivals join the next step
         step the engine once, send the step's outputs and the engine's stats
 
 Requests arrive tokenized and outputs leave as token ids (``core_messages``): the core never
 detokenizes and never looks for stop strings, so its engine is built without a tokenizer.
 Every request runs in DELTA mode (``best_of > n`` in FINAL_ONLY: its ranking is only final),
-and the engine steps with ``token_deltas=True``: its outputs are the wire deltas themselves,
-built from the sequences that advanced, at about the host cost of an offline step.
+and the engine steps with ``token_deltas=True``: its outputs are token deltas (``engine/deltas.py``),
+sent as they are and built from the sequences that advanced, at about the host cost of an offline step.
 
 Clients: one core serves ``num_clients`` API processes (``--api-server-count``; vLLM's
 ``client_index``). Every client connects to the core's one input socket and binds an output
@@ -42,12 +42,12 @@ import time
 
 import zmq
 
-from jaxpaged.engine.admission import AdmissionWindow
-from jaxpaged.engine.core_messages import (
+from jaxpaged.engine.deltas import delta_finished
+from jaxpaged.engine_core.admission import AdmissionWindow
+from jaxpaged.engine_core.core_messages import (
     HEARTBEAT_INTERVAL_S,
     Kind,
     decode,
-    delta_finished,
     encode,
     lora_from_wire,
     params_from_wire,
@@ -99,7 +99,7 @@ class EngineCore:
         "is_sleeping",
     )
 
-    # Take arrivals until just before the step in flight ends (engine/admission.py); a
+    # Take arrivals until just before the step in flight ends (engine_core/admission.py); a
     # subclass may turn it off (scripts/trace_request_life.py compares both).
     late_scheduling = True
 
@@ -110,7 +110,7 @@ class EngineCore:
         self.max_num_queued_requests = max_num_queued_requests
         self.num_clients = num_clients
         self.num_steps = 0
-        # When to schedule the next step under async scheduling (engine/admission.py).
+        # When to schedule the next step under async scheduling (engine_core/admission.py).
         self.admission = AdmissionWindow()
         self._seen_running: set[str] = set()
         # request id -> index of the client that added it (only with several clients).
@@ -224,7 +224,7 @@ class EngineCore:
 
     def next_step_deadline(self) -> float | None:
         """``time.monotonic()`` until which the loop may take arrivals before calling ``step``
-        (late scheduling, ``engine/admission.py``); None: call it at once. Waiting helps only
+        (late scheduling, ``engine_core/admission.py``); None: call it at once. Waiting helps only
         with a step in flight (async scheduling), nothing queued or swapped out and a free
         seat: only then could a request arriving now join the next step."""
         if not self.late_scheduling or not self.engine.async_scheduling:
@@ -246,7 +246,7 @@ class EngineCore:
         return done is not False
 
     def step(self) -> list:
-        """One engine step: ``[wire deltas, stats]`` (``core_messages`` ``outputs``)."""
+        """One engine step: ``[token deltas, stats]`` (``core_messages`` ``outputs``)."""
         step_start = time.monotonic()
         outputs = self.engine.step(token_deltas=True)
         self.admission.observe(self.engine.step_times)
@@ -256,7 +256,7 @@ class EngineCore:
             if group.request_id not in self._seen_running:
                 self._seen_running.add(group.request_id)
                 scheduled.append(group.request_id)
-        for wire in outputs:  # core_messages: delta_to_wire or token_to_wire
+        for wire in outputs:  # engine/deltas.py: full or short
             if delta_finished(wire):
                 self._seen_running.discard(wire[0])
         stats = self.get_stats()
@@ -275,7 +275,7 @@ class EngineCore:
             return [(0, step)]
         client_of = self._client_of
         per_client: dict[int, tuple[list, list]] = {0: ([], [])}
-        for wire in outputs:  # core_messages: delta_to_wire or token_to_wire
+        for wire in outputs:  # engine/deltas.py: full or short
             request_id = wire[0]
             client = client_of.get(request_id, 0)
             if delta_finished(wire):
@@ -366,7 +366,7 @@ def run_engine_core(
     output_addresses: list[str],
     ready_pipe,
     *,
-    core_class: str = "jaxpaged.engine.core:EngineCore",
+    core_class: str = "jaxpaged.engine_core.core:EngineCore",
     max_num_queued_requests: int | None = None,
     cuda_visible_devices: str | None = None,
 ) -> None:
@@ -460,7 +460,7 @@ def _loop(core: EngineCore, inputs, outputs: list) -> None:
 
     Between two steps the loop takes every waiting message. With a step in flight (async
     scheduling) it keeps taking them until ``core.next_step_deadline()``, or until that step is
-    done, so that a request arriving while step N runs is in step N + 1 (``engine/admission.py``).
+    done, so that a request arriving while step N runs is in step N + 1 (``engine_core/admission.py``).
     """
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)

@@ -9,19 +9,18 @@ import msgpack
 import numpy as np
 import pytest
 
-from jaxpaged.engine.core_messages import (
+from jaxpaged.engine.deltas import delta_finished, token_delta
+from jaxpaged.engine_core.core_messages import (
     Kind,
     decode,
     decode_output,
-    delta_finished,
     encode,
     params_from_wire,
     params_to_wire,
-    token_to_wire,
 )
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
-from tests.engine.wire_reference import encode_output
+from tests.engine_core.wire_reference import encode_output
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.float32, np.uint8, np.float64])
@@ -99,7 +98,7 @@ def test_request_output_delta_round_trips_without_text():
 
 
 def test_short_delta_is_one_token_for_completion_zero_and_never_finishes():
-    (wire,) = decode(encode(Kind.OUTPUTS, [token_to_wire("cmpl-2-0", 17)]))[1]
+    (wire,) = decode(encode(Kind.OUTPUTS, [token_delta("cmpl-2-0", 17)]))[1]
     delta = decode_output(wire)
     assert not delta_finished(wire) and not delta.finished
     assert (delta.request_id, delta.times, delta.num_cached_tokens) == ("cmpl-2-0", None, None)

@@ -42,9 +42,9 @@ from collections.abc import Callable
 import zmq
 
 from jaxpaged.beam_search import BeamSearchParams
-from jaxpaged.engine.client_outputs import ClientRequestState
-from jaxpaged.engine.core import QueueFullError
-from jaxpaged.engine.core_messages import (
+from jaxpaged.engine_core.client_outputs import ClientRequestState, beam_search_view
+from jaxpaged.engine_core.core import QueueFullError
+from jaxpaged.engine_core.core_messages import (
     Kind,
     decode,
     decode_output,
@@ -52,16 +52,21 @@ from jaxpaged.engine.core_messages import (
     params_to_wire,
     scheduler_stats,
 )
-from jaxpaged.engine.core_process import (
+from jaxpaged.engine_core.core_process import (
     CoreConnection,
     RemoteCoreProcess,
     client_sockets,
     start_core_process,
 )
+from jaxpaged.engine_core.request_stream import (
+    EngineDeadError,
+    RequestRefusedError,
+    RequestStream,
+    refusal_error,
+)
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.metrics import ServerMetrics
-from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
+from jaxpaged.sampling_params import SamplingParams, verify_for_model
 from jaxpaged.sequence import check_prompt_vocab
 
 logger = logging.getLogger(__name__)
@@ -71,6 +76,7 @@ __all__ = [
     "EngineCoreClient",
     "EngineDeadError",
     "QueueFullError",
+    "RequestRefusedError",
     "RequestStream",
     "start_core_process",
 ]
@@ -79,60 +85,6 @@ __all__ = [
 _WATCH_INTERVAL_S = 0.1
 # How long an exited core's last messages may take to be read before its death is declared.
 _DRAIN_TIMEOUT_S = 5.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core has died; no request can be served any more."""
-
-
-class RequestStream:
-    """The outputs of one request as an async iterator (consumed on the event loop).
-
-    Outputs are cumulative (``RequestState.update``), so a stream holds only the newest one: if
-    the consumer falls behind (a slow client, or an event loop busy with many streams at
-    saturation), the steps it missed arrive merged into one output instead of queueing up,
-    as vLLM v1's ``RequestOutputCollector`` does. An error is raised after the newest output.
-    """
-
-    def __init__(self, request_id: str, client: EngineCoreClient):
-        self.request_id = request_id
-        self._client = client
-        self._latest: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._ready = asyncio.Event()
-        self.finished = False
-        self._closed = False
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(item, BaseException):
-            self._error = item
-        else:
-            self._latest = item  # includes any unread older output
-        self._ready.set()
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        if self._latest is None and self._error is None:
-            await self._ready.wait()
-        self._ready.clear()
-        item, self._latest = self._latest, None
-        if item is None:
-            self.finished = True
-            raise self._error
-        if item.finished:
-            self.finished = True
-        return item
-
-    def close(self) -> None:
-        """Abort the request unless it has finished; idempotent."""
-        if not self._closed:
-            self._closed = True
-            if not self.finished:
-                self._client.abort(self.request_id)
 
 
 class EngineCoreClient:
@@ -194,7 +146,7 @@ class EngineCoreClient:
         *,
         tokenizer=None,
         max_num_queued_requests: int | None = None,
-        core_class: str = "jaxpaged.engine.core:EngineCore",
+        core_class: str = "jaxpaged.engine_core.core:EngineCore",
         heartbeat_timeout_s: float = 10.0,
         metrics=None,
         cuda_visible_devices: str | None = None,
@@ -521,7 +473,7 @@ class EngineCoreClient:
                     if error is None:
                         future.set_result(None)
                     else:
-                        future.set_exception(_rebuild_error(*error))
+                        future.set_exception(refusal_error(*error))
             elif kind is Kind.UTILITY:
                 call_id, result, error = payload
                 future = self._utility.get(call_id)
@@ -610,32 +562,3 @@ class EngineCoreClient:
         self._acks.clear()
         self._requests.clear()
         self.core.outstanding.clear()
-
-
-class RequestRefusedError(ValueError):
-    """The core refused a request's prompt or parameters (HTTP 400); ``parameter`` names the
-    field when the core's error did (``SamplingParamsError``)."""
-
-    def __init__(self, message: str, parameter: str | None = None):
-        super().__init__(message)
-        self.parameter = parameter
-
-
-def _rebuild_error(name: str, message: str, parameter: str | None) -> Exception:
-    """The core's refusal as the exception the server maps to a status (400 or 429)."""
-    if name == QueueFullError.__name__:
-        return QueueFullError(message)
-    return RequestRefusedError(message, parameter)
-
-
-def beam_search_view(params: BeamSearchParams) -> SamplingParams:
-    """The ``SamplingParams`` the API process's output state reads for a beam search: one
-    completion per beam, sent once at the end, detokenized without special tokens (its
-    temperature is never used here)."""
-    return SamplingParams(
-        n=params.beam_width,
-        max_tokens=params.max_tokens,
-        ignore_eos=params.ignore_eos,
-        include_stop_str_in_output=params.include_stop_str_in_output,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )

@@ -3,7 +3,7 @@
 With async scheduling, ``LLMEngine.step`` schedules step N + 1, launches it behind step N and
 then waits for step N's tokens. The core loop drains its input socket only between two calls,
 so it used to schedule N + 1 right after N began on the device: a request that arrived while N
-ran missed N + 1 and waited for N + 2, one whole step more (issue 28). vLLM's batch queue
+ran missed N + 1 and waited for N + 2, one whole step more. vLLM's batch queue
 (``EngineCore.step_with_batch_queue``, two batches in flight) has the same order.
 
 Instead, once ``step`` returns (N on the device, N + 1 not yet scheduled) the core keeps

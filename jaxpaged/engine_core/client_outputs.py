@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpaged.beam_search import BeamSearchParams
 from jaxpaged.detokenizer import IncrementalDetokenizer
-from jaxpaged.engine.core_messages import EngineCoreOutput
+from jaxpaged.engine_core.core_messages import EngineCoreOutput
 from jaxpaged.outputs import CompletionOutput, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclasses.dataclass
@@ -147,3 +148,16 @@ class ClientRequestState:
                 "finished_time": finished,
             },
         )
+
+
+def beam_search_view(params: BeamSearchParams) -> SamplingParams:
+    """The ``SamplingParams`` the API process's output state reads for a beam search: one
+    completion per beam, sent once at the end, detokenized without special tokens (its
+    temperature is never used here)."""
+    return SamplingParams(
+        n=params.beam_width,
+        max_tokens=params.max_tokens,
+        ignore_eos=params.ignore_eos,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
