@@ -19,6 +19,7 @@ import math
 _MIN_TEMPERATURE = 1e-2
 # vLLM clamps each logit bias to this magnitude (OpenAI's documented range).
 _MAX_LOGIT_BIAS = 100.0
+_FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
 # Accepted spellings of logprobs_mode: vLLM's --logprobs-mode names, and short aliases.
 _LOGPROBS_MODES = {
     "raw_logprobs": "raw_logprobs",
@@ -347,6 +348,15 @@ class SamplingParams:
             )
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
             raise SamplingParamsError("temperature", self.temperature, "must be non-negative")
+        for name in ("temperature", "repetition_penalty"):
+            # The sampler divides float32 logits by them: past float32's range they become
+            # infinite, and -inf / inf is NaN, which argmax picks over every allowed token.
+            if getattr(self, name) > _FLOAT32_MAX:
+                raise SamplingParamsError(
+                    name,
+                    getattr(self, name),
+                    f"must be at most {_FLOAT32_MAX:.6g} (float32's range)",
+                )
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError("top_p", self.top_p, "must be in (0, 1]")
         _check_int("top_k", self.top_k, minimum=0, rule="must be 0 or -1 (off), or at least 1")
@@ -510,8 +520,14 @@ def _normalize_logit_bias(logit_bias) -> dict[int, float]:
     out = {}
     for key, bias in logit_bias.items():
         token_id = int(key)
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
-            raise SamplingParamsError("logit_bias", {key: bias}, "values must be numbers")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            # vLLM clamps to [-100, 100] (OpenAI's range) and so took Infinity as 100.
+            raise SamplingParamsError(
+                "logit_bias",
+                {key: bias},
+                f"values must be finite numbers (those beyond [-{_MAX_LOGIT_BIAS:g}, "
+                f"{_MAX_LOGIT_BIAS:g}] are clamped to it)",
+            )
         out[token_id] = min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, float(bias)))
     return out
 

@@ -62,7 +62,7 @@ from jaxpaged.lora.request import LoRARequest
 from jaxpaged.metrics import ServerMetrics
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
-from jaxpaged.sequence import check_prompt_vocab
+from jaxpaged.sequence import EngineSleepingError, check_prompt_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -622,9 +622,12 @@ class RequestRefusedError(ValueError):
 
 
 def _rebuild_error(name: str, message: str, parameter: str | None) -> Exception:
-    """The core's refusal as the exception the server maps to a status (400 or 429)."""
+    """The core's refusal as the exception the server maps to a status (400, 429, or 503 for
+    a sleeping engine)."""
     if name == QueueFullError.__name__:
         return QueueFullError(message)
+    if name == EngineSleepingError.__name__:
+        return EngineSleepingError(message)
     return RequestRefusedError(message, parameter)
 
 

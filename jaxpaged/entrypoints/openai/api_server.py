@@ -187,6 +187,7 @@ def build_app(
     app = FastAPI(title="jaxpaged OpenAI-compatible server", lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.chat = chat  # its template_sandbox: swapped by the tests
     install_error_handlers(app)
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)

@@ -29,6 +29,8 @@ from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     DeltaMessage,
+    FieldValueError,
+    check_body,
 )
 from jaxpaged.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from jaxpaged.entrypoints.openai.tool_parsers import (
@@ -138,7 +140,8 @@ def tool_constraint_schema(request: ChatCompletionRequest) -> dict | None:
 def template_messages(conversation: list[dict]) -> list[dict]:
     """Messages as chat templates expect them: an assistant's ``tool_calls[*].function.
     arguments`` as a dict, not OpenAI's JSON text (vLLM's ``chat_utils`` does the same);
-    arguments that are not a JSON object stay text."""
+    arguments that are not a JSON object a request could carry (``protocol.check_body``:
+    nested too deep, an integer beyond 64 bits) stay text."""
     for message in conversation:
         for call in message.get("tool_calls") or ():
             function = call.get("function") if isinstance(call, dict) else None
@@ -146,7 +149,8 @@ def template_messages(conversation: list[dict]) -> list[dict]:
             if isinstance(arguments, str):
                 try:
                     value = json.loads(arguments)
-                except json.JSONDecodeError:
+                    check_body(value)
+                except (json.JSONDecodeError, RecursionError, FieldValueError):
                     continue
                 if isinstance(value, dict):
                     function["arguments"] = value

@@ -17,7 +17,6 @@ is a 400. The server's and the tokenizer's templates are the operator's and rend
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
@@ -34,7 +33,11 @@ from jaxpaged.entrypoints.openai.chat_tools import (
     tool_constraint_schema,
     tool_mode_parser,
 )
-from jaxpaged.entrypoints.openai.errors import BadRequestError, error_from_exception
+from jaxpaged.entrypoints.openai.errors import (
+    BadRequestError,
+    ServiceUnavailableError,
+    error_from_exception,
+)
 from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -54,7 +57,11 @@ from jaxpaged.entrypoints.openai.serving_engine import (
     stable_text,
 )
 from jaxpaged.entrypoints.openai.structured_outputs import structured_outputs_from_request
-from jaxpaged.entrypoints.openai.template_sandbox import TemplateLimitError, TemplateSandbox
+from jaxpaged.entrypoints.openai.template_sandbox import (
+    TemplateLimitError,
+    TemplateQueueFullError,
+    TemplateSandbox,
+)
 from jaxpaged.sampling_params import StructuredOutputsParams
 
 
@@ -86,6 +93,8 @@ class OpenAIServingChat(OpenAIServing):
         tool_parser: the ``--tool-call-parser`` class (``tool_parsers.get_tool_parser``).
         reasoning_parser: the ``--reasoning-parser`` class
             (``reasoning_parsers.get_reasoning_parser``).
+        template_sandbox: renders requests' own templates (None: a ``TemplateSandbox`` with
+            its default limits); closed by ``close``.
     """
 
     def __init__(
@@ -95,6 +104,7 @@ class OpenAIServingChat(OpenAIServing):
         enable_auto_tool_choice: bool = False,
         tool_parser: type | None = None,
         reasoning_parser: type | None = None,
+        template_sandbox: TemplateSandbox | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -104,7 +114,8 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning_parser = reasoning_parser
         # "auto" reads calls only with --enable-auto-tool-choice (vLLM's rule).
         self._auto_tool_parser = tool_parser if enable_auto_tool_choice else None
-        self.template_sandbox = TemplateSandbox()  # its worker starts on first use
+        # Its workers start on first use.
+        self.template_sandbox = template_sandbox or TemplateSandbox()
 
     def close(self) -> None:
         """Stop the template sandbox's worker process (if it runs)."""
@@ -127,6 +138,7 @@ class OpenAIServingChat(OpenAIServing):
         Raises:
             BadRequestError: no template anywhere, a non-text content part, a template error,
                 or a request's template breaking a sandbox limit.
+            ServiceUnavailableError: the sandbox's queue is full (503 with ``Retry-After``).
         """
         self.require_tokenizer("a chat request")
         # A request's template is inline Jinja only: reading a path a client names would let
@@ -143,8 +155,7 @@ class OpenAIServingChat(OpenAIServing):
         conversation = template_messages([_message_dict(m, i) for i, m in enumerate(messages)])
         if chat_template:  # the client's own program: sandboxed, in a worker process
             try:
-                return await asyncio.to_thread(
-                    self._render_sandboxed,
+                return await self._render_sandboxed(
                     chat_template,
                     conversation,
                     add_generation_prompt=add_generation_prompt,
@@ -155,6 +166,8 @@ class OpenAIServingChat(OpenAIServing):
                 )
             except TemplateLimitError as error:
                 raise BadRequestError(str(error), param="chat_template") from error
+            except TemplateQueueFullError as error:
+                raise ServiceUnavailableError(str(error)) from error
         try:
             return self.tokenizer.apply_chat_template(
                 conversation,
@@ -171,7 +184,7 @@ class OpenAIServingChat(OpenAIServing):
                 f"the chat template failed on these messages: {error}", param="messages"
             ) from error
 
-    def _render_sandboxed(
+    async def _render_sandboxed(
         self,
         template: str,
         conversation: list[dict],
@@ -207,7 +220,7 @@ class OpenAIServingChat(OpenAIServing):
             "documents": documents,
             "add_generation_prompt": add_generation_prompt,
         }
-        text = self.template_sandbox.render(template, context)
+        text = await self.template_sandbox.render_async(template, context)
         if continue_final_message:
             where = text.rfind(_CONTINUE_MARK.strip())
             if where < 0 or final.strip() not in text:

@@ -159,7 +159,7 @@ def test_a_rendered_text_too_long_for_the_context_is_refused_before_tokenizing(h
     assert time.monotonic() - start < 6.0
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == "messages" and "characters" in error["message"]
+    assert error["param"] == "messages" and "characters" in error["message"], error
     stats = server.wait_idle()
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
 
