@@ -32,6 +32,7 @@ from jaxpaged.outputs import RequestOutput
 from jaxpaged.sample.logprobs import ModelRunnerOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
 from jaxpaged.sequence import (
+    EMPTY_PROMPT,
     EngineSleepingError,
     PromptError,
     Sequence,
@@ -308,7 +309,7 @@ class LLMEngine:
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         max_model_len = self.config.scheduler_config.max_model_len
         if not prompt_ids:
-            raise PromptError("the prompt is empty: it must have at least one token")
+            raise PromptError(f"{EMPTY_PROMPT}: it must have at least one token")
         check_prompt_vocab(prompt_ids, self.vocab_size)
         if len(prompt_ids) >= max_model_len:
             raise PromptError(

@@ -80,7 +80,7 @@ def test_top_k_and_min_tokens_beyond_int32_keep_their_meaning(stories_llm):
 @pytest.mark.parametrize(
     "prompt, message",
     [
-        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt_token_ids": []}, "The decoder prompt cannot be empty"),  # vLLM's words
         ({"prompt_token_ids": list(range(3, 3 + 128))}, "max_model_len is 128"),
         ({"prompt_token_ids": [5, 9999]}, "outside the vocabulary"),
         (42, "a prompt must be"),

@@ -364,7 +364,8 @@ class CompletionRequest(_SamplingFields):
 
     # Token ids before strings: pydantic's smart union tries the members in order, and a
     # list of 128 ids failing as list[str] first cost 20 us of error building per request.
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] | None = None
+    """Required unless ``prompt_embeds`` is given (which this server refuses by name)."""
     max_tokens: int | None = 16
     """Tokens to generate; 0 only with ``echo`` (prompt scoring: the prompt and its logprobs
     come back, nothing is generated)."""
@@ -376,6 +377,20 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool = True
     """Add the tokenizer's special tokens (BOS) to text prompts."""
     prompt_embeds: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_or_embeds(cls, data):
+        # vLLM's check and message (its tests match it): "" counts as no prompt, [] as no
+        # embeddings.
+        if isinstance(data, dict):
+            prompt, embeds = data.get("prompt"), data.get("prompt_embeds")
+            if (prompt is None or prompt == "") and (embeds is None or embeds == []):
+                raise FieldValueError(
+                    "Either prompt or prompt_embeds must be provided and non-empty.",
+                    parameter="prompt",
+                )
+        return data
 
     @field_validator("prompt", mode="before")
     @classmethod

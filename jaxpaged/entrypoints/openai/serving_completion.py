@@ -44,6 +44,7 @@ from jaxpaged.entrypoints.openai.serving_engine import (
 )
 from jaxpaged.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.sequence import EMPTY_PROMPT
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -136,8 +137,8 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
             prompt = [prompt]
-        if not prompt:
-            raise BadRequestError("prompt must not be empty", param="prompt")
+        if not prompt:  # [] (None and "" are refused by the protocol, in vLLM's words)
+            raise BadRequestError(EMPTY_PROMPT, param="prompt")
         prompts = []
         for p in prompt:
             if isinstance(p, str):
