@@ -394,3 +394,24 @@ def test_completion_beam_search_returns_the_offline_beams_best_first(http, stori
     _error(http.post("/v1/completions", json=_body(length_penalty=0.5)), "length_penalty")
     chat = _chat(max_tokens=2, use_beam_search=True)
     _error(http.post("/v1/chat/completions", json=chat), "use_beam_search")
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_streamed_events_are_written_in_vllms_compact_json(http, route):
+    """Both routes write events as vLLM does (pydantic's model_dump_json): no spaces after
+    "," and ":", non-ASCII characters as UTF-8. Chat wrote ``json.dumps``' default before."""
+    if route == "completions":
+        body = _body(prompt="Il était une fois", echo=True, max_tokens=3)
+    else:
+        messages = [*MESSAGES, {"role": "assistant", "content": "Il était"}]
+        body = _chat(messages=messages, max_tokens=3, echo=True, add_generation_prompt=False,
+                     continue_final_message=True)  # fmt: skip
+    with http.stream("POST", f"/v1/{route}", json=body | {"stream": True}) as response:
+        payloads = [
+            line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: {")
+        ]
+    assert len(payloads) >= 3
+    for payload in payloads:
+        compact = json.dumps(json.loads(payload), ensure_ascii=False, separators=(",", ":"))
+        assert payload == compact
+    assert "était" in payloads[0 if route == "completions" else 1]
