@@ -179,7 +179,8 @@ class EngineArgs:
     max_logprobs: int = _arg(
         20,
         "Most logprobs / prompt_logprobs a request may ask for per token, >= 0 (vLLM's cap); "
-        "-1 means the whole vocabulary (then requests may ask for -1 and logprob_token_ids).",
+        "-1 means the whole vocabulary (then requests may ask for -1); logprob_token_ids (up to "
+        "128 ids) need no more than the default.",
     )
     structured_outputs_config: str | dict | None = _arg(
         None,
