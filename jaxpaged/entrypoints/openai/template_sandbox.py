@@ -10,6 +10,7 @@ no mutation of the inputs), with limits:
 
 - time: the parent waits ``timeout_s`` for the answer, then kills the worker (and starts a new
   one on the next render);
+- CPU: the worker runs at background priority (``nice`` 10), behind the API process;
 - memory: the worker's address space is capped (``RLIMIT_AS``), so a blow-up fails there; a
   worker that ran out of memory, or holds more than ``recycle_rss_bytes`` after a render
   (Python keeps freed small objects' arenas: 1.5 GB stayed after one template), is replaced;
@@ -280,6 +281,9 @@ def _worker_main(max_output_chars: int, memory_bytes: int) -> None:  # pragma: n
     import resource
 
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    # A client's program at background priority: on a busy host the API process (HTTP,
+    # tokenization, streaming) gets the CPU first.
+    os.nice(10)
     environment = _environment()
     sys.stdout.write('{"ready": true}\n')
     sys.stdout.flush()
