@@ -332,7 +332,7 @@ def test_engine_death_fails_in_flight_requests_and_health_and_new_requests_with_
         assert _error(whole, 503, match="device lost")["type"] == "ServiceUnavailableError"
         assert stream.status_code == 200
         events = [line for line in stream.text.splitlines() if line]
-        assert '"role": "assistant"' in events[0]
+        assert '"role":"assistant"' in events[0]  # vLLM's compact JSON
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2].removeprefix("data: "))["error"]
         assert error["code"] == 503 and "device lost" in error["message"]
