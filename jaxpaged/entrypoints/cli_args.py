@@ -139,6 +139,13 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "requests) or prefix (the hash of the prompt's first full KV block, so requests that "
         "share a prefix share a prefix cache) (default: least_loaded)",
     )
+    _add_feature_args(serve)
+    add_engine_args(serve)
+
+
+def _add_feature_args(serve: argparse.ArgumentParser) -> None:
+    """``jaxpaged serve``'s flags of what the server offers: LoRA modules, tools and reasoning,
+    vLLM's on/off switches, dev routes, request templates' workers, uvicorn's log level."""
     serve.add_argument(
         "--lora-modules",
         nargs="+",
@@ -195,7 +202,6 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         choices=UVICORN_LOG_LEVELS,
         help="uvicorn's log level (default: info)",
     )
-    add_engine_args(serve)
 
 
 # vLLM's on/off serving flags (all off by default) -> their help; each is a ServeConfig field.

@@ -29,10 +29,9 @@ from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     DeltaMessage,
-    FieldValueError,
-    check_body,
 )
 from jaxpaged.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from jaxpaged.entrypoints.openai.request_checks import FieldValueError, check_body
 from jaxpaged.entrypoints.openai.tool_parsers import (
     ParsedCall,
     ParsedOutput,
@@ -140,7 +139,7 @@ def tool_constraint_schema(request: ChatCompletionRequest) -> dict | None:
 def template_messages(conversation: list[dict]) -> list[dict]:
     """Messages as chat templates expect them: an assistant's ``tool_calls[*].function.
     arguments`` as a dict, not OpenAI's JSON text (vLLM's ``chat_utils`` does the same);
-    arguments that are not a JSON object a request could carry (``protocol.check_body``:
+    arguments that are not a JSON object a request could carry (``request_checks.check_body``:
     nested too deep, an integer beyond 64 bits) stay text."""
     for message in conversation:
         for call in message.get("tool_calls") or ():

@@ -11,13 +11,8 @@ import math
 import httpx
 import pytest
 
-from jaxpaged.entrypoints.openai.protocol import (
-    MAX_JSON_DEPTH,
-    ChatCompletionRequest,
-    CompletionRequest,
-    FieldValueError,
-    check_body,
-)
+from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from jaxpaged.entrypoints.openai.request_checks import MAX_JSON_DEPTH, FieldValueError, check_body
 from jaxpaged.entrypoints.openai.template_sandbox import TemplateSandbox
 from tests.live_server import API_KEY, MODEL_NAME
 
