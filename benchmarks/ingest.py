@@ -350,6 +350,7 @@ def main() -> None:
     from jaxpaged.engine_core.core_process import start_core_process
     from jaxpaged.entrypoints.env import prometheus_multiproc_dir
     from jaxpaged.entrypoints.openai.multi_api_server import bind_server_socket
+    from jaxpaged.entrypoints.openai.serve_config import ServeConfig
 
     engine_args = EngineArgs(
         dtype="float32",
@@ -372,7 +373,7 @@ def main() -> None:
             processes.append(
                 spawn.Process(
                     target=_api_process,
-                    args=(profile, index, args.api_server_count, sock),
+                    args=(profile, index, sock),
                     kwargs=dict(
                         model=model_config.model,
                         tokenizer_path=model_config.tokenizer if args.text else None,
@@ -380,8 +381,11 @@ def main() -> None:
                         output_address=core.output_addresses[index],
                         info=core.info,
                         metrics_dir=metrics_dir,
-                        app_options={"served_model_names": [MODEL]},
-                        uvicorn_log_level="warning",
+                        config=ServeConfig(
+                            served_model_names=[MODEL],
+                            api_server_count=args.api_server_count,
+                            uvicorn_log_level="warning",
+                        ),
                         parent_pid=os.getpid(),
                     ),
                 )

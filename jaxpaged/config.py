@@ -180,7 +180,8 @@ class EngineArgs:
     max_logprobs: int = _arg(
         20,
         "Most logprobs / prompt_logprobs a request may ask for per token, >= 0 (vLLM's cap); "
-        "-1 means the whole vocabulary (then requests may ask for -1 and logprob_token_ids).",
+        "-1 means the whole vocabulary (then requests may ask for -1); logprob_token_ids (up to "
+        "128 ids) need no more than the default.",
     )
     structured_outputs_config: str | dict | None = _arg(
         None,
@@ -355,8 +356,7 @@ class EngineConfig:
             )
         if not os.path.isfile(config_path):
             raise ValueError(f"model directory {model!r} has no config.json")
-        with open(config_path) as f:
-            hf_config_json = json.load(f)
+        hf_config_json = read_config_json(config_path)
 
         _check_choice("dtype", args.dtype, DTYPE_CHOICES)
         _check_choice("load_format", args.load_format, _LOAD_FORMATS)
@@ -485,6 +485,23 @@ class EngineConfig:
                 ),
             ),
         )
+
+
+def read_config_json(config_path: str) -> dict:
+    """The JSON object of a model's ``config.json``.
+
+    Raises:
+        ValueError: the file is not UTF-8 JSON, or holds no object; naming the file and
+            the position (a bare ``JSONDecodeError`` named neither).
+    """
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{config_path} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
+    return config
 
 
 def import_model_impl(module: str | None) -> None:

@@ -19,6 +19,10 @@ import reprlib
 _MIN_TEMPERATURE = 1e-2
 # vLLM clamps each logit bias to this magnitude (OpenAI's documented range).
 _MAX_LOGIT_BIAS = 100.0
+_FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
+MAX_LOGPROB_TOKEN_IDS = 128
+"""Most ``logprob_token_ids`` of a request (vLLM's bound, the width of the device rows that hold
+them: ``sample.logits_state``)."""
 # Accepted spellings of logprobs_mode: vLLM's --logprobs-mode names, and short aliases.
 _LOGPROBS_MODES = {
     "raw_logprobs": "raw_logprobs",
@@ -301,9 +305,9 @@ class SamplingParams:
     ``logprobs`` (-1: the whole vocabulary); None means none. Such requests bypass the prefix
     cache."""
     logprob_token_ids: list[int] | None = None
-    """vLLM's: token ids whose logprobs each generated position returns (beside the sampled
-    token's) instead of the top ``logprobs``; non-empty; needs an engine whose max_logprobs
-    covers the vocabulary (-1), since the step computes the whole distribution's ranking."""
+    """vLLM's: token ids whose logprobs (and true ranks) each generated position returns, beside
+    the sampled token's, instead of the top ``logprobs``; 1 to ``MAX_LOGPROB_TOKEN_IDS`` ids of
+    the vocabulary, whatever the engine's max_logprobs."""
     logprobs_mode: str | None = None
     """What logprobs report: ``raw_logprobs`` (alias ``raw``: float32 log-softmax of the model's
     logits, before penalties, bias, temperature and top-k/top-p/min-p), ``raw_logits``,
@@ -400,6 +404,15 @@ class SamplingParams:
             )
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
             raise SamplingParamsError("temperature", self.temperature, "must be non-negative")
+        for name in ("temperature", "repetition_penalty"):
+            # The sampler divides float32 logits by them: past float32's range they become
+            # infinite, and -inf / inf is NaN, which argmax picks over every allowed token.
+            if getattr(self, name) > _FLOAT32_MAX:
+                raise SamplingParamsError(
+                    name,
+                    getattr(self, name),
+                    f"must be at most {_FLOAT32_MAX:.6g} (float32's range)",
+                )
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError("top_p", self.top_p, "must be in (0, 1]")
         _check_int("top_k", self.top_k, minimum=0, rule="must be 0 or -1 (off), or at least 1")
@@ -428,6 +441,12 @@ class SamplingParams:
                     "logprob_token_ids", self.logprob_token_ids, "must not be empty when given"
                 )
             _check_token_ids("logprob_token_ids", self.logprob_token_ids)
+            if len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+                raise SamplingParamsError(
+                    "logprob_token_ids",
+                    len(self.logprob_token_ids),
+                    f"holds more ids than max allowed: {MAX_LOGPROB_TOKEN_IDS} (vLLM's bound)",
+                )
         if not all(isinstance(s, str) for s in self.stop):
             raise SamplingParamsError("stop", self.stop, "must be a string or a list of strings")
         if any(not s for s in self.stop):
@@ -478,10 +497,11 @@ class SamplingParams:
 
     @property
     def uses_logits_state(self) -> bool:
-        """True when sampling needs the per-request vocabulary rows kept on the device
-        (penalties, logit bias, allowed ids, or min_tokens suppression)."""
+        """True when sampling needs the per-request rows kept on the device (penalties, logit
+        bias, allowed ids, min_tokens suppression, or the ids of ``logprob_token_ids``)."""
         return (
-            self.presence_penalty != 0.0
+            self.logprob_token_ids is not None
+            or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
             or bool(self.logit_bias)
@@ -563,8 +583,14 @@ def _normalize_logit_bias(logit_bias) -> dict[int, float]:
     out = {}
     for key, bias in logit_bias.items():
         token_id = int(key)
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
-            raise SamplingParamsError("logit_bias", {key: bias}, "values must be numbers")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            # vLLM clamps to [-100, 100] (OpenAI's range) and so took Infinity as 100.
+            raise SamplingParamsError(
+                "logit_bias",
+                {key: bias},
+                f"values must be finite numbers (those beyond [-{_MAX_LOGIT_BIAS:g}, "
+                f"{_MAX_LOGIT_BIAS:g}] are clamped to it)",
+            )
         out[token_id] = min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, float(bias)))
     return out
 
@@ -573,8 +599,8 @@ def verify_for_model(params: SamplingParams, *, vocab_size: int, max_logprobs: i
     """The checks that need the model: token ids inside the vocabulary and the logprobs cap.
 
     Resolves, in place, ``logprobs`` / ``prompt_logprobs`` of -1 to ``vocab_size`` and, with
-    ``logprob_token_ids``, an unset ``logprobs`` to 0 (the step must rank the distribution);
-    a second call changes nothing.
+    ``logprob_token_ids``, an unset ``logprobs`` to 0 (the step then computes logprobs, those
+    ids' among them); a second call changes nothing.
 
     Raises:
         SamplingParamsError: naming the field, the limit and the value.
@@ -595,16 +621,8 @@ def verify_for_model(params: SamplingParams, *, vocab_size: int, max_logprobs: i
             raise SamplingParamsError(
                 name, value, f"must be at most the engine's max_logprobs ({max_logprobs})"
             )
-    if params.logprob_token_ids is not None:
-        if max_logprobs < vocab_size:
-            raise SamplingParamsError(
-                "logprob_token_ids",
-                params.logprob_token_ids,
-                f"needs the engine's max_logprobs to cover the vocabulary ({vocab_size} tokens; "
-                f"start it with --max-logprobs -1), it is {max_logprobs}",
-            )
-        if params.logprobs is None:
-            params.logprobs = 0
+    if params.logprob_token_ids is not None and params.logprobs is None:
+        params.logprobs = 0
     checks = {
         "stop_token_ids": params.stop_token_ids,
         "allowed_token_ids": params.allowed_token_ids or [],

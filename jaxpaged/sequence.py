@@ -30,6 +30,10 @@ class EngineSleepingError(RuntimeError):
     ``sleep(level=2)`` also ``update_weights``); the server answers it like a refused prompt."""
 
 
+EMPTY_PROMPT = "The decoder prompt cannot be empty"
+"""vLLM's refusal of a prompt of no tokens (``vllm/v1/engine/input_processor.py``)."""
+
+
 class PromptError(ValueError):
     """A prompt the engine cannot take (empty, ids that are not integers or lie outside the
     vocabulary, too long for ``max_model_len`` or the KV cache); ``parameter`` names the request

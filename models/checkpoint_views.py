@@ -71,6 +71,11 @@ class CheckpointView:
             shape = (len(source.rows), *shape[1:])
         return tuple(shape)
 
+    def dtype(self, name: str):
+        """The stored dtype of the tensor behind ``name`` (None where the reader tells none)."""
+        dtype = getattr(self._reader, "dtype", None)
+        return None if dtype is None else dtype(self._source(name).name)
+
     def read(self, name: str):
         source = self._source(name)
         tensor = self._reader.read(source.name)  # numpy, or jax for bfloat16

@@ -1,9 +1,12 @@
 """Checks of an HF config's shapes before any array is built: a config with impossible sizes
 (negative, zero, heads that do not divide) is refused by name instead of failing deep inside
-model construction (a ZeroDivisionError, a JAX shape error)."""
+model construction (a ZeroDivisionError, a JAX shape error), and a config with more layers
+than its checkpoint holds is refused before the model is built at all."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Any
 
 # Config fields that size the model: each must be a positive integer when present.
@@ -45,3 +48,46 @@ def check_config_shapes(hf_config: Any, config_path: str) -> None:
                 f"{config_path}: num_attention_heads ({heads}) must divide hidden_size "
                 f"({hidden}) when head_dim is not given"
             )
+
+
+# The first numbered component of a tensor name and what precedes it: "model.layers.3.mlp..."
+# -> ("model.layers", 3); the layer stack of every family (GPT-2's "h.3.", BLOOM's too).
+_FIRST_INDEX = re.compile(r"^(.*?)\.(\d+)\.")
+
+
+def check_layer_count(tensor_names: Iterable[str], hf_config: Any, model_dir: str) -> None:
+    """Refuse a config whose ``num_hidden_layers`` exceeds every numbered stack of the
+    checkpoint's tensor names (the first numbered component of a name: ``model.layers.N``,
+    GPT-2's ``h.N``; experts are numbered inside a layer), before the model is built: building
+    one with ``num_hidden_layers: 100000`` took 180 s and 1.7 GB before its first missing
+    tensor was found. Fewer layers in the config than in the checkpoint is left to the loaders
+    (they read the layers the config asks for).
+
+    Raises:
+        ValueError: naming ``config.json``, the count and what the checkpoint holds.
+    """
+    configs = [hf_config, getattr(hf_config, "text_config", None)]
+    wanted = next(
+        (
+            value
+            for config in configs
+            if isinstance(value := getattr(config, "num_hidden_layers", None), int)
+        ),
+        None,
+    )
+    if wanted is None:
+        return
+    stacks: dict[str, int] = {}
+    for name in tensor_names:
+        match = _FIRST_INDEX.match(name)
+        if match is not None:
+            prefix, index = match.group(1), int(match.group(2))
+            stacks[prefix] = max(stacks.get(prefix, 0), index + 1)
+    held = max(stacks.values(), default=0)
+    if wanted > held:
+        prefix = max(stacks, key=stacks.get) if stacks else None
+        holds = f"{held} ({prefix}.0 to {prefix}.{held - 1})" if prefix else "no numbered layers"
+        raise ValueError(
+            f"{model_dir}/config.json: num_hidden_layers is {wanted}, but the checkpoint's "
+            f"tensors hold at most {holds}: the config and the weights disagree"
+        )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 from flax import nnx
 
 from models.merged_linear import MergedColumnParallelLinear
@@ -86,11 +87,12 @@ def check_tensor(
     reader: Any, path: tuple, name: str, expected: tuple[int, ...], model_dir: str
 ) -> None:
     """Check that the checkpoint holds tensor ``name`` of shape ``expected`` (HF layout, e.g.
-    ``[out, in]`` for a linear weight) for the parameter ``path``.
+    ``[out, in]`` for a linear weight) and of a floating dtype (where ``reader.dtype`` tells
+    it) for the parameter ``path``.
 
     Raises:
-        ValueError: the tensor is missing or has another shape; the message names the
-            parameter, the HF tensor, both shapes and ``model_dir``.
+        ValueError: the tensor is missing, has another shape or a non-float dtype; the message
+            names the parameter, the HF tensor, both shapes (or the dtype) and ``model_dir``.
     """
     if name not in reader:
         raise ValueError(
@@ -101,6 +103,16 @@ def check_tensor(
         raise ValueError(
             f"parameter {path_str(path)} (HF name {name!r}) has shape {shape} in {model_dir}; "
             f"expected {tuple(expected)}"
+        )
+    # A float parameter read from integers is cast without a word and changes every output
+    # (a header that says I32 for a float tensor loaded silently): refused, as update_weights
+    # refuses them. Readers that know no dtype (a family's view of one that does) are trusted.
+    stored = reader.dtype(name) if hasattr(reader, "dtype") else None
+    if stored is not None and not jnp.issubdtype(stored, jnp.floating):
+        raise ValueError(
+            f"parameter {path_str(path)} (HF name {name!r}) has dtype {jnp.dtype(stored).name} "
+            f"in {model_dir}; expected a floating dtype (the model's parameters are floats, "
+            "cast to the engine's dtype)"
         )
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from models.hf_names import hf_names, merged_output_sizes
 from models.weights import ParamPlan, plan_params, read_param
@@ -72,7 +73,47 @@ def is_hf_names(params: Any) -> bool:
         )
     if not params:
         raise ValueError("params is empty: every parameter of the model is needed")
+    check_params_tree(params)
     return all(isinstance(k, str) and not isinstance(v, Mapping) for k, v in params.items())
+
+
+def check_params_tree(params: Mapping) -> None:
+    """Refuse, naming the path, what no layout can hold: a leaf that is not an array (a list
+    raised AttributeError deep in the loaders) and a mapping whose keys are neither all
+    strings nor all integers (the engine's own layout numbers its layers; a key of another
+    type raised a pytree-sorting error that named nothing).
+
+    Raises:
+        ValueError: the first such path, in the mappings' order.
+    """
+    stack = [(params, ())]
+    while stack:
+        mapping, path = stack.pop()
+        kinds = {str if isinstance(key, str) else int if _is_int(key) else None for key in mapping}
+        if None in kinds or len(kinds) > 1:
+            odd = next(k for k in mapping if not isinstance(k, str)) if str in kinds else None
+            odd = odd if odd is not None else next(k for k in mapping if not _is_int(k))
+            where = _dotted(path) or "the top level"
+            raise ValueError(
+                f"params at {where} has the key {odd!r} ({type(odd).__name__}): keys are "
+                "parameter names (strings), or layer numbers (integers) in the engine's own "
+                "layout (LLM.get_weights()), one kind per mapping"
+            )
+        for key, value in reversed(list(mapping.items())):
+            if isinstance(value, Mapping):
+                stack.append((value, (*path, key)))
+                continue
+            leaf = value.get_value() if isinstance(value, nnx.Variable) else value
+            if not isinstance(leaf, (np.ndarray, np.generic, jax.Array)):
+                what = "None" if leaf is None else f"a {type(leaf).__name__}"
+                raise ValueError(
+                    f"parameter {_dotted((*path, key))} is {what}; expected an array (numpy "
+                    "or JAX), as LLM.get_weights() or safetensors give them"
+                )
+
+
+def _is_int(key) -> bool:
+    return isinstance(key, (int, np.integer)) and not isinstance(key, bool)
 
 
 def _check_float(name: str, dtype: Any) -> None:
@@ -110,8 +151,6 @@ def plan_hf_update(
         ValueError: a missing or misshapen tensor (named with its parameter path, as the
             loaders do), an extra name, or a non-float dtype.
     """
-    from flax import nnx
-
     flat_state = list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     reader = ArrayDictReader(params)
     source = reader if view is None else view(reader)

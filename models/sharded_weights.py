@@ -55,6 +55,7 @@ from models.weights import (
     EXPERT_PARAMS,
     FUSED_MODULES,
     abstract_model,
+    check_checkpoint_layers,
     check_tensor,
     expert_hf_names,
     hf_names,
@@ -112,6 +113,8 @@ def load_sharded_model(
     layout = TPLayout.from_hf_config(hf_config, mesh.shape[TP_AXIS])
     physical_config = tp_model_config(hf_config, layout)
     quant_config = model_quantization(hf_config, quant_config, load_format)
+    if load_format != "dummy":  # before the model is built: its size follows the config
+        check_checkpoint_layers(model_dir, hf_config)
     if quant_config is not None and (
         layout.kv_head_replicas > 1 or layout.intermediate_size_padded != layout.intermediate_size
     ):

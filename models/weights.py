@@ -28,7 +28,7 @@ import safetensors
 from flax import nnx
 
 from models.config_cache import read_cached_config, write_cached_config
-from models.config_checks import check_config_shapes
+from models.config_checks import check_config_shapes, check_layer_count
 from models.dtypes import DTYPES as _DTYPES
 from models.dummy_init import dummy_normal
 from models.hf_names import EXPERT_PARAMS as EXPERT_PARAMS  # re-exported: the name map
@@ -130,6 +130,16 @@ def _weight_files(model_dir: str) -> dict[str, str]:
     )
 
 
+def check_checkpoint_layers(model_dir: str, hf_config: Any) -> None:
+    """``models.config_checks.check_layer_count`` over the checkpoint's tensor names (its
+    index, or its single file's header: nothing big is read).
+
+    Raises:
+        ValueError: no weight files, or more layers in the config than in the checkpoint.
+    """
+    check_layer_count(_weight_files(model_dir), hf_config, model_dir)
+
+
 def _fused_part_sizes(fused: str, hf_config: Any) -> tuple[int, ...]:
     """Output sizes of the parts of a fused checkpoint module, from the checkpoint's config."""
     if fused == "qkv_proj":
@@ -206,6 +216,14 @@ class _TensorReader:
             return (hi - lo, *self.shape(source)[1:])
         return tuple(self._handle(self._files[name], "numpy").get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> Any:
+        """The stored dtype of ``name`` (a jnp dtype), from its file's header; None for a
+        dtype this reader does not know."""
+        if name in self._views:
+            return self.dtype(self._views[name][0])
+        stored = self._handle(self._files[name], "numpy").get_slice(name).get_dtype()
+        return _SAFETENSORS_DTYPES.get(stored)
+
     def read_slice(self, name: str, index: tuple[slice, ...]):
         """``tensor[index]`` without reading the rest of the tensor (bfloat16 via ml_dtypes)."""
         if name in self._views:
@@ -228,6 +246,15 @@ class _TensorReader:
 
 # safetensors dtypes numpy reads only through ml_dtypes (quantized FP8 checkpoints).
 _RAW_DTYPES = {"F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2}
+# safetensors' dtype names (its header's "dtype") -> jnp dtypes.
+_SAFETENSORS_DTYPES = {
+    **{name: jnp.dtype(dtype) for name, dtype in _RAW_DTYPES.items()},
+    "F64": jnp.dtype(jnp.float64), "F32": jnp.dtype(jnp.float32),
+    "F16": jnp.dtype(jnp.float16), "BF16": jnp.dtype(jnp.bfloat16),
+    "I64": jnp.dtype(jnp.int64), "I32": jnp.dtype(jnp.int32), "I16": jnp.dtype(jnp.int16),
+    "I8": jnp.dtype(jnp.int8), "U64": jnp.dtype(jnp.uint64), "U32": jnp.dtype(jnp.uint32),
+    "U16": jnp.dtype(jnp.uint16), "U8": jnp.dtype(jnp.uint8), "BOOL": jnp.dtype(jnp.bool_),
+}  # fmt: skip
 
 
 def _read_raw(file: str, name: str, dtype: Any) -> Any:
@@ -525,6 +552,8 @@ def load_model(
     model_class = get_model_class(hf_config)
     resolved = resolve_dtype(dtype, hf_config)
     quant_config = model_quantization(hf_config, quant_config, load_format)
+    if load_format != "dummy":  # before the model is built: its size follows the config
+        check_checkpoint_layers(model_dir, hf_config)
 
     abstract = abstract_model(
         model_class, hf_config, resolved,

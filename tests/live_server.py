@@ -162,16 +162,13 @@ def start_server(
     **kw,
 ):
     """A ``RunningServer`` over a freshly spawned core (``spawn_client(**kw)``);
-    ``app_options``: more ``build_app`` keywords (its on/off serving flags)."""
+    ``app_options``: more ``ServeConfig`` fields (its on/off serving flags)."""
     from jaxpaged.config import default_model_path
     from jaxpaged.entrypoints.openai.api_server import build_app
+    from jaxpaged.entrypoints.openai.serve_config import ServeConfig
 
-    client = spawn_client(**kw)
-    app = build_app(
-        client,
-        model=kw.get("model") or default_model_path(),
-        tokenizer=client.tokenizer,
-        served_model_names=list(served_model_names),
+    config = ServeConfig(
+        served_model_names=served_model_names,
         api_key=api_key,
         chat_template=chat_template,
         lora_modules=lora_modules,
@@ -180,6 +177,10 @@ def start_server(
         reasoning_parser=reasoning_parser,
         enable_dev_endpoints=enable_dev_endpoints,
         **(app_options or {}),
+    )
+    client = spawn_client(**kw)
+    app = build_app(
+        client, config, model=kw.get("model") or default_model_path(), tokenizer=client.tokenizer
     )
     return RunningServer(app)
 

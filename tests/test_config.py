@@ -41,3 +41,14 @@ def test_cli_flags_set_prefix_caching_swap_space_and_preemption_mode():
     engine_args = cli.engine_args_from(args)
     assert engine_args.enable_prefix_caching is False
     assert engine_args.swap_space == 0.5 and engine_args.preemption_mode == "swap"
+
+
+def test_a_broken_config_json_is_a_value_error_naming_the_file(tmp_path):
+    """It was a bare JSONDecodeError, naming neither the file nor what to fix."""
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], ')
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON: Expecting") as info:
+        EngineArgs(model=str(tmp_path), load_format="dummy").create_engine_config()
+    assert str(tmp_path) in str(info.value)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object, got list"):
+        EngineArgs(model=str(tmp_path), load_format="dummy").create_engine_config()

@@ -91,7 +91,7 @@ def test_normalisations():
         (dict(stop_token_ids=[-1]), "stop_token_ids must contain only non-negative integer ids"),
         (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty when given"),
         (dict(logit_bias={"x": 1.0}), "logit_bias keys must be integer token ids"),
-        (dict(logit_bias={1: "big"}), "logit_bias values must be numbers"),
+        (dict(logit_bias={1: "big"}), "logit_bias values must be finite numbers"),
         (dict(logprobs_mode="logits"), "logprobs_mode must be one of"),
         (dict(output_kind="delta"), "output_kind must be a RequestOutputKind"),
     ],

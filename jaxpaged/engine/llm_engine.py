@@ -30,6 +30,7 @@ from jaxpaged.lora.request import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, verify_for_model
 from jaxpaged.sequence import (
+    EMPTY_PROMPT,
     EngineSleepingError,
     PromptError,
     Sequence,
@@ -324,7 +325,7 @@ class LLMEngine:
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         max_model_len = self.config.scheduler_config.max_model_len
         if not prompt_ids:
-            raise PromptError("the prompt is empty: it must have at least one token")
+            raise PromptError(f"{EMPTY_PROMPT}: it must have at least one token")
         check_prompt_vocab(prompt_ids, self.vocab_size)
         if len(prompt_ids) >= max_model_len:
             raise PromptError(

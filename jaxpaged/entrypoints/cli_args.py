@@ -1,5 +1,5 @@
 """Flag definitions shared by the entry points: one ``--flag`` per ``EngineArgs`` field, the
-flags of ``jaxpaged serve``, and the ``run_server`` keywords they make.
+flags of ``jaxpaged serve``, and the ``(EngineArgs, ServeConfig)`` they make.
 
 ``jaxpaged`` (``entrypoints/cli.py``), ``python -m jaxpaged.entrypoints.openai.api_server`` and
 the benchmarks import this module; it imports no entry point, so imports point one way:
@@ -18,7 +18,10 @@ from collections.abc import Mapping
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine_core.dp_balancer import DP_ROUTING_CHOICES
 from jaxpaged.entrypoints.env import api_key_from_env, server_dev_mode_from_env
+from jaxpaged.entrypoints.openai.template_sandbox import DEFAULT_MAX_QUEUED, DEFAULT_NUM_WORKERS
 from jaxpaged.metrics import DEFAULT_METRICS_PREFIX, METRICS_PREFIX_CHOICES
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 # vLLM's short aliases of engine flags.
 _SHORT_FLAGS = {"quantization": ("-q",)}
@@ -136,6 +139,13 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "requests) or prefix (the hash of the prompt's first full KV block, so requests that "
         "share a prefix share a prefix cache) (default: least_loaded)",
     )
+    _add_feature_args(serve)
+    add_engine_args(serve)
+
+
+def _add_feature_args(serve: argparse.ArgumentParser) -> None:
+    """``jaxpaged serve``'s flags of what the server offers: LoRA modules, tools and reasoning,
+    vLLM's on/off switches, dev routes, request templates' workers, uvicorn's log level."""
     serve.add_argument(
         "--lora-modules",
         nargs="+",
@@ -173,15 +183,28 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "never expose them publicly",
     )
     serve.add_argument(
+        "--chat-template-workers",
+        type=int,
+        default=DEFAULT_NUM_WORKERS,
+        help="processes rendering the chat templates requests send (chat_template), each "
+        f"sandboxed; >= 1 (default: {DEFAULT_NUM_WORKERS})",
+    )
+    serve.add_argument(
+        "--max-queued-chat-templates",
+        type=int,
+        default=DEFAULT_MAX_QUEUED,
+        help="request templates that may wait for a rendering process; more get HTTP 503 with "
+        f"Retry-After; >= 0 (default: {DEFAULT_MAX_QUEUED})",
+    )
+    serve.add_argument(
         "--uvicorn-log-level",
         default="info",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        choices=UVICORN_LOG_LEVELS,
         help="uvicorn's log level (default: info)",
     )
-    add_engine_args(serve)
 
 
-# vLLM's on/off serving flags (all off by default) -> their help; each is a build_app keyword.
+# vLLM's on/off serving flags (all off by default) -> their help; each is a ServeConfig field.
 SERVE_SWITCHES = {
     "--return-tokens-as-token-ids": "write logprob tokens as 'token_id:<id>' unless a request "
     "sets return_tokens_as_token_ids (for tokens JSON cannot carry)",
@@ -194,19 +217,18 @@ SERVE_SWITCHES = {
 }
 
 
-def serve_options(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict:
-    """``run_server`` keywords from parsed ``serve`` flags. ``environ`` supplies
+def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> tuple:
+    """``(EngineArgs, ServeConfig)`` from parsed ``serve`` flags. ``environ`` supplies
     ``JAXPAGED_API_KEY``, the key when ``--api-key`` is not given, and ``VLLM_SERVER_DEV_MODE``
     (``"1"`` turns on ``--enable-dev-endpoints``) (None: this process's environment, through
     ``env.api_key_from_env`` / ``env.server_dev_mode_from_env``).
 
     Raises:
-        ValueError: MODEL and --model disagree, a bad --max-num-queued-requests,
-            --data-parallel-size or --api-server-count, bad --lora-modules
-            (``check_lora_modules``), or an unknown --tool-call-parser / --reasoning-parser.
+        ValueError: MODEL and --model disagree, a bad server flag (``ServeConfig.check``), bad
+            --lora-modules (``check_lora_modules``), or bad engine arguments.
     """
     from jaxpaged.config import DEFAULT_MODEL_NAME
-    from jaxpaged.entrypoints.openai.chat_tools import resolve_parsers
+    from jaxpaged.entrypoints.openai.serve_config import ServeConfig
     from jaxpaged.entrypoints.openai.serving_models import check_lora_modules, parse_lora_modules
 
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -214,66 +236,45 @@ def serve_options(args: argparse.Namespace, environ: Mapping[str, str] | None = 
             f"MODEL ({args.model_tag!r}) and --model ({args.model!r}) disagree; give one"
         )
     args.model = args.model_tag or args.model
-    if args.max_num_queued_requests is not None and args.max_num_queued_requests < 0:
-        raise ValueError(
-            f"--max-num-queued-requests must be >= 0, got {args.max_num_queued_requests}"
-        )
-    if args.data_parallel_size < 1:
-        raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
-    check_api_server_count(args.api_server_count, args.data_parallel_size)
-    # Before the engine core loads the model: an unknown parser name fails at once.
-    resolve_parsers(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
-    engine_args = engine_args_from(args)
     env_api_key = api_key_from_env() if environ is None else environ.get("JAXPAGED_API_KEY")
     env_dev_mode = (
         server_dev_mode_from_env()
         if environ is None
         else environ.get("VLLM_SERVER_DEV_MODE") == "1"
     )
-    served_model_names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    lora_modules = parse_lora_modules(args.lora_modules)
-    # Before the engine core loads the model, not after.
-    check_lora_modules(
-        lora_modules, engine_args.enable_lora, served_model_names, engine_args.max_lora_rank
-    )
-    return dict(
-        engine_args=engine_args,
-        host=args.host,
-        port=args.port,
-        served_model_names=served_model_names,
+    # Checked before the engine arguments: an unknown parser name fails at once.
+    config = ServeConfig(
+        served_model_names=args.served_model_name or [args.model or DEFAULT_MODEL_NAME],
         api_key=args.api_key or env_api_key or None,
         chat_template=args.chat_template,
-        max_num_queued_requests=args.max_num_queued_requests,
-        metrics_prefix=args.metrics_prefix,
-        data_parallel_size=args.data_parallel_size,
-        dp_routing=args.dp_routing,
-        uvicorn_log_level=args.uvicorn_log_level,
-        lora_modules=lora_modules,
-        api_server_count=args.api_server_count,
+        lora_modules=parse_lora_modules(args.lora_modules),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         enable_dev_endpoints=bool(args.enable_dev_endpoints or env_dev_mode),
+        metrics_prefix=args.metrics_prefix,
+        chat_template_workers=args.chat_template_workers,
+        max_queued_chat_templates=args.max_queued_chat_templates,
+        host=args.host,
+        port=args.port,
+        max_num_queued_requests=args.max_num_queued_requests,
+        data_parallel_size=args.data_parallel_size,
+        dp_routing=args.dp_routing,
+        api_server_count=args.api_server_count,
+        uvicorn_log_level=args.uvicorn_log_level,
         **{_switch_key(flag): getattr(args, _switch_key(flag)) for flag in SERVE_SWITCHES},
     )
+    engine_args = engine_args_from(args)
+    # Before the engine core loads the model, not after.
+    check_lora_modules(
+        config.lora_modules,
+        engine_args.enable_lora,
+        config.served_model_names,
+        engine_args.max_lora_rank,
+    )
+    return engine_args, config
 
 
 def _switch_key(flag: str) -> str:
-    """``--enable-x-y`` -> ``enable_x_y`` (argparse's attribute and the build_app keyword)."""
+    """``--enable-x-y`` -> ``enable_x_y`` (argparse's attribute and the ServeConfig field)."""
     return flag.removeprefix("--").replace("-", "_")
-
-
-def check_api_server_count(api_server_count: int, data_parallel_size: int = 1) -> None:
-    """Refuse an ``--api-server-count`` below 1, or above 1 with ``--data-parallel-size`` > 1
-    (several API processes serve one engine core here).
-
-    Raises:
-        ValueError: naming the flag, the rule and the value.
-    """
-    if api_server_count < 1:
-        raise ValueError(f"--api-server-count must be at least 1, got {api_server_count}")
-    if api_server_count > 1 and data_parallel_size > 1:
-        raise ValueError(
-            f"--api-server-count {api_server_count} needs --data-parallel-size 1 (several API "
-            f"processes share one engine core), got --data-parallel-size {data_parallel_size}"
-        )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 
 # Methods that quantize an unquantized checkpoint while loading it (``--quantization``); a
@@ -68,9 +67,10 @@ def convert(
     config_path = os.path.join(model, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"model directory {model} has no config.json ({config_path})")
-    with open(config_path) as f:
-        stored = json.load(f).get("quantization_config")
+    from jaxpaged.config import read_config_json
     from models.quantization.config import resolve_quantization
+
+    stored = read_config_json(config_path).get("quantization_config")
 
     if quantization == "none":
         if stored is not None:

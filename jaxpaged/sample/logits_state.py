@@ -1,7 +1,9 @@
-"""Per-request vocabulary rows kept on the device: penalty counts, prompt set, stop set, bias.
+"""Per-request vocabulary rows kept on the device: penalty counts, prompt set, stop set, bias,
+and the ids whose logprobs a request asked for.
 
 Penalties need, per request, how often each vocabulary token was generated and which tokens the
-prompt holds; logit_bias / allowed_token_ids and min_tokens need a bias row and a stop-token row.
+prompt holds; logit_bias / allowed_token_ids and min_tokens need a bias row and a stop-token row;
+``logprob_token_ids`` need their ids (``MAX_LOGPROB_TOKEN_IDS`` per row, -1 past the last).
 These live in ``LogitsState``, ``[S, vocab_size]`` arrays with one row (a *slot*) per request
 that needs them, so a step touches them only by gathering its rows; vLLM's GPU model runner v2
 keeps the same per-request buffers. The sampler adds each sampled token to its row inside the
@@ -24,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.sampling_params import MAX_LOGPROB_TOKEN_IDS
+
 # Rows rebuilt per write_rows call: one compiled shape; more rows take several calls.
 WRITE_ROWS = 8
 
@@ -38,6 +42,8 @@ class LogitsState:
     stop_mask: jax.Array  # bool[S, vocab_size]: EOS (unless ignore_eos) and stop_token_ids.
     # f32[S, vocab_size]: logit_bias, -inf outside allowed_token_ids and on bad_words' tokens.
     logit_bias: jax.Array
+    # i32[S, MAX_LOGPROB_TOKEN_IDS]: logprob_token_ids, in the request's order; -1 past them.
+    logprob_token_ids: jax.Array
 
     @property
     def neutral_slot(self) -> int:
@@ -52,12 +58,13 @@ def allocate_logits_state(num_slots: int, vocab_size: int) -> LogitsState:
         prompt_mask=jnp.zeros(shape, jnp.bool_),
         stop_mask=jnp.zeros(shape, jnp.bool_),
         logit_bias=jnp.zeros(shape, jnp.float32),
+        logprob_token_ids=jnp.full((num_slots + 1, MAX_LOGPROB_TOKEN_IDS), -1, jnp.int32),
     )
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def write_rows(state: LogitsState, slots: jax.Array, rows: LogitsState) -> LogitsState:
-    """Overwrite rows ``slots`` (i32[WRITE_ROWS]) with ``rows`` (each ``[WRITE_ROWS, vocab]``);
+    """Overwrite rows ``slots`` (i32[WRITE_ROWS]) with ``rows`` (each ``[WRITE_ROWS, ...]``);
     a slot index past the last row is dropped (padding)."""
     return jax.tree.map(lambda s, r: s.at[slots].set(r, mode="drop"), state, rows)
 
@@ -70,6 +77,7 @@ def host_rows(seqs: list, vocab_size: int) -> LogitsState:
     prompt = np.zeros((n, vocab_size), np.bool_)
     stop = np.zeros((n, vocab_size), np.bool_)
     bias = np.zeros((n, vocab_size), np.float32)
+    logprob_ids = np.full((n, MAX_LOGPROB_TOKEN_IDS), -1, np.int32)
     for i, seq in enumerate(seqs):
         params = seq.sampling_params
         if seq.output_token_ids:
@@ -85,7 +93,9 @@ def host_rows(seqs: list, vocab_size: int) -> LogitsState:
             bias[i, token_id] += value
         if params.bad_words_token_ids:
             bias[i, params.bad_words_token_ids] = -np.inf
-    return LogitsState(counts, prompt, stop, bias)
+        if params.logprob_token_ids:
+            logprob_ids[i, : len(params.logprob_token_ids)] = params.logprob_token_ids
+    return LogitsState(counts, prompt, stop, bias, logprob_ids)
 
 
 class SlotTable:

@@ -25,12 +25,16 @@ PROMPT_LOGPROBS_CHUNK = 256
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TopLogprobs:
-    """Per row: the chosen token's logprob and rank, and the ``k`` best tokens."""
+    """Per row: the chosen token's logprob and rank, the ``k`` best tokens and, for rows that
+    asked for ``logprob_token_ids``, those ids' logprobs and ranks (``M`` columns: 0, or
+    ``MAX_LOGPROB_TOKEN_IDS`` in a step where some row asked)."""
 
     logprobs: jax.Array  # f32[N]: logprob of the chosen token.
     ranks: jax.Array  # i32[N]: rank of the chosen token (1 = best).
     top_ids: jax.Array  # i32[N, k], best first.
     top_logprobs: jax.Array  # f32[N, k].
+    wanted_logprobs: jax.Array  # f32[N, M]: of the row's logprob_token_ids, in its order.
+    wanted_ranks: jax.Array  # i32[N, M].
 
     @classmethod
     def zeros(cls, n: int, k: int) -> TopLogprobs:
@@ -39,19 +43,38 @@ class TopLogprobs:
             jnp.zeros(n, jnp.int32),
             jnp.zeros((n, k), jnp.int32),
             jnp.zeros((n, k), jnp.float32),
+            jnp.zeros((n, 0), jnp.float32),
+            jnp.zeros((n, 0), jnp.int32),
         )
 
 
-def top_logprobs(logprobs: jax.Array, token_ids: jax.Array, k: int) -> TopLogprobs:
-    """Rank and top-k of ``token_ids`` (i32[N]) under ``logprobs`` (f32[N, vocab_size])."""
+def top_logprobs(
+    logprobs: jax.Array, token_ids: jax.Array, k: int, wanted: jax.Array | None = None
+) -> TopLogprobs:
+    """Rank and top-k of ``token_ids`` (i32[N]) under ``logprobs`` (f32[N, vocab_size]), and
+    the logprobs and ranks of ``wanted`` (i32[N, M], -1 where a row wants no more ids; None:
+    none wanted)."""
+    n = logprobs.shape[0]
     chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)
     ranks = 1 + jnp.sum(logprobs > chosen, axis=-1, dtype=jnp.int32)
     if k == 0:
-        top_values = jnp.zeros((logprobs.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((logprobs.shape[0], 0), jnp.int32)
+        top_values = jnp.zeros((n, 0), jnp.float32)
+        top_ids = jnp.zeros((n, 0), jnp.int32)
     else:
         top_values, top_ids = jax.lax.top_k(logprobs, k)
-    return TopLogprobs(chosen[:, 0], ranks, top_ids.astype(jnp.int32), top_values)
+    wanted_values, wanted_ranks = jnp.zeros((n, 0), jnp.float32), jnp.zeros((n, 0), jnp.int32)
+    if wanted is not None:
+        wanted_values = jnp.take_along_axis(logprobs, jnp.maximum(wanted, 0), axis=-1)
+        # One id column at a time: each is a compare-and-count over [N, vocab_size] that XLA
+        # fuses, where all M at once could hold an [N, M, vocab_size] mask.
+        above = jax.lax.map(
+            lambda column: jnp.sum(logprobs > column[:, None], axis=-1, dtype=jnp.int32),
+            wanted_values.T,
+        ).T
+        wanted_ranks = jnp.where(wanted >= 0, 1 + above, 0)  # 0: no id in that column
+    return TopLogprobs(
+        chosen[:, 0], ranks, top_ids.astype(jnp.int32), top_values, wanted_values, wanted_ranks
+    )
 
 
 def sampled_logprobs(
@@ -141,13 +164,16 @@ def step_prompt_logprobs(
 
 
 class TokenLogprobs(NamedTuple):
-    """Host copy of one position's logprobs: the chosen token and the top-k (best first)."""
+    """Host copy of one position's logprobs: the chosen token, the top-k (best first) and the
+    request's ``logprob_token_ids`` (in its order; empty when it gave none)."""
 
     token_id: int
     logprob: float
     rank: int
     top_ids: list[int]
     top_logprobs: list[float]
+    wanted_logprobs: list[float] = []
+    wanted_ranks: list[int] = []
 
 
 class LogprobsBuilder:
@@ -177,15 +203,15 @@ class LogprobsBuilder:
         self, entry: TokenLogprobs, num_top: int, only: list[int] | None = None
     ) -> dict[int, Logprob]:
         """The chosen token first, then the ``num_top`` best tokens (ranks 1..num_top) or,
-        with ``only`` (``logprob_token_ids``), those ids in their order; ``only`` needs
-        ``entry`` to rank the whole vocabulary (``top_ids`` of every token)."""
+        with ``only`` (``logprob_token_ids``), those ids in their order with their logprobs and
+        true ranks (``entry.wanted_*``, computed for the same ids in the same order)."""
         out = {entry.token_id: Logprob(entry.logprob, entry.rank, self.decoded(entry.token_id))}
         if only is not None:
-            where = {token_id: i for i, token_id in enumerate(entry.top_ids)}
-            for token_id in only:
-                i = where[token_id]
+            for token_id, logprob, rank in zip(
+                only, entry.wanted_logprobs, entry.wanted_ranks, strict=True
+            ):
                 if token_id not in out:
-                    out[token_id] = Logprob(entry.top_logprobs[i], i + 1, self.decoded(token_id))
+                    out[token_id] = Logprob(logprob, rank, self.decoded(token_id))
             return out
         for rank, (token_id, logprob) in enumerate(
             zip(entry.top_ids[:num_top], entry.top_logprobs[:num_top], strict=True), start=1

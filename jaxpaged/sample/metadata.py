@@ -61,12 +61,13 @@ class SamplerVariant:
     logprobs: bool = False  # some sampled row wants logprobs
     prompt_logprobs: bool = False  # some token wants its prompt logprob
     structured: bool = False  # some sampled row is constrained: the step takes a token bitmask
+    token_logprobs: bool = False  # some sampled row wants logprob_token_ids (their ranks too)
 
     @classmethod
     def for_step(cls, scheduled, slots: list) -> SamplerVariant:
         """The variant for ``scheduled`` (``ScheduledSequence``s); ``slots[i]`` is row i's
         LogitsState slot or None."""
-        filters = logprobs = prompt_logprobs = False
+        filters = logprobs = prompt_logprobs = token_logprobs = False
         for s in scheduled:
             params = s.seq.sampling_params
             if params.prompt_logprobs is not None:
@@ -74,9 +75,11 @@ class SamplerVariant:
             if s.do_sample:
                 filters = filters or params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
                 logprobs = logprobs or params.logprobs is not None
+                token_logprobs = token_logprobs or params.logprob_token_ids is not None
         return cls(
             uses_state=any(slot is not None for slot in slots),
             filters=filters,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            token_logprobs=token_logprobs,
         )

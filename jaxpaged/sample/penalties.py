@@ -15,6 +15,8 @@ Neutral parameters (penalties 0/0/1, zero bias, no suppression) leave logits bit
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -72,4 +74,4 @@ def count_sampled(
 ) -> LogitsState:
     """Add ``count`` (i32[B], 0 or 1) to ``output_counts[slots, token_ids]``."""
     counts = state.output_counts.at[slots, token_ids].add(count)
-    return LogitsState(counts, state.prompt_mask, state.stop_mask, state.logit_bias)
+    return dataclasses.replace(state, output_counts=counts)

@@ -64,7 +64,8 @@ def sample(
 
     if variant.logprobs:
         chosen = logprobs_by_mode(logits, scaled, metadata.logprobs_mode)
-        logprobs = top_logprobs(chosen, token_ids, num_logprobs)
+        wanted = state.logprob_token_ids[metadata.state_slot] if variant.token_logprobs else None
+        logprobs = top_logprobs(chosen, token_ids, num_logprobs, wanted)
     else:
         logprobs = TopLogprobs.zeros(logits.shape[0], num_logprobs)
     if variant.uses_state:

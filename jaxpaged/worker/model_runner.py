@@ -331,7 +331,8 @@ class ModelRunner:
         on (every token asks for prompt logprobs), so that the largest variant's buffers and
         the logits chunks count in the peak."""
         key = self.bucket_for(self.token_buckets[-1], 1, False)
-        return dataclasses.replace(key, variant=SamplerVariant(True, True, True, True))
+        every_stage = SamplerVariant(True, True, True, True, token_logprobs=True)
+        return dataclasses.replace(key, variant=every_stage)
 
     def profile_run(self) -> None:
         """Run the largest mixed bucket once on padding so the device's peak memory includes the

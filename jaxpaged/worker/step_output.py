@@ -83,10 +83,14 @@ def _prompt_entries(top: dict[str, np.ndarray], t: int, s) -> list[tuple[int, To
 
 def host_token_logprobs(top: dict[str, np.ndarray], i: int, token_id: int) -> TokenLogprobs:
     """Row ``i`` of fetched ``TopLogprobs`` arrays (numpy, by field name)."""
+    wanted = top["wanted_ranks"][i]
+    count = int(np.count_nonzero(wanted))  # ranks are >= 1 where an id was asked for
     return TokenLogprobs(
         token_id=int(token_id),
         logprob=float(top["logprobs"][i]),
         rank=int(top["ranks"][i]),
         top_ids=top["top_ids"][i].tolist(),
         top_logprobs=top["top_logprobs"][i].tolist(),
+        wanted_logprobs=top["wanted_logprobs"][i, :count].tolist(),
+        wanted_ranks=wanted[:count].tolist(),
     )

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
+from flax import nnx
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.worker.compilation_cache import CompileCounter
@@ -112,6 +113,10 @@ def _hf_bad_inputs(hf):
         (extra, r"model\.layers\.9\.mlp\.up_proj\.weight"),
         (misshapen, rf"{name}.*shape"),
         (wrong_dtype, rf"{name}.*int32"),
+        # These raised AttributeError and a pytree-sorting error naming nothing.
+        (hf | {name: hf[name].tolist()}, rf"parameter {name} is a list; expected an array"),
+        (hf | {5: hf[name]}, r"params at the top level has the key 5 \(int\)"),
+        (hf | {"extra": nnx.Param(jnp.ones(4))}, r"no parameter for, e\.g\. 'extra'"),
     ]
 
 
@@ -127,11 +132,21 @@ def _own_bad_inputs(own):
     wrong_dtype = jax.tree.map(lambda x: x, own)
     wrong_dtype["model"]["layers"][1]["self_attn"]["qkv_proj"]["kernel"] = kernel.astype(int)
     path = r"model\.layers\.1\.self_attn\.qkv_proj\.kernel"
+    as_list = jax.tree.map(lambda x: x, own)
+    as_list["model"]["layers"][1]["self_attn"]["qkv_proj"]["kernel"] = np.asarray(kernel).tolist()
+    odd_key = jax.tree.map(lambda x: x, own)
+    odd_key["model"][5] = {"weight": jnp.ones(4)}
+    top_param = {**own, "extra": nnx.Param(jnp.ones(4))}
     return [
         (missing, path + ".*missing"),
         (extra, r"model\.extra_norm\.weight"),
         (misshapen, path + ".*shape"),
         (wrong_dtype, path + ".*int32"),
+        # A list leaf read as "missing" (its items became paths); a non-string key raised a
+        # pytree-sorting error naming nothing.
+        (as_list, path + " is a list; expected an array"),
+        (odd_key, r"params at model has the key 5 \(int\)"),
+        (top_param, r"no parameter for, e\.g\. extra;"),
     ]
 
 

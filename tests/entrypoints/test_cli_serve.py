@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import pytest
 
 from jaxpaged.entrypoints.cli import _build_parser
-from jaxpaged.entrypoints.cli_args import serve_options
+from jaxpaged.entrypoints.cli_args import serve_config
 
 
 def _serve_args(*argv):
     return _build_parser().parse_args(["serve", *argv])
 
 
-def test_serve_flags_map_to_run_server_options():
-    options = serve_options(
+def test_serve_flags_map_to_engine_args_and_a_frozen_serve_config():
+    engine_args, config = serve_config(
         _serve_args(
             "/models/m",
             "--host",
@@ -29,64 +31,74 @@ def test_serve_flags_map_to_run_server_options():
             "--max-model-len",
             "64",
             "--no-enforce-eager",
+            "--chat-template-workers",
+            "3",
+            "--max-queued-chat-templates",
+            "0",
         ),
         environ={},
     )
-    assert options["engine_args"].model == "/models/m"
-    assert options["engine_args"].max_model_len == 64
-    assert options["engine_args"].enforce_eager is False
-    assert (options["host"], options["port"]) == ("127.0.0.1", 9000)
-    assert options["served_model_names"] == ["a", "b"]
-    assert options["max_num_queued_requests"] == 5
-    assert options["api_key"] is None
+    assert engine_args.model == "/models/m"
+    assert engine_args.max_model_len == 64
+    assert engine_args.enforce_eager is False
+    assert (config.host, config.port) == ("127.0.0.1", 9000)
+    assert config.served_model_names == ("a", "b")
+    assert config.max_num_queued_requests == 5
+    assert config.api_key is None
+    assert (config.chat_template_workers, config.max_queued_chat_templates) == (3, 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.port = 1
 
 
 def test_serve_defaults_embedded_model_port_8000_and_env_api_key():
-    options = serve_options(_serve_args(), environ={"JAXPAGED_API_KEY": "from-env"})
-    assert options["engine_args"].model is None
-    assert options["served_model_names"] == ["stories260k"]
-    assert (options["host"], options["port"]) == (None, 8000)
-    assert options["api_key"] == "from-env"
-    flag_wins = serve_options(_serve_args("--api-key", "flag"), environ={"JAXPAGED_API_KEY": "x"})
-    assert flag_wins["api_key"] == "flag"
+    engine_args, config = serve_config(_serve_args(), environ={"JAXPAGED_API_KEY": "from-env"})
+    assert engine_args.model is None
+    assert config.served_model_names == ("stories260k",)
+    assert (config.host, config.port) == (None, 8000)
+    assert config.api_key == "from-env"
+    _, flag_wins = serve_config(_serve_args("--api-key", "flag"), environ={"JAXPAGED_API_KEY": "x"})
+    assert flag_wins.api_key == "flag"
 
 
-def test_serve_rejects_conflicting_model_and_negative_queue_bound():
+def test_serve_rejects_conflicting_model_and_negative_bounds():
     with pytest.raises(ValueError, match="disagree"):
-        serve_options(_serve_args("/a", "--model", "/b"), environ={})
-    with pytest.raises(ValueError, match="--max-num-queued-requests must be >= 0, got -1"):
-        serve_options(_serve_args("--max-num-queued-requests", "-1"), environ={})
+        serve_config(_serve_args("/a", "--model", "/b"), environ={})
+    with pytest.raises(ValueError, match="--max-num-queued-requests must be at least 0, got -1"):
+        serve_config(_serve_args("--max-num-queued-requests", "-1"), environ={})
+    with pytest.raises(ValueError, match="--chat-template-workers must be at least 1, got 0"):
+        serve_config(_serve_args("--chat-template-workers", "0"), environ={})
 
 
 def test_api_server_count_defaults_to_one_and_refuses_zero_negative_and_data_parallel():
-    assert serve_options(_serve_args(), environ={})["api_server_count"] == 1
-    assert serve_options(_serve_args("-asc", "4"), environ={})["api_server_count"] == 4
+    assert serve_config(_serve_args(), environ={})[1].api_server_count == 1
+    assert serve_config(_serve_args("-asc", "4"), environ={})[1].api_server_count == 4
     for bad in ("0", "-2"):
         with pytest.raises(ValueError, match=f"--api-server-count must be at least 1, got {bad}"):
-            serve_options(_serve_args("--api-server-count", bad), environ={})
+            serve_config(_serve_args("--api-server-count", bad), environ={})
     with pytest.raises(ValueError, match="--api-server-count 2 needs --data-parallel-size 1"):
-        serve_options(_serve_args("--api-server-count", "2", "-dp", "2"), environ={})
+        serve_config(_serve_args("--api-server-count", "2", "-dp", "2"), environ={})
 
 
 def test_dev_endpoints_from_the_flag_or_vllm_server_dev_mode(monkeypatch):
-    assert serve_options(_serve_args(), environ={})["enable_dev_endpoints"] is False
-    assert serve_options(_serve_args("--enable-dev-endpoints"), environ={})["enable_dev_endpoints"]
+    def dev(*argv, environ=None):
+        return serve_config(_serve_args(*argv), environ=environ)[1].enable_dev_endpoints
+
+    assert dev(environ={}) is False
+    assert dev("--enable-dev-endpoints", environ={}) is True
     for value, on in (("1", True), ("0", False), ("", False)):
-        env = {"VLLM_SERVER_DEV_MODE": value}
-        assert serve_options(_serve_args(), environ=env)["enable_dev_endpoints"] is on
+        assert dev(environ={"VLLM_SERVER_DEV_MODE": value}) is on
     # environ=None reads this process's environment (entrypoints/env.py).
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
-    assert serve_options(_serve_args())["enable_dev_endpoints"] is True
+    assert dev() is True
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE")
-    assert serve_options(_serve_args())["enable_dev_endpoints"] is False
+    assert dev() is False
 
 
 def test_dev_endpoints_refused_with_data_parallelism_before_any_core_starts():
-    from jaxpaged.config import EngineArgs
-    from jaxpaged.entrypoints.openai.api_server import run_server
+    from jaxpaged.entrypoints.openai.serve_config import ServeConfig
 
     with pytest.raises(ValueError, match="--enable-dev-endpoints needs --data-parallel-size 1"):
-        run_server(EngineArgs(), data_parallel_size=2, enable_dev_endpoints=True)
+        ServeConfig(data_parallel_size=2, enable_dev_endpoints=True)
 
 
 def test_jaxpaged_serve_without_a_tokenizer_serves_token_ids_and_refuses_text(monkeypatch):
@@ -162,11 +174,11 @@ def test_serve_refuses_bad_lora_modules_before_loading_the_model(tmp_path):
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text('{"r": 16}')
     (adapter / "adapter_model.safetensors").write_bytes(b"")
-    ok = serve_options(
+    _, ok = serve_config(
         _serve_args("--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"a={adapter}"),
         environ={},
     )
-    assert [m.name for m in ok["lora_modules"]] == ["a"]
+    assert [m.name for m in ok.lora_modules] == ["a"]
     bad = {
         "rank 16 is greater than max_lora_rank 8": (
             "--enable-lora",
@@ -187,11 +199,11 @@ def test_serve_refuses_bad_lora_modules_before_loading_the_model(tmp_path):
     }
     for message, argv in bad.items():
         with pytest.raises(ValueError, match=message):
-            serve_options(_serve_args(*argv), environ={})
+            serve_config(_serve_args(*argv), environ={})
 
 
-def test_tool_and_reasoning_parser_flags_reach_run_server():
-    options = serve_options(
+def test_tool_and_reasoning_parser_flags_reach_the_serve_config():
+    _, config = serve_config(
         _serve_args(
             "--enable-auto-tool-choice",
             "--tool-call-parser",
@@ -201,8 +213,8 @@ def test_tool_and_reasoning_parser_flags_reach_run_server():
         ),
         environ={},
     )
-    assert options["enable_auto_tool_choice"] is True
-    assert (options["tool_call_parser"], options["reasoning_parser"]) == ("hermes", "qwen3")
+    assert config.enable_auto_tool_choice is True
+    assert (config.tool_call_parser, config.reasoning_parser) == ("hermes", "qwen3")
 
 
 @pytest.mark.parametrize(
@@ -216,7 +228,7 @@ def test_tool_and_reasoning_parser_flags_reach_run_server():
 def test_unknown_parser_names_fail_at_startup_before_the_engine(argv, message, capsys):
     from jaxpaged.entrypoints.cli import main
 
-    # serve_options checks the flags before any engine is built: main returns at once.
+    # serve_config checks the flags before any engine is built: main returns at once.
     assert main(["serve", *argv]) == 2
     error = capsys.readouterr().err
     assert error.startswith("jaxpaged: error: ") and message in error
@@ -224,16 +236,16 @@ def test_unknown_parser_names_fail_at_startup_before_the_engine(argv, message, c
         assert "hermes" in error or "deepseek_r1" in error  # the known names are listed
 
 
-def test_vllm_serving_switches_are_off_by_default_and_reach_run_server():
-    off = serve_options(_serve_args(), environ={})
+def test_vllm_serving_switches_are_off_by_default_and_reach_the_serve_config():
+    _, off = serve_config(_serve_args(), environ={})
     switches = (
         "return_tokens_as_token_ids",
         "enable_prompt_tokens_details",
         "enable_tokenizer_info_endpoint",
         "enable_server_load_tracking",
     )
-    assert [off[name] for name in switches] == [False] * 4
-    on = serve_options(
+    assert [getattr(off, name) for name in switches] == [False] * 4
+    _, on = serve_config(
         _serve_args("--return-tokens-as-token-ids", "--enable-server-load-tracking"), environ={}
     )
-    assert [on[name] for name in switches] == [True, False, False, True]
+    assert [getattr(on, name) for name in switches] == [True, False, False, True]

@@ -80,7 +80,7 @@ def test_top_k_and_min_tokens_beyond_int32_keep_their_meaning(stories_llm):
 @pytest.mark.parametrize(
     "prompt, message",
     [
-        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt_token_ids": []}, "The decoder prompt cannot be empty"),  # vLLM's words
         ({"prompt_token_ids": list(range(3, 3 + 128))}, "max_model_len is 128"),
         ({"prompt_token_ids": [5, 9999]}, "outside the vocabulary"),
         (42, "a prompt must be"),
@@ -144,3 +144,32 @@ def test_invalid_engine_argument_is_a_value_error():
         LLM(block_size=12)
     with pytest.raises(ValueError, match="unknown LLM arguments"):
         LLM(max_num_seq=4)
+
+
+def test_logprob_token_ids_give_true_logprobs_and_ranks_under_the_default_max_logprobs(
+    stories_llm,
+):
+    """Up to 128 ids (vLLM's MAX_LOGPROB_TOKEN_IDS) with max_logprobs 20: each id's logprob and
+    rank equal the top-20 list's where the id is in it (its rank counts the whole vocabulary)."""
+    greedy = dict(temperature=0, max_tokens=3)
+    top = stories_llm.generate(
+        ["Once upon a time"], SamplingParams(logprobs=20, **greedy), use_tqdm=False
+    )[0].outputs[0]
+    best = list(top.logprobs[0])[:20]
+    wanted = list(dict.fromkeys(best[::-1] + list(range(0, 512, 4))))[:128]
+    chosen = stories_llm.generate(
+        ["Once upon a time"], SamplingParams(logprob_token_ids=wanted, **greedy), use_tqdm=False
+    )[0].outputs[0]
+    assert chosen.token_ids == top.token_ids
+    for position, step in enumerate(chosen.logprobs):
+        sampled = chosen.token_ids[position]
+        assert list(step) == list(dict.fromkeys([sampled, *wanted]))
+        for token_id, logprob in step.items():
+            known = top.logprobs[position].get(token_id)
+            if known is not None:
+                assert logprob.logprob == pytest.approx(known.logprob, abs=1e-5)
+                assert logprob.rank == known.rank
+            else:  # outside the top 20: ranked below them
+                assert logprob.rank > 20
+    with pytest.raises(ValueError, match="max allowed: 128"):
+        SamplingParams(logprob_token_ids=list(range(129)))

@@ -129,7 +129,10 @@ def test_served_through_the_engine_core_with_dev_sleep_endpoints(my_llama_dir, g
             assert client.post("/sleep", params={"level": "1"}).status_code == 200
             assert client.get("/is_sleeping").json() == {"is_sleeping": True}
             refused = client.post("/v1/completions", json=body)
-            assert refused.status_code == 400 and "wake_up" in refused.text
+            # 503 with Retry-After: a load balancer retries it (another replica, or later).
+            assert refused.status_code == 503 and "wake_up" in refused.text
+            assert refused.headers["Retry-After"] == "1"
+            assert refused.json()["error"]["type"] == "ServiceUnavailableError"
             assert client.post("/wake_up").status_code == 200
             assert client.post("/wake_up").status_code == 200  # not sleeping: a no-op
             assert client.get("/is_sleeping").json() == {"is_sleeping": False}

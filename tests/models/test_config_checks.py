@@ -40,3 +40,23 @@ def test_a_nested_text_config_is_checked_too():
     outer = SimpleNamespace(text_config=SimpleNamespace(**(LLAMA | {"hidden_size": 0})))
     with pytest.raises(ValueError, match="hidden_size must be a positive integer"):
         check_config_shapes(outer, "m/config.json")
+
+
+def test_more_layers_than_any_numbered_stack_of_the_checkpoint_is_refused():
+    from models.config_checks import check_layer_count
+
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(5)]
+    names += [f"model.layers.0.mlp.experts.{e}.w1.weight" for e in range(8)] + ["lm_head.weight"]
+    check_layer_count(names, SimpleNamespace(**LLAMA), "m")  # 5 layers: as held
+    check_layer_count(names, SimpleNamespace(**(LLAMA | {"num_hidden_layers": 3})), "m")
+    # Experts are numbered inside a layer: the stack is the first numbered component.
+    with pytest.raises(ValueError, match="num_hidden_layers is 8"):
+        check_layer_count(names, SimpleNamespace(**(LLAMA | {"num_hidden_layers": 8})), "m")
+    with pytest.raises(
+        ValueError, match=r"m/config.json: num_hidden_layers is 100000, but"
+    ) as info:
+        check_layer_count(names, SimpleNamespace(**(LLAMA | {"num_hidden_layers": 100000})), "m")
+    assert "at most 5 (model.layers.0 to model.layers.4)" in str(info.value)
+    nested = SimpleNamespace(text_config=SimpleNamespace(**(LLAMA | {"num_hidden_layers": 9})))
+    with pytest.raises(ValueError, match="num_hidden_layers is 9"):
+        check_layer_count(names, nested, "m")

@@ -241,3 +241,38 @@ def test_resolve_dtype(dtype, expected):
         pass
 
     assert resolve_dtype(dtype, Config()) == jnp.dtype(expected)
+
+
+def test_a_float_tensor_stored_as_integers_is_refused_naming_it(tmp_path):
+    """A header marking a float tensor ``I32`` loaded silently (its bits read as integers, cast
+    to float) and changed every output; the loaders now check dtypes as update_weights does."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+    path = _with_tensors(tmp_path, lambda t: t.update({name: t[name].view(np.int32)}))
+    match = (
+        r"model\.layers\.0\.self_attn\.qkv_proj\.kernel \(HF name "
+        r"'model\.layers\.0\.self_attn\.q_proj\.weight'\) has dtype int32 .*expected a floating"
+    )
+    with pytest.raises(ValueError, match=match):
+        load_model(path)
+    # A float16 tensor in a float32 checkpoint is a float: cast, as before.
+    half = _with_tensors(tmp_path / "half", lambda t: t.update({name: t[name].astype(np.float16)}))
+    load_model(half)
+
+
+def test_a_config_with_more_layers_than_the_checkpoint_fails_before_building(tmp_path, monkeypatch):
+    """``num_hidden_layers: 100000`` ran 180 s and 1.7 GB (the abstract model of 100000
+    layers) before the first missing tensor was found."""
+    import models.weights
+
+    path = _with_tensors(tmp_path, lambda t: None)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config | {"num_hidden_layers": 100000}, f)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(models.weights, "abstract_model", never)
+    with pytest.raises(ValueError, match=r"num_hidden_layers is 100000, but the checkpoint"):
+        load_model(path)

@@ -81,7 +81,11 @@ def _state_case(seed=1):
         return jnp.asarray(out)
 
     state = LogitsState(
-        by_slot(r["counts"]), by_slot(r["prompt_mask"]), by_slot(stop), by_slot(bias)
+        by_slot(r["counts"]),
+        by_slot(r["prompt_mask"]),
+        by_slot(stop),
+        by_slot(bias),
+        jnp.full((B + 1, 1), -1, jnp.int32),  # no logprob_token_ids
     )
     processed = r["logits"] + bias
     processed[(suppress[:, None] != 0) & stop] = -np.inf

@@ -13,6 +13,9 @@ core has died), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GE
 ``Authorization: Bearer <key>`` (401 otherwise), as in vLLM. With ``--skip-tokenizer-init``
 there is no tokenizer: prompts must be token ids and outputs carry no text.
 
+The options are one frozen ``ServeConfig`` (``serve_config.py``; ``jaxpaged serve``'s flags).
+``build_app`` builds one process's app in parts: ``_Serving`` (the handlers, the metrics and
+the lifespan they share), then the status, LoRA, dev, generation and tokenizer routes.
 ``--api-server-count N`` runs N such processes in front of one engine core, sharing one
 listening socket (``multi_api_server.py``); ``build_app`` then gets the process's index and the
 multiprocess metrics directory.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import sys
 from collections.abc import Awaitable, Sequence
@@ -40,7 +44,7 @@ import jaxpaged
 from jaxpaged.engine_core.core import freeze_gc_heap
 from jaxpaged.engine_core.core_client import EngineCoreClient
 from jaxpaged.engine_core.dp_client import DPEngineCoreClient
-from jaxpaged.entrypoints.cli_args import add_serve_args, check_api_server_count, serve_options
+from jaxpaged.entrypoints.cli_args import add_serve_args, serve_config
 from jaxpaged.entrypoints.env import prometheus_multiproc_dir, set_jax_memory_fraction
 from jaxpaged.entrypoints.openai.chat_tools import resolve_parsers
 from jaxpaged.entrypoints.openai.dev_endpoints import add_dev_routes
@@ -59,6 +63,7 @@ from jaxpaged.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from jaxpaged.entrypoints.openai.serve_config import ServeConfig
 from jaxpaged.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from jaxpaged.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxpaged.entrypoints.openai.serving_models import (
@@ -66,130 +71,155 @@ from jaxpaged.entrypoints.openai.serving_models import (
     OpenAIServingModels,
     add_lora_routes,
 )
+from jaxpaged.entrypoints.openai.template_sandbox import TemplateSandbox
 from jaxpaged.metrics import ServerMetrics, render_all, render_multiprocess
 
 
 def build_app(
     client: EngineCoreClient,
+    config: ServeConfig,
     *,
     model: str,
     tokenizer,
-    served_model_names: Sequence[str] | None = None,
-    api_key: str | None = None,
-    chat_template: str | None = None,
-    metrics_prefix: str = "jaxpaged",
-    lora_modules: Sequence[LoRAModulePath] = (),
     api_server_index: int = 0,
-    api_server_count: int = 1,
     multiprocess_metrics_dir: str | None = None,
-    return_tokens_as_token_ids: bool = False,
-    enable_prompt_tokens_details: bool = False,
-    enable_tokenizer_info_endpoint: bool = False,
-    enable_server_load_tracking: bool = False,
-    enable_auto_tool_choice: bool = False,
-    tool_call_parser: str | None = None,
-    reasoning_parser: str | None = None,
-    enable_dev_endpoints: bool = False,
 ) -> FastAPI:
     """The server app over ``client`` (a spawned ``EngineCoreClient``, or one connected to a
-    core the parent process started); the client's tasks start with the app's lifespan, and a
-    core the client started is shut down with it.
+    core the parent process started), with the options of ``config`` that concern one API
+    process; the client's tasks start with the app's lifespan, and a core the client started
+    is shut down with it.
 
     Args:
-        model: the model path, reported as ``root`` by ``/v1/models``.
+        model: the model path, reported as ``root`` by ``/v1/models`` (and the served name
+            when ``config`` gives none).
         tokenizer: the API process's tokenizer; None serves token-id prompts only.
-        served_model_names: accepted ``model`` values; the first is echoed in responses and
-            is the ``model_name`` metric label. None: ``model``.
-        api_key: required as ``Authorization: Bearer <key>`` on ``/v1/*``; None: no key.
-        chat_template: a file path or inline Jinja template replacing the tokenizer's.
-        metrics_prefix: ``/metrics`` name prefix, ``"jaxpaged"`` or ``"vllm"`` (vLLM's names,
-            for gateways and autoscalers; ``jaxpaged.metrics``).
-        lora_modules: LoRA adapters loaded at start-up (``--lora-modules``; needs an engine
-            core built with ``enable_lora``), in the core once the app's lifespan starts.
-        api_server_index / api_server_count: this process's index among the API processes of
-            one engine core (``--api-server-count``). Only index 0 keeps the engine-level
-            metrics; with a count above 1 runtime LoRA loading is refused (HTTP 400: each
-            process has its own adapter list).
+        api_server_index: this process's index among the ``config.api_server_count`` API
+            processes of one engine core. Only index 0 keeps the engine-level metrics; with a
+            count above 1 runtime LoRA loading is refused (HTTP 400: each process has its own
+            adapter list).
         multiprocess_metrics_dir: the ``PROMETHEUS_MULTIPROC_DIR`` of several API processes;
             ``/metrics`` then renders every process's values (``render_multiprocess``). None:
             this process's own registries.
-        return_tokens_as_token_ids: logprob tokens written ``token_id:<id>`` unless a request
-            sets ``return_tokens_as_token_ids`` (vLLM's ``--return-tokens-as-token-ids``).
-        enable_prompt_tokens_details: usage carries ``prompt_tokens_details.cached_tokens``.
-        enable_tokenizer_info_endpoint: serve ``GET /tokenizer_info``.
-        enable_server_load_tracking: ``GET /load`` counts the generation requests in flight.
-        enable_auto_tool_choice / tool_call_parser: serve ``tool_choice="auto"``, reading
-            calls with the named parser (``tool_parsers``); the flag needs a parser.
-        reasoning_parser: split ``<think>…</think>`` into ``reasoning``
-            (``reasoning_parsers``); None: replies are all content.
-        enable_dev_endpoints: add vLLM's dev-mode routes (``dev_endpoints.add_dev_routes``:
-            sleep mode and prefix-cache reset); vLLM reads ``VLLM_SERVER_DEV_MODE``, here the
-            caller decides (``jaxpaged serve --enable-dev-endpoints``).
 
-    ``app.state.engine`` is the client, ``app.state.metrics`` its ``ServerMetrics``.
+    ``app.state.engine`` is the client, ``app.state.metrics`` its ``ServerMetrics``,
+    ``app.state.chat`` the chat handler (its ``template_sandbox`` renders requests' templates).
 
     Raises:
-        ValueError: an empty served name list, a bad chat template or metrics prefix,
-            ``lora_modules`` without LoRA or with a name used twice, an unknown tool or
-            reasoning parser, --enable-auto-tool-choice without a tool parser.
+        ValueError: a bad chat template, ``lora_modules`` without LoRA or with a name used
+            twice (and what ``ServeConfig.check`` refuses).
     """
-    parsers = resolve_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
-    names = list(served_model_names or [model])
-    if not names or not all(names):
-        raise ValueError(f"served_model_names must be non-empty names, got {names!r}")
-    # One ServerMetrics per engine core (``engine`` label), rendered as one exposition.
-    engine_metrics = client.attach_metrics(
-        lambda index: ServerMetrics(
-            names[0],
-            prefix=metrics_prefix,
-            engine_index=index,
-            max_loras=client.info.get("max_loras") or 0,
-            observes_engine=api_server_index == 0,
-            multiprocess=multiprocess_metrics_dir is not None,
-        )
-    )
-    metrics = engine_metrics[0]
-    engine = client
-    max_model_len = client.info["max_model_len"]
-    common = dict(
-        engine=engine,
+    serving = _Serving.create(
+        client,
+        config,
+        model=model,
         tokenizer=tokenizer,
-        served_model_names=names,
-        max_model_len=max_model_len,
-        return_tokens_as_token_ids=return_tokens_as_token_ids,
-        enable_prompt_tokens_details=enable_prompt_tokens_details,
+        api_server_index=api_server_index,
+        multiprocess=multiprocess_metrics_dir is not None,
     )
-    chat_template = load_chat_template(chat_template)
-    completion = OpenAIServingCompletion(**common)
-    chat = OpenAIServingChat(
-        **common,
-        chat_template=chat_template,
-        enable_auto_tool_choice=enable_auto_tool_choice,
-        **parsers,
-    )
-    load = ServerLoad(enable_server_load_tracking)
-    models = OpenAIServingModels(
-        engine, names, model, max_model_len, api_server_count=api_server_count
-    )
-    models.check_static_loras(lora_modules)
-    completion.models = chat.models = models
+    app = FastAPI(title="jaxpaged OpenAI-compatible server", lifespan=serving.lifespan)
+    app.state.engine = client
+    app.state.metrics = serving.engine_metrics[0]
+    app.state.chat = serving.chat
+    install_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=config.api_key)
+    _add_status_routes(app, serving, multiprocess_metrics_dir)
+    add_lora_routes(app, serving.models)
+    if config.enable_dev_endpoints:
+        add_dev_routes(app, client)
+    _add_generation_routes(app, serving, config)
+    _add_tokenizer_routes(app, serving)
+    return app
+
+
+@dataclasses.dataclass
+class _Serving:
+    """What the routes of one app share: the engine client, the handlers and the metrics."""
+
+    engine: EngineCoreClient
+    tokenizer: object
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    models: OpenAIServingModels
+    load: ServerLoad
+    engine_metrics: list[ServerMetrics]
+    chat_template: str | None
+    lora_modules: tuple[LoRAModulePath, ...]
+
+    @classmethod
+    def create(
+        cls,
+        client: EngineCoreClient,
+        config: ServeConfig,
+        *,
+        model: str,
+        tokenizer,
+        api_server_index: int,
+        multiprocess: bool,
+    ) -> _Serving:
+        names = list(config.model_names(model))
+        # One ServerMetrics per engine core (``engine`` label), rendered as one exposition.
+        engine_metrics = client.attach_metrics(
+            lambda index: ServerMetrics(
+                names[0],
+                prefix=config.metrics_prefix,
+                engine_index=index,
+                max_loras=client.info.get("max_loras") or 0,
+                observes_engine=api_server_index == 0,
+                multiprocess=multiprocess,
+            )
+        )
+        max_model_len = client.info["max_model_len"]
+        common = dict(
+            engine=client,
+            tokenizer=tokenizer,
+            served_model_names=names,
+            max_model_len=max_model_len,
+            return_tokens_as_token_ids=config.return_tokens_as_token_ids,
+            enable_prompt_tokens_details=config.enable_prompt_tokens_details,
+        )
+        chat_template = load_chat_template(config.chat_template)
+        sandbox = TemplateSandbox(
+            num_workers=config.chat_template_workers,
+            max_queued=config.max_queued_chat_templates,
+        )  # its workers start on first use
+        chat = OpenAIServingChat(
+            **common,
+            chat_template=chat_template,
+            enable_auto_tool_choice=config.enable_auto_tool_choice,
+            template_sandbox=sandbox,
+            **resolve_parsers(
+                config.enable_auto_tool_choice, config.tool_call_parser, config.reasoning_parser
+            ),
+        )
+        completion = OpenAIServingCompletion(**common)
+        models = OpenAIServingModels(
+            client, names, model, max_model_len, api_server_count=config.api_server_count
+        )
+        models.check_static_loras(config.lora_modules)
+        completion.models = chat.models = models
+        load = ServerLoad(config.enable_server_load_tracking)
+        return cls(
+            client, tokenizer, completion, chat, models, load, engine_metrics, chat_template,
+            config.lora_modules,
+        )  # fmt: skip
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
-        await engine.start()
+    async def lifespan(self, _: FastAPI):
+        """Start the client's tasks and load ``--lora-modules``; at the end, stop the
+        template workers and the client (and a core it started)."""
+        await self.engine.start()
         try:
-            await models.init_static_loras(lora_modules)
+            await self.models.init_static_loras(self.lora_modules)
             yield
         finally:
-            chat.close()
-            await engine.shutdown()
+            self.chat.close()
+            await self.engine.shutdown()
 
-    app = FastAPI(title="jaxpaged OpenAI-compatible server", lifespan=lifespan)
-    app.state.engine = engine
-    app.state.metrics = metrics
-    install_error_handlers(app)
-    if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+
+def _add_status_routes(app: FastAPI, serving: _Serving, multiprocess_dir: str | None) -> None:
+    """``GET /health``, ``/version``, ``/v1/models`` and ``/metrics``."""
+    engine = serving.engine
 
     @app.get("/health")
     async def health() -> Response:
@@ -207,32 +237,48 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return models.model_list()
+        return serving.models.model_list()
 
-    add_lora_routes(app, models)
-    if enable_dev_endpoints:
-        add_dev_routes(app, engine)
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        if multiprocess_dir is not None:
+            text = await asyncio.to_thread(render_multiprocess, multiprocess_dir)
+        else:
+            text = render_all(serving.engine_metrics)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_generation_routes(app: FastAPI, serving: _Serving, config: ServeConfig) -> None:
+    """``POST /v1/completions``, ``/v1/chat/completions`` and the routes that reach them
+    (``optional_routes``: ``/invocations``, ``/load``, ``/tokenizer_info``)."""
+    load = serving.load
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
         return await load.call(
-            _cancel_on_disconnect(raw_request, completion.create_completion(request))
+            _cancel_on_disconnect(raw_request, serving.completion.create_completion(request))
         )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await load.call(
-            _cancel_on_disconnect(raw_request, chat.create_chat_completion(request))
+            _cancel_on_disconnect(raw_request, serving.chat.create_chat_completion(request))
         )
 
     add_optional_routes(
         app,
         load=load,
         handlers={ChatCompletionRequest: chat_completions, CompletionRequest: completions},
-        tokenizer=tokenizer,
-        chat_template=chat_template,
-        enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
+        tokenizer=serving.tokenizer,
+        chat_template=serving.chat_template,
+        enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
     )
+
+
+def _add_tokenizer_routes(app: FastAPI, serving: _Serving) -> None:
+    """``POST /tokenize`` (a prompt, or messages through the chat template) and
+    ``/detokenize``."""
+    completion, chat, tokenizer = serving.completion, serving.chat, serving.tokenizer
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
@@ -256,7 +302,7 @@ def build_app(
         ids = await completion.encode(text, add_special_tokens=add_special)
         strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(
-            count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs
+            count=len(ids), max_model_len=completion.max_model_len, tokens=ids, token_strs=strs
         )
 
     @app.post("/detokenize")
@@ -271,16 +317,6 @@ def build_app(
                 param="tokens",
             )
         return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
-
-    @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
-        if multiprocess_metrics_dir is not None:
-            text = await asyncio.to_thread(render_multiprocess, multiprocess_metrics_dir)
-        else:
-            text = render_all(engine_metrics)
-        return Response(text, media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 async def _cancel_on_disconnect(raw_request: Request, handler: Awaitable[Response]) -> Response:
@@ -329,98 +365,54 @@ class _APIKeyMiddleware:
 
 
 def run_server(
-    engine_args,
-    *,
-    host: str | None = None,
-    port: int = 8000,
-    served_model_names: Sequence[str] | None = None,
-    api_key: str | None = None,
-    chat_template: str | None = None,
-    max_num_queued_requests: int | None = None,
-    metrics_prefix: str = "jaxpaged",
-    data_parallel_size: int = 1,
-    dp_routing: str = "least_loaded",
-    uvicorn_log_level: str = "info",
-    lora_modules: Sequence[LoRAModulePath] = (),
-    api_server_count: int = 1,
-    multiprocess_metrics_dir: str | None = None,
-    enable_auto_tool_choice: bool = False,
-    tool_call_parser: str | None = None,
-    reasoning_parser: str | None = None,
-    enable_dev_endpoints: bool = False,
-    **response_options,
+    engine_args, config: ServeConfig, *, multiprocess_metrics_dir: str | None = None
 ) -> int:
-    """Start the engine core for ``engine_args`` (``EngineArgs``) and serve until interrupted;
-    returns the exit status (0, or 1 when an API process of several died).
+    """Start the engine core(s) for ``engine_args`` (``EngineArgs``) and serve ``config`` until
+    interrupted; returns the exit status (0, or 1 when an API process of several died).
 
-    ``host`` None listens on all interfaces (vLLM's default). The tokenizer is loaded here
-    (the API process) unless ``engine_args.skip_tokenizer_init``. ``api_server_count`` > 1:
-    that many API processes over one core (``multi_api_server.run_multi_api_server``), whose
-    metrics live in ``multiprocess_metrics_dir`` (``PROMETHEUS_MULTIPROC_DIR``, exported by
-    ``jaxpaged serve``). The parser options are ``build_app``'s (every API process gets them).
-    ``response_options``: ``build_app``'s ``return_tokens_as_token_ids``,
-    ``enable_prompt_tokens_details``, ``enable_tokenizer_info_endpoint`` and
-    ``enable_server_load_tracking``.
+    The tokenizer is loaded here (the API process) unless ``engine_args.skip_tokenizer_init``.
+    ``config.api_server_count`` > 1: that many API processes over one core
+    (``multi_api_server.run_multi_api_server``), whose metrics live in
+    ``multiprocess_metrics_dir`` (``PROMETHEUS_MULTIPROC_DIR``, exported by ``jaxpaged serve``).
 
     Raises:
-        ValueError: invalid engine arguments (checked before the core starts),
-            ``api_server_count`` < 1 or above 1 with data parallelism or without
-            ``multiprocess_metrics_dir``, an unknown tool or reasoning parser,
-            ``enable_dev_endpoints`` with data parallelism.
+        ValueError: invalid engine arguments (checked before the core starts), several API
+            processes without ``multiprocess_metrics_dir``.
         RuntimeError: the engine core failed to start.
     """
     import uvicorn
 
-    app_options = dict(
-        served_model_names=served_model_names,
-        api_key=api_key,
-        chat_template=chat_template,
-        metrics_prefix=metrics_prefix,
-        lora_modules=lora_modules,
-        enable_auto_tool_choice=enable_auto_tool_choice,
-        tool_call_parser=tool_call_parser,
-        reasoning_parser=reasoning_parser,
-        enable_dev_endpoints=enable_dev_endpoints,
-        **response_options,
-    )
-    resolve_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
-    if enable_dev_endpoints and data_parallel_size != 1:
-        raise ValueError(
-            "--enable-dev-endpoints needs --data-parallel-size 1 (sleep mode is per engine core)"
-        )
-    if api_server_count != 1 or data_parallel_size != 1:
-        check_api_server_count(api_server_count, data_parallel_size)
-    if api_server_count > 1:
+    if config.api_server_count > 1:
         from jaxpaged.entrypoints.openai.multi_api_server import run_multi_api_server
 
         if multiprocess_metrics_dir is None:
             raise ValueError(
-                f"--api-server-count {api_server_count} needs a multiprocess_metrics_dir "
+                f"--api-server-count {config.api_server_count} needs a multiprocess_metrics_dir "
                 "(the PROMETHEUS_MULTIPROC_DIR of the API processes)"
             )
         return run_multi_api_server(
             engine_args,
-            api_server_count=api_server_count,
+            config,
             multiprocess_metrics_dir=multiprocess_metrics_dir,
-            host=host,
-            port=port,
-            max_num_queued_requests=max_num_queued_requests,
-            uvicorn_log_level=uvicorn_log_level,
-            app_options=app_options,
             build_app=build_app,
         )
     model_config = engine_args.create_engine_config().model_config
     tokenizer = load_tokenizer(model_config)
-    spawn_args = dict(tokenizer=tokenizer, max_num_queued_requests=max_num_queued_requests)
-    if data_parallel_size == 1 and dp_routing == "least_loaded":
+    spawn_args = dict(tokenizer=tokenizer, max_num_queued_requests=config.max_num_queued_requests)
+    if config.data_parallel_size == 1 and config.dp_routing == "least_loaded":
         client = EngineCoreClient.spawn(engine_args, **spawn_args)
     else:  # N engine cores, each on its own device group, behind one balancer
         client = DPEngineCoreClient.spawn(
-            engine_args, data_parallel_size=data_parallel_size, dp_routing=dp_routing, **spawn_args
+            engine_args,
+            data_parallel_size=config.data_parallel_size,
+            dp_routing=config.dp_routing,
+            **spawn_args,
         )
-    app = build_app(client, model=model_config.model, tokenizer=tokenizer, **app_options)
+    app = build_app(client, config, model=model_config.model, tokenizer=tokenizer)
     freeze_gc_heap()  # the tokenizer and the app live as long as this process
-    uvicorn.run(app, host=host or "0.0.0.0", port=port, log_level=uvicorn_log_level)
+    uvicorn.run(
+        app, host=config.host or "0.0.0.0", port=config.port, log_level=config.uvicorn_log_level
+    )
     return 0
 
 
@@ -441,14 +433,14 @@ def serve(args: argparse.Namespace) -> int:
     ``run_server``.
 
     Raises:
-        ValueError: bad flags (``cli_args.serve_options``) or engine arguments.
+        ValueError: bad flags (``cli_args.serve_config``) or engine arguments.
     """
-    options = serve_options(args)
-    set_jax_memory_fraction(options["engine_args"].gpu_memory_utilization)
-    if options["api_server_count"] == 1:
-        return run_server(**options)
+    engine_args, config = serve_config(args)
+    set_jax_memory_fraction(engine_args.gpu_memory_utilization)
+    if config.api_server_count == 1:
+        return run_server(engine_args, config)
     with prometheus_multiproc_dir() as metrics_dir:
-        return run_server(**options, multiprocess_metrics_dir=metrics_dir)
+        return run_server(engine_args, config, multiprocess_metrics_dir=metrics_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from jaxpaged.entrypoints.openai.protocol import (
     DeltaMessage,
 )
 from jaxpaged.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from jaxpaged.entrypoints.openai.request_checks import FieldValueError, check_body
 from jaxpaged.entrypoints.openai.tool_parsers import (
     ParsedCall,
     ParsedOutput,
@@ -139,7 +140,8 @@ def tool_constraint_schema(request: ChatCompletionRequest) -> dict | None:
 def template_messages(conversation: list[dict]) -> list[dict]:
     """Messages as chat templates expect them: an assistant's ``tool_calls[*].function.
     arguments`` as a dict, not OpenAI's JSON text (vLLM's ``chat_utils`` does the same);
-    arguments that are not a JSON object stay text. An assistant's ``reasoning`` is also
+    arguments that are not a JSON object a request could carry (``request_checks.check_body``:
+    nested too deep, an integer beyond 64 bits) stay text. An assistant's ``reasoning`` is also
     given as ``reasoning_content``, the name templates such as Qwen3's read (vLLM's too)."""
     for message in conversation:
         if message.get("role") == "assistant" and message.get("reasoning") is not None:
@@ -150,7 +152,8 @@ def template_messages(conversation: list[dict]) -> list[dict]:
             if isinstance(arguments, str):
                 try:
                     value = json.loads(arguments)
-                except json.JSONDecodeError:
+                    check_body(value)
+                except (json.JSONDecodeError, RecursionError, FieldValueError):
                     continue
                 if isinstance(value, dict):
                     function["arguments"] = value

@@ -12,7 +12,8 @@ let whoever reaches the server free the engine's memory: keep them off public en
 - ``GET /is_sleeping``: ``{"is_sleeping": bool}``.
 - ``POST /reset_prefix_cache``: forget every cached prefix; 200.
 
-While the engine sleeps, completions are refused with HTTP 400 naming the cause.
+While the engine sleeps, generation requests are refused with HTTP 503 and ``Retry-After`` (a
+load balancer retries them elsewhere), naming the cause.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxpaged.engine_core.core_client import EngineDeadError, QueueFullError
 from jaxpaged.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from jaxpaged.sequence import EngineSleepingError
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,16 @@ class OpenAIError(Exception):
 
 class BadRequestError(OpenAIError):
     status_code = HTTPStatus.BAD_REQUEST
+
+
+class ServiceUnavailableError(OpenAIError):
+    """A 503 that a load balancer should retry (elsewhere, or here after ``retry_after_s``)."""
+
+    status_code = HTTPStatus.SERVICE_UNAVAILABLE
+
+    def __init__(self, message: str, *, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class AuthenticationError(OpenAIError):
@@ -74,9 +85,24 @@ def error_from_exception(error: BaseException) -> ErrorResponse:
     if isinstance(error, ValueError):
         # SamplingParamsError (and similar) name the offending field in ``parameter``.
         return error_body(400, str(error), getattr(error, "parameter", None))
-    if isinstance(error, EngineDeadError):
+    if isinstance(error, (EngineDeadError, EngineSleepingError)):
         return error_body(503, str(error))
     return error_body(500, f"internal server error: {type(error).__name__}: {error}")
+
+
+SLEEPING_RETRY_AFTER_S = 1
+"""``Retry-After`` of a request refused by a sleeping engine: woken by an operator, not by
+time, so a balancer that honours it tries another replica (or this one a second later)."""
+
+
+def retry_after(error: BaseException) -> dict[str, str]:
+    """The ``Retry-After`` header of a 503 that may succeed later (a sleeping engine, a full
+    template-rendering queue); no header for other errors (a dead engine stays dead)."""
+    if isinstance(error, ServiceUnavailableError):
+        return {"Retry-After": str(error.retry_after_s)}
+    if isinstance(error, EngineSleepingError):
+        return {"Retry-After": str(SLEEPING_RETRY_AFTER_S)}
+    return {}
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
@@ -122,17 +148,51 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def _known(_: Request, error: Exception) -> JSONResponse:
         body = error_from_exception(error)
-        if body.error.code >= 500:
+        if body.error.code >= 500 and not retry_after(error):
             logger.error("request failed: %s", error)
-        return JSONResponse(body.model_dump(), status_code=body.error.code)
+        return JSONResponse(
+            body.model_dump(), status_code=body.error.code, headers=retry_after(error)
+        )
 
     # Expected failures get their own handlers (Starlette re-raises what only the catch-all
     # ``Exception`` handler answers, which would log a traceback for every 400).
-    for error_class in (OpenAIError, ValueError, QueueFullError, EngineDeadError):
+    for error_class in (
+        OpenAIError, ValueError, QueueFullError, EngineDeadError, EngineSleepingError,
+    ):  # fmt: skip
         app.add_exception_handler(error_class, _known)
 
-    @app.exception_handler(Exception)
-    async def _crash(_: Request, error: Exception) -> JSONResponse:
-        logger.error("request failed", exc_info=error)
-        body = error_from_exception(error)
-        return JSONResponse(body.model_dump(), status_code=body.error.code)
+    app.add_middleware(_InternalErrorMiddleware)
+
+
+class _InternalErrorMiddleware:
+    """Answer an unexpected exception with a 500 in OpenAI's shape, and keep the connection.
+
+    Starlette's catch-all handler (``exception_handler(Exception)``) sends the response and
+    then re-raises, and uvicorn closes a connection whose application raised: the client's next
+    request on that keep-alive connection failed with "connection reset". Here the exception
+    ends with the response. Pure ASGI (``BaseHTTPMiddleware`` would wrap streaming bodies); a
+    failure after a response started is re-raised, as nothing can be answered any more."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as error:
+            if started:
+                raise
+            logger.error("request failed", exc_info=error)
+            body = error_from_exception(error)
+            response = JSONResponse(body.model_dump(), status_code=body.error.code)
+            await response(scope, receive, send)

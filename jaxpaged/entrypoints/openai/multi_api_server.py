@@ -90,30 +90,21 @@ def bind_server_socket(host: str | None, port: int) -> socket.socket:
 
 def run_multi_api_server(
     engine_args,
+    config,
     *,
-    api_server_count: int,
     multiprocess_metrics_dir: str,
-    host: str | None = None,
-    port: int = 8000,
-    max_num_queued_requests: int | None = None,
-    uvicorn_log_level: str = "info",
-    app_options: dict | None = None,
     build_app: Callable[..., Any],
 ) -> int:
-    """Serve ``engine_args`` with ``api_server_count`` API processes over one engine core until
-    SIGINT/SIGTERM (0) or an API process dies (1); see the module docstring.
+    """Serve ``engine_args`` with ``config.api_server_count`` API processes over one engine
+    core until SIGINT/SIGTERM (0) or an API process dies (1); see the module docstring.
 
     Args:
         engine_args: ``EngineArgs`` of the engine core.
-        api_server_count: API processes, >= 2.
+        config: the ``ServeConfig`` every API process serves (its ``host`` / ``port``,
+            ``max_num_queued_requests`` for the core and ``uvicorn_log_level`` are read here).
         multiprocess_metrics_dir: an empty directory that ``PROMETHEUS_MULTIPROC_DIR`` names in
             this process's environment (the API processes inherit it and must see it before
             they import prometheus_client); its values are what ``/metrics`` renders.
-        host / port: the listening address (``host`` None: all interfaces).
-        max_num_queued_requests: the core's bound on waiting requests (429 beyond).
-        uvicorn_log_level: uvicorn's log level in every API process.
-        app_options: ``build_app`` keywords shared by every API process (served names, API key,
-            chat template, metrics prefix, LoRA modules).
         build_app: ``api_server.build_app``, the app factory each API process calls: given by
             the caller (a module-level function, pickled by name for the spawned processes) so
             that this module does not import ``api_server``, which imports it.
@@ -126,12 +117,13 @@ def run_multi_api_server(
     from jaxpaged.engine_core.core_process import start_core_process
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    api_server_count = config.api_server_count
     if api_server_count < 2:
         raise ValueError(
             f"run_multi_api_server needs --api-server-count >= 2, got {api_server_count}"
         )
     model_config = engine_args.create_engine_config().model_config  # checks before any start
-    sock = bind_server_socket(host, port)
+    sock = bind_server_socket(config.host, config.port)
     spawn = multiprocessing.get_context("spawn")
     servers: list[multiprocessing.Process] = []
     core = None
@@ -141,14 +133,14 @@ def run_multi_api_server(
         core = start_core_process(
             engine_args,
             num_clients=api_server_count,
-            max_num_queued_requests=max_num_queued_requests,
+            max_num_queued_requests=config.max_num_queued_requests,
         )
         logger.info("engine core ready (pid %d)", core.process.pid)
         tokenizer_path = None if model_config.skip_tokenizer_init else model_config.tokenizer
         for index in range(api_server_count):
             process = spawn.Process(
                 target=run_api_server,
-                args=(index, api_server_count, sock),
+                args=(index, sock),
                 kwargs=dict(
                     model=model_config.model,
                     tokenizer_path=tokenizer_path,
@@ -156,8 +148,7 @@ def run_multi_api_server(
                     output_address=core.output_addresses[index],
                     info=core.info,
                     metrics_dir=multiprocess_metrics_dir,
-                    app_options=app_options or {},
-                    uvicorn_log_level=uvicorn_log_level,
+                    config=config,
                     parent_pid=os.getpid(),
                     build_app=build_app,
                 ),
@@ -246,7 +237,6 @@ def _shutdown(core, servers: Sequence[multiprocessing.Process]) -> None:
 
 def run_api_server(
     index: int,
-    count: int,
     sock: socket.socket,
     *,
     model: str,
@@ -255,14 +245,14 @@ def run_api_server(
     output_address: str,
     info: dict,
     metrics_dir: str,
-    app_options: dict,
-    uvicorn_log_level: str,
+    config,
     parent_pid: int,
     build_app: Callable[..., Any],
 ) -> None:
     """One API process (spawned): its tokenizer, a client of the core as ``client_index``
-    ``index``, and uvicorn serving the app that ``build_app`` makes on the shared ``sock``
-    until SIGTERM/SIGINT, or until ``parent_pid`` is no longer its parent."""
+    ``index``, and uvicorn serving the app that ``build_app`` makes of ``config`` (a
+    ``ServeConfig``) on the shared ``sock`` until SIGTERM/SIGINT, or until ``parent_pid`` is no
+    longer its parent."""
     # First: the parent may die while this process still loads.
     threading.Thread(target=_leave_when_orphaned, args=(parent_pid,), daemon=True).start()
     import uvicorn
@@ -283,16 +273,15 @@ def run_api_server(
     )
     app = build_app(
         client,
+        config,
         model=model,
         tokenizer=tokenizer,
         api_server_index=index,
-        api_server_count=count,
         multiprocess_metrics_dir=metrics_dir,
-        **app_options,
     )
-    config = uvicorn.Config(app, log_level=uvicorn_log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Config(app, log_level=config.uvicorn_log_level, timeout_graceful_shutdown=5)
     freeze_gc_heap()  # the tokenizer and the app live as long as this process
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn.Server(server).run(sockets=[sock])
 
 
 def _leave_when_orphaned(parent: int) -> None:

@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from jaxpaged.entrypoints.openai.request_checks import FieldValueError, check_body
 from jaxpaged.sequence import is_token_id_list
 
 
@@ -33,15 +34,14 @@ class OpenAIBaseModel(BaseModel):
 
 
 class OpenAIRequest(OpenAIBaseModel):
-    """A request body: its strings must be valid Unicode, and a field this protocol does not
-    declare is refused by name (``FieldValueError``; vLLM logs and ignores it)."""
+    """A request body: its values must be what every later stage can carry (``check_body``),
+    and a field this protocol does not declare is refused by name (``FieldValueError``; vLLM
+    logs and ignores it)."""
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data):
-        # JSON may escape a lone surrogate ("\\ud800"): valid JSON, but no UTF-8 encodes it, so
-        # the tokenizer (or the error response echoing it) would fail later with a 500.
-        _check_unicode(data, "")
+    def _carriable_values(cls, data):
+        check_body(data)
         if isinstance(data, dict):
             fields = cls.model_fields  # a descriptor: read once, not once per key
             unknown = [k for k in data if k not in fields]
@@ -53,52 +53,6 @@ class OpenAIRequest(OpenAIBaseModel):
                     parameter=unknown[0],
                 )
         return data
-
-
-class FieldValueError(ValueError):
-    """A body-level validator's refusal of one field; ``parameter`` is its dotted path
-    (``messages[0].content``), which the 400's ``param`` names (``errors._validation_message``):
-    pydantic locates a model validator's errors at the body, not the field."""
-
-    def __init__(self, message: str, *, parameter: str | None = None):
-        super().__init__(message)
-        self.parameter = parameter
-
-
-def _check_unicode(value, path: str) -> None:
-    """Raise FieldValueError naming the first string under ``value`` holding a lone surrogate.
-
-    Walks an explicit stack, not the call stack: a body nested a thousand levels deep is
-    valid JSON, and recursion here raised RecursionError (a 500) before validation refused it.
-    """
-    stack = [(value, path)]
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as error:
-                code = ord(value[error.start])
-                where = path or "the request body"
-                raise FieldValueError(
-                    f"{where} holds a lone surrogate U+{code:04X} at character {error.start}, "
-                    "which is not valid Unicode",
-                    parameter=path or None,
-                ) from None
-        elif isinstance(value, dict):
-            # Pushed last first, so popped in the body's order: the first one is named.
-            for key, item in reversed(value.items()):
-                if type(item) not in _SCALARS:
-                    stack.append((item, f"{path}.{key}" if path else str(key)))
-                stack.append((key, path or "the request body"))
-        elif isinstance(value, list) and not set(map(type, value)) <= _SCALARS:
-            # (a list of scalars, e.g. token ids, is skipped in one C-level pass)
-            for i in range(len(value) - 1, -1, -1):
-                stack.append((value[i], f"{path}[{i}]"))
-
-
-# Element types of a list that hold no string: lists of them are skipped in one pass.
-_SCALARS = frozenset({int, float, bool, type(None)})
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -263,7 +217,8 @@ class CompletionRequest(_SamplingFields):
 
     # Token ids before strings: pydantic's smart union tries the members in order, and a
     # list of 128 ids failing as list[str] first cost 20 us of error building per request.
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] | None = None
+    """Required unless ``prompt_embeds`` is given (which this server refuses by name)."""
     max_tokens: int | None = 16
     """Tokens to generate; 0 only with ``echo`` (prompt scoring: the prompt and its logprobs
     come back, nothing is generated)."""
@@ -275,6 +230,20 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool = True
     """Add the tokenizer's special tokens (BOS) to text prompts."""
     prompt_embeds: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_or_embeds(cls, data):
+        # vLLM's check and message (its tests match it): "" counts as no prompt, [] as no
+        # embeddings.
+        if isinstance(data, dict):
+            prompt, embeds = data.get("prompt"), data.get("prompt_embeds")
+            if (prompt is None or prompt == "") and (embeds is None or embeds == []):
+                raise FieldValueError(
+                    "Either prompt or prompt_embeds must be provided and non-empty.",
+                    parameter="prompt",
+                )
+        return data
 
     @field_validator("prompt", mode="before")
     @classmethod

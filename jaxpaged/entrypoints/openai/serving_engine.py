@@ -20,11 +20,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import json
 import uuid
 from collections.abc import AsyncIterator, Sequence
-
-from pydantic import BaseModel
 
 from jaxpaged.engine_core.core_client import EngineCoreClient, RequestStream
 from jaxpaged.entrypoints.openai.errors import BadRequestError, NotFoundError
@@ -33,7 +30,6 @@ from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
     CompletionLogProbs,
-    ErrorResponse,
     PromptLogprob,
     PromptTokenUsageInfo,
     UsageInfo,
@@ -126,20 +122,6 @@ _MIN_LOGPROB = -9999.0
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def sse(payload: BaseModel | str) -> str:
-    """One server-sent event: ``data: <json>`` and a blank line."""
-    data = payload if isinstance(payload, str) else payload.model_dump_json()
-    return f"data: {data}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse_error(error: ErrorResponse) -> str:
-    """An error after the response started: vLLM sends it as an event before ``[DONE]``."""
-    return f"data: {json.dumps(error.model_dump())}\n\n"
 
 
 class OpenAIServing:

@@ -87,7 +87,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(http, serve
     )
     _error(_complete(http, temperature=-0.5), 400, "temperature", "non-negative")
     _error(_complete(http, prompt=["text", [1, 2]]), 400, "prompt", "list of token ids")
-    _error(_complete(http, prompt=[]), 400, "prompt", "must not be empty")
+    # vLLM's messages (its tests match them).
+    _error(_complete(http, prompt=[]), 400, "prompt", "The decoder prompt cannot be empty")
+    either = "Either prompt or prompt_embeds must be provided and non-empty."
+    _error(_complete(http, prompt=""), 400, "prompt", either)
+    _error(_complete(http, prompt=None, prompt_embeds=[]), 400, "prompt", either)
     _error(_complete(http, prompt=[1, 99999]), 400, "prompt", "outside the vocabulary")
     _error(
         _complete(http, stream_options={"include_usage": True}),
@@ -328,7 +332,7 @@ def test_engine_death_fails_in_flight_requests_and_health_and_new_requests_with_
         assert _error(whole, 503, match="device lost")["type"] == "ServiceUnavailableError"
         assert stream.status_code == 200
         events = [line for line in stream.text.splitlines() if line]
-        assert '"role": "assistant"' in events[0]
+        assert '"role":"assistant"' in events[0]  # vLLM's compact JSON
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2].removeprefix("data: "))["error"]
         assert error["code"] == 503 and "device lost" in error["message"]

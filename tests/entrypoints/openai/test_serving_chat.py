@@ -127,35 +127,44 @@ def test_chat_template_flag_accepts_a_file_or_inline_jinja(tmp_path):
         load_chat_template(str(tmp_path / "missing.jinja"))
 
 
-@pytest.mark.parametrize("content", [" hello", 'a "q" \\ \n\t\x01\x7f é 😀 \u2028', ""])
-@pytest.mark.parametrize("finish_reason, stop_reason", [(None, None), ("stop", 2), ("stop", "x")])
-def test_formatted_content_chunk_equals_the_pydantic_chunk_byte_for_byte(
-    content, finish_reason, stop_reason
-):
-    """The per-token fast path against the general ``chunk`` of ``_stream``: the models
-    dumped, ``None`` dropped from the delta, no usage or token ids, ``json.dumps``."""
-    import json
+def _chat_event(choice) -> str:
+    """What ``_stream``'s general ``chunk`` writes for ``choice`` without usage or token ids:
+    the models dumped, ``None`` dropped from the delta."""
+    from jaxpaged.entrypoints.openai.protocol import ChatCompletionStreamResponse
+    from jaxpaged.entrypoints.openai.sse import sse
 
-    from jaxpaged.entrypoints.openai.protocol import (
-        ChatCompletionResponseStreamChoice,
-        ChatCompletionStreamResponse,
-        DeltaMessage,
-    )
-    from jaxpaged.entrypoints.openai.serving_chat import content_chunk_head, content_chunk_sse
-
-    choice = ChatCompletionResponseStreamChoice(
-        index=1,
-        delta=DeltaMessage(content=content),
-        finish_reason=finish_reason,
-        stop_reason=stop_reason,
-    )
     data = ChatCompletionStreamResponse(
         id='c-"1"', created=7, model="m/é", choices=[choice]
     ).model_dump()
-    data["choices"][0]["delta"] = {"content": content}
-    # Without return_token_ids, neither id key is sent (chunk() drops them).
+    data["choices"][0]["delta"] = choice.delta.model_dump(exclude_none=True)
     del data["usage"], data["prompt_token_ids"], data["choices"][0]["token_ids"]
-    head = content_chunk_head('c-"1"', 7, "m/é")
-    assert content_chunk_sse(head, 1, content, finish_reason, stop_reason) == (
-        f"data: {json.dumps(data)}\n\n"
+    return sse(data)
+
+
+@pytest.mark.parametrize("content", [" hello", 'a "q" \\ \n\t\x01\x7f é 😀 \u2028', ""])
+@pytest.mark.parametrize("finish_reason, stop_reason", [(None, None), ("stop", 2), ("stop", "x")])
+def test_per_token_chat_events_equal_the_general_chunk_byte_for_byte(
+    content, finish_reason, stop_reason
+):
+    """The per-token fast path (``sse.DeltaFrames``, cut from a probe event) against the
+    general chunk, in vLLM's compact JSON (no spaces, UTF-8 as is)."""
+    from jaxpaged.entrypoints.openai.protocol import (
+        ChatCompletionResponseStreamChoice,
+        DeltaMessage,
     )
+    from jaxpaged.entrypoints.openai.sse import DeltaFrames
+
+    def choice(index, text, finish, stop):
+        return ChatCompletionResponseStreamChoice(
+            index=index, delta=DeltaMessage(content=text), finish_reason=finish, stop_reason=stop
+        )
+
+    frames = DeltaFrames.from_probe(
+        _chat_event(
+            choice(DeltaFrames.INDEX, DeltaFrames.TEXT, DeltaFrames.FINISH, DeltaFrames.STOP)
+        )
+    )
+    event = _chat_event(choice(1, content, finish_reason, stop_reason))
+    assert frames.frame(1, content, finish_reason, stop_reason) == event
+    assert event.startswith('data: {"id":"c-\\"1\\"","object":"chat.completion.chunk","created":7,')
+    assert '"model":"m/é"' in event

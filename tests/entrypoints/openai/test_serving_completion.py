@@ -184,19 +184,34 @@ ENDINGS = [(None, None), ("stop", 2), ("stop", "</s>"), ("length", None)]
 
 @pytest.mark.parametrize("text", TRICKY_TEXTS)
 @pytest.mark.parametrize("finish_reason, stop_reason", ENDINGS)
-def test_formatted_text_chunk_equals_the_pydantic_chunk_byte_for_byte(
+def test_per_token_text_events_equal_the_pydantic_chunk_byte_for_byte(
     text, finish_reason, stop_reason
 ):
-    from jaxpaged.entrypoints.openai.protocol import (
-        CompletionResponseStreamChoice,
-        CompletionStreamResponse,
-    )
-    from jaxpaged.entrypoints.openai.serving_completion import text_chunk_head, text_chunk_sse
-    from jaxpaged.entrypoints.openai.serving_engine import sse
+    from jaxpaged.entrypoints.openai.serving_completion import text_chunk
+    from jaxpaged.entrypoints.openai.sse import DeltaFrames, sse
 
-    choice = CompletionResponseStreamChoice(
-        index=3, text=text, finish_reason=finish_reason, stop_reason=stop_reason
+    def event(*choice):
+        return sse(text_chunk('c-"1"', 7, "m/é", *choice))
+
+    frames = DeltaFrames.from_probe(
+        event(DeltaFrames.INDEX, DeltaFrames.TEXT, DeltaFrames.FINISH, DeltaFrames.STOP)
     )
-    built = sse(CompletionStreamResponse(id='c-"1"', created=7, model="m/é", choices=[choice]))
-    head = text_chunk_head('c-"1"', 7, "m/é")
-    assert text_chunk_sse(head, 3, text, finish_reason, stop_reason) == built
+    assert frames.frame(3, text, finish_reason, stop_reason) == event(
+        3, text, finish_reason, stop_reason
+    )
+
+
+def test_a_request_id_holding_a_probe_sentinel_keeps_events_exact():
+    """A client names the request (``request_id``): a sentinel in it either leaves the cut
+    unambiguous (the text's, JSON-quoted) or turns the fast path off (the index's digits)."""
+    from jaxpaged.entrypoints.openai.serving_completion import text_chunk
+    from jaxpaged.entrypoints.openai.sse import DeltaFrames, sse
+
+    def event(request_id, *choice):
+        return sse(text_chunk(request_id, 7, "m", *choice))
+
+    probe = (DeltaFrames.INDEX, DeltaFrames.TEXT, DeltaFrames.FINISH, DeltaFrames.STOP)
+    assert DeltaFrames.from_probe(event(f"cmpl-{DeltaFrames.INDEX}", *probe)) is None
+    request_id = f"cmpl-{DeltaFrames.TEXT}"
+    frames = DeltaFrames.from_probe(event(request_id, *probe))
+    assert frames.frame(2, "x", None, None) == event(request_id, 2, "x", None, None)

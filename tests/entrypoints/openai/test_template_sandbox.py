@@ -159,7 +159,7 @@ def test_a_rendered_text_too_long_for_the_context_is_refused_before_tokenizing(h
     assert time.monotonic() - start < 6.0
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == "messages" and "characters" in error["message"]
+    assert error["param"] == "messages" and "characters" in error["message"], error
     stats = server.wait_idle()
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
 
@@ -176,3 +176,50 @@ def test_a_completion_prompt_too_long_for_the_context_is_refused_before_tokenizi
     short = {"model": MODEL_NAME, "prompt": "Once upon a time " * 40, "max_tokens": 2,
              "truncate_prompt_tokens": 16}  # fmt: skip
     assert http.post("/v1/completions", json=short).status_code == 200
+
+
+def test_a_worker_that_ran_out_of_memory_or_holds_too_much_is_replaced():
+    """Python keeps a worker's freed small objects: one template left 1.5 GB resident in it.
+    A worker is replaced after a MemoryError, and after any render leaving it above
+    ``recycle_rss_bytes``; a plain render keeps its worker."""
+    import os
+
+    box = TemplateSandbox(num_workers=1, timeout_s=10.0, memory_bytes=512 * 2**20)
+    try:
+        assert box.render("{{ 1 }}", {}) == "1"
+        (first,) = box.worker_pids()
+        assert box.render("{{ 2 }}", {}) == "2" and box.worker_pids() == [first]
+        with pytest.raises(TemplateLimitError, match="ran out of memory"):
+            box.render("{{ 'x' * 1000000000 }}", {})
+        assert box.worker_pids() == []  # stopped: the next render starts a fresh one
+        with pytest.raises(ProcessLookupError):
+            os.kill(first, 0)
+        assert box.render("{{ 3 }}", {}) == "3" and box.worker_pids() != [first]
+    finally:
+        box.close()
+    tiny = TemplateSandbox(num_workers=1, recycle_rss_bytes=1)  # every worker is "too big"
+    try:
+        assert tiny.render("{{ 4 }}", {}) == "4" and tiny.worker_pids() == []
+    finally:
+        tiny.close()
+
+
+def test_a_full_render_queue_refuses_at_once():
+    import asyncio
+
+    box = TemplateSandbox(num_workers=1, max_queued=1, timeout_s=0.5)
+    box.render("{{ 1 }}", {})
+
+    async def run():
+        loop_template = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+        renders = [box.render_async(loop_template + "{% endfor %}", {}) for _ in range(4)]
+        return await asyncio.gather(*renders, return_exceptions=True)
+
+    try:
+        start = time.monotonic()
+        results = asyncio.run(run())
+        names = sorted(type(r).__name__ for r in results)
+        assert names == ["TemplateLimitError"] * 2 + ["TemplateQueueFullError"] * 2
+        assert box.num_admitted == 0 and time.monotonic() - start < 5.0
+    finally:
+        box.close()

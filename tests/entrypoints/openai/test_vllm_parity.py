@@ -195,12 +195,8 @@ def test_completion_top_logprobs_list_the_sampled_token_first(http):
 
 
 # ------------------------------------------------------------- whole vocabulary, chosen ids
-def test_logprobs_minus_one_and_logprob_token_ids_need_max_logprobs_to_cover_the_vocabulary(
-    http,
-):
+def test_logprobs_minus_one_needs_max_logprobs_to_cover_the_vocabulary(http):
     _error(http.post("/v1/completions", json=_body(logprobs=-1)), "logprobs", "--max-logprobs -1")
-    body = _body(logprobs=1, logprob_token_ids=[5])
-    _error(http.post("/v1/completions", json=body), "logprob_token_ids", "--max-logprobs -1")
     _error(
         http.post("/v1/completions", json=_body(logprob_token_ids=[5])),
         "logprob_token_ids",
@@ -242,6 +238,29 @@ def test_logprob_token_ids_return_exactly_those_ids_with_their_logprobs(fhttp):
         assert set(names) == {entry["token"]} | {f"token_id:{t}" for t in wanted}
     bad = _body(max_tokens=2, logprobs=1, logprob_token_ids=[5, VOCAB_SIZE + 1])
     _error(fhttp.post("/v1/completions", json=bad), "logprob_token_ids", "out of vocabulary")
+
+
+def test_logprob_token_ids_take_128_ids_under_the_default_max_logprobs(http, fhttp):
+    """vLLM's MAX_LOGPROB_TOKEN_IDS: up to 128 in-vocabulary ids whatever --max-logprobs (the
+    shared server keeps the default 20); before, any id needed --max-logprobs -1. Values
+    against the whole vocabulary's from the server started with --max-logprobs -1."""
+    full = fhttp.post("/v1/completions", json=_body(max_tokens=3, logprobs=-1)).json()
+    wanted = list(range(VOCAB_SIZE - 1, 0, -4))[:128]
+    body = _body(
+        max_tokens=3, logprobs=1, logprob_token_ids=wanted, return_tokens_as_token_ids=True
+    )
+    chosen = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    whole = full["choices"][0]["logprobs"]
+    assert chosen["tokens"] == whole["tokens"]
+    for token, top, every in zip(chosen["tokens"], chosen["top_logprobs"], whole["top_logprobs"],
+                                 strict=True):  # fmt: skip
+        assert list(top) == list(dict.fromkeys([token] + [f"token_id:{t}" for t in wanted]))
+        for key, value in top.items():
+            assert value == pytest.approx(every[key], abs=1e-5)
+    too_many = _body(max_tokens=2, logprobs=1, logprob_token_ids=list(range(129)))
+    _error(http.post("/v1/completions", json=too_many), "logprob_token_ids", "max allowed: 128")
+    outside = _body(max_tokens=2, logprobs=1, logprob_token_ids=[5, VOCAB_SIZE])
+    _error(http.post("/v1/completions", json=outside), "logprob_token_ids", "out of vocabulary")
 
 
 # --------------------------------------------------------------------------- stream_options
@@ -394,3 +413,24 @@ def test_completion_beam_search_returns_the_offline_beams_best_first(http, stori
     _error(http.post("/v1/completions", json=_body(length_penalty=0.5)), "length_penalty")
     chat = _chat(max_tokens=2, use_beam_search=True)
     _error(http.post("/v1/chat/completions", json=chat), "use_beam_search")
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_streamed_events_are_written_in_vllms_compact_json(http, route):
+    """Both routes write events as vLLM does (pydantic's model_dump_json): no spaces after
+    "," and ":", non-ASCII characters as UTF-8. Chat wrote ``json.dumps``' default before."""
+    if route == "completions":
+        body = _body(prompt="Il était une fois", echo=True, max_tokens=3)
+    else:
+        messages = [*MESSAGES, {"role": "assistant", "content": "Il était"}]
+        body = _chat(messages=messages, max_tokens=3, echo=True, add_generation_prompt=False,
+                     continue_final_message=True)  # fmt: skip
+    with http.stream("POST", f"/v1/{route}", json=body | {"stream": True}) as response:
+        payloads = [
+            line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: {")
+        ]
+    assert len(payloads) >= 3
+    for payload in payloads:
+        compact = json.dumps(json.loads(payload), ensure_ascii=False, separators=(",", ":"))
+        assert payload == compact
+    assert "était" in payloads[0 if route == "completions" else 1]
