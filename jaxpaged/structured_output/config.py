@@ -40,9 +40,12 @@ class StructuredOutputsConfig:
     xgrammar's ``CompiledGrammar.memory_size_bytes``, or the grammar text for llguidance). One
     grammar larger than this is used by its request but not kept. Its size now is the
     ``grammar_cache_bytes`` metric."""
-    grammar_compile_timeout_s: float = 10.0
+    grammar_compile_timeout_s: float = 60.0
     """Most seconds one constraint may take to be converted and compiled against the vocabulary
-    (on the compile threads; the engine keeps stepping meanwhile)."""
+    (on the compile threads; the engine keeps stepping meanwhile). Wall-clock seconds from when
+    a worker picks the job up: the workers run at a lower CPU priority than the engine, so on a
+    busy host an ordinary schema that compiles in a second can take several times that (on a
+    2-core machine running two test processes, over 10 s); the default leaves room for that."""
     max_grammar_bytes: int = 1 << 20
     """Largest constraint accepted, in bytes of its UTF-8 text (the schema as JSON, the regex,
     the grammar, the choices as a JSON list, the structural tag)."""

@@ -32,6 +32,7 @@ from jaxpaged.benchmarks import matrix
 from jaxpaged.benchmarks.matrix_rows import MODELS, ROWS
 from jaxpaged.config import EngineArgs
 from jaxpaged.sample.metadata import SamplerVariant
+from jaxpaged.worker.step_program import FORWARD, SAMPLE
 from jaxpaged.worker.worker import Worker
 from models.platform import GPU_DEVICE_KINDS, abstract_gpu
 
@@ -100,8 +101,8 @@ def workload_keys(row, runner) -> list:
         mixed = runner.bucket_for(16, 4, False)
         grammar = SamplerVariant(logprobs=True, structured=True)
         if row.engine.get("async_scheduling"):
-            keys += [dataclasses.replace(mixed, part="forward"),
-                     dataclasses.replace(mixed, variant=grammar, part="sample")]  # fmt: skip
+            keys += [dataclasses.replace(mixed, segment=(FORWARD,)),
+                     dataclasses.replace(mixed, variant=grammar, segment=(SAMPLE,))]  # fmt: skip
         else:
             keys.append(dataclasses.replace(mixed, variant=grammar))
     return keys
