@@ -82,8 +82,9 @@ W4A16_DECODE_1 = [
     T4(block_t=1, block_n=16, block_k=32, split_k=1, slots3d=True, num_warps=2),
     T4(block_t=1, block_n=128, block_k=16, slots3d=True, num_warps=8),
     T4(block_t=1, block_n=32, block_k=32, slots3d=True, num_stages=4),
-    T4(block_t=1, block_n=16, block_k=64, split_k=1, dot=False, fold=True, defer=True,
-       num_warps=2),  # fmt: skip
+    T4(
+        block_t=1, block_n=16, block_k=64, split_k=1, dot=False, fold=True, defer=True, num_warps=2
+    ),  # fmt: skip
     T4(block_t=1, block_n=64, block_k=32, dot=False, fold=True),
     T4(block_t=1, block_n=128, block_k=32, split_k=8, dot=False, fold=True, defer=True),
     T4(block_t=1, block_n=64, block_k=64, split_k=4, dot=False, fold=True),
@@ -116,12 +117,29 @@ WGMMA_MIN_TOKENS = 64
 W8_DECODE_1 = [
     T8(),
     # one program per 16 outputs over the whole K (>= 256 programs, no partial-sum kernel)
-    T8(max_block_t=1, block_n=16, block_k=1024, split_k=1, dot=False, bits=True,
-       reduce_steps=True),  # fmt: skip
-    T8(max_block_t=1, block_n=16, block_k=2048, split_k=1, dot=False, bits=True,
-       reduce_steps=True, num_warps=8),  # fmt: skip
-    T8(max_block_t=1, block_n=32, block_k=1024, split_k=2, dot=False, bits=True,
-       reduce_steps=True, num_stages=4),  # fmt: skip
+    T8(
+        max_block_t=1, block_n=16, block_k=1024, split_k=1, dot=False, bits=True, reduce_steps=True
+    ),  # fmt: skip
+    T8(
+        max_block_t=1,
+        block_n=16,
+        block_k=2048,
+        split_k=1,
+        dot=False,
+        bits=True,
+        reduce_steps=True,
+        num_warps=8,
+    ),  # fmt: skip
+    T8(
+        max_block_t=1,
+        block_n=32,
+        block_k=1024,
+        split_k=2,
+        dot=False,
+        bits=True,
+        reduce_steps=True,
+        num_stages=4,
+    ),  # fmt: skip
     T8(max_block_t=1, block_n=32, block_k=256, dot=False, bits=True),
     T8(max_block_t=1, block_n=32, block_k=512, split_k=8, dot=False, bits=True),
     T8(block_n=64, block_k=512, num_warps=8, bits=True),
@@ -135,8 +153,12 @@ W8_DECODE = [
 
 
 CANDIDATE_LISTS = {
-    "W4A16_DECODE_1": T4, "W4A16_DECODE": T4, "W4A16_PREFILL": T4, "W4A16_WGMMA": WgmmaTiling,
-    "W8_DECODE_1": T8, "W8_DECODE": T8,
+    "W4A16_DECODE_1": T4,
+    "W4A16_DECODE": T4,
+    "W4A16_PREFILL": T4,
+    "W4A16_WGMMA": WgmmaTiling,
+    "W8_DECODE_1": T8,
+    "W8_DECODE": T8,
 }
 
 

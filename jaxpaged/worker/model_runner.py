@@ -117,8 +117,11 @@ class ModelRunner:
         max_logprobs: int = 20,
         mesh: Mesh | None = None,
         lora_manager=None,
+        compiler_options: dict | None = None,
     ):
         self.lora_manager = lora_manager
+        # XLA options every bucket compiles with (models.linear_backends.step_compiler_options).
+        self.compiler_options = dict(compiler_options) if compiler_options else None
         # The parameters as one flat list of arrays, split from the module once (device_weights).
         self.weights = DeviceWeights(model, mesh)
         self.kv_caches = kv_caches
@@ -336,7 +339,7 @@ class ModelRunner:
                 lora_spec,
                 layout=layout,
                 decode_only=key.decode_only,
-            ).compile()
+            ).compile(self.compiler_options)
         if key.part == "sample":
             b, words = key.num_seqs, num_words(self.vocab_size)
             return self._jitted_sample.lower(
@@ -347,7 +350,7 @@ class ModelRunner:
                 self._replicated_spec((b, words), jnp.int32),
                 layout=layout,
                 variant=key.variant,
-            ).compile()
+            ).compile(self.compiler_options)
         return self._jitted_step.lower(
             self.weights.specs,
             self._kv_cache_specs,
@@ -359,7 +362,7 @@ class ModelRunner:
             decode_only=key.decode_only,
             num_beam_candidates=key.num_beam_candidates,
             variant=key.variant,
-        ).compile()
+        ).compile(self.compiler_options)
 
     def _replicated_spec(self, shape, dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._input_sharding)

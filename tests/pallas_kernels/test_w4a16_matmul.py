@@ -129,8 +129,12 @@ def test_kernel_bfloat16(dot, fold, slots3d, interpret):
         (dict(tiling=T(block_t=8, block_k=16)), "block_t must be a power of two >= 16"),
         (dict(tiling=T(block_k=16, split_k=0)), "split_k"),
         (
-            dict(tiling=T(block_k=16, slots3d=True), group_size=256,
-                 scales=np.ones((4, 64), np.float32), zeros=np.ones((4, 64), np.int8)),
+            dict(
+                tiling=T(block_k=16, slots3d=True),
+                group_size=256,
+                scales=np.ones((4, 64), np.float32),
+                zeros=np.ones((4, 64), np.int8),
+            ),
             "slots3d needs group_size",
         ),  # in / 8 = 128 rows per slot: a group of 256 straddles two slots
         (dict(qweight=np.zeros((16, 64), np.int32)), "qweight"),

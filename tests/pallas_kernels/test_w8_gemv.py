@@ -23,8 +23,9 @@ VARIANTS = [
     W8GemvTiling(max_block_t=4, block_n=32, block_k=64, split_k=2, dot=False, bits=True),
     W8GemvTiling(block_n=32, block_k=64, split_k=3, bits=True, num_warps=8),
     # each step's products summed at once (one program per 16 outputs over all of K, and split)
-    W8GemvTiling(max_block_t=2, block_n=16, block_k=128, split_k=1, dot=False, bits=True,
-                 reduce_steps=True),
+    W8GemvTiling(
+        max_block_t=2, block_n=16, block_k=128, split_k=1, dot=False, bits=True, reduce_steps=True
+    ),
     W8GemvTiling(max_block_t=1, block_n=32, block_k=64, split_k=3, dot=False, reduce_steps=True),
 ]
 
