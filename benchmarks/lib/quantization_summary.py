@@ -5,8 +5,8 @@
 
 ``--smoke-configs`` writes the CPU smoke run's config-only directories: ``tiny`` (a 2-layer
 Llama, 128 wide, so the W4A16 kernel tiles every layer with groups of 32) and ``tiny-awq`` /
-``tiny-w8a8-int8`` with the ``quantization_config`` of ``benchmarks/configs/llama-3-8b-awq`` /
-``-w8a8-int8`` (AWQ's group size 32).
+``tiny-gptq`` / ``tiny-w8a8-int8`` with the ``quantization_config`` of
+``benchmarks/configs/llama-3-8b-awq`` / ``-gptq`` / ``-w8a8-int8`` (4-bit group size 32).
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ def smoke_configs(root: pathlib.Path) -> None:
                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
                 bos_token_id=1, eos_token_id=2, max_position_embeddings=256)  # fmt: skip
     for name, source in (("tiny", None), ("tiny-awq", "llama-3-8b-awq"),
+                         ("tiny-gptq", "llama-3-8b-gptq"),
                          ("tiny-w8a8-int8", "llama-3-8b-w8a8-int8")):  # fmt: skip
         config = dict(tiny)
         if source is not None:
