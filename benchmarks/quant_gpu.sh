@@ -9,13 +9,16 @@
 #              engine's choice ("auto": cuBLASLt), bf16 on / off, AWQ; the FP8 GEMMs found in
 #              each optimized module (__cublas$lt$matmul$f8); then FP8's profiling bucket at
 #              32 layers (the start-up that stalled)
-#   3. sweep   quant_kernels.py: per layer at T = 1 ... 1024, every kernel and tiling candidate
+#   3. sweep   quant_kernels.py per layer at T = 1 (the floors: every W4A16 and 8-bit GEMV
+#              candidate, the new slots3d and reduce_steps forms included, against bf16 and
+#              W8A8); sweep-all: T = 16 ... 1024, each kernel's first two candidates
 #   4. e2e     scripts/benchmark_e2e_suite.py per row, one engine process each, cold caches:
 #              1000 x 128/128 output tok/s, batch-1 TPOT at 128/128 and start-up; rows that
 #              no longer fit the budget are listed with the command that runs them
 #   bash benchmarks/quant_gpu.sh              # GPU
 #   bash benchmarks/quant_gpu.sh --smoke      # CPU: tiny shapes, kernels interpreted
-# Environment: OUT (default /tmp/quant_gpu), STEPS (default "tests probe sweep e2e"), ROWS (e2e
+# Environment: OUT (default /tmp/quant_gpu), STEPS (default "tests probe sweep e2e"; "sweep-all"
+# adds T = 16 ... 1024), ROWS (e2e
 # rows in order, default "fp8 bf16 int8 awq gptq"), BUDGET_S (whole script; 530 on a GPU).
 # A cold row takes about two minutes (start-up ~100 s on an H100), so one call runs the checks
 # and about two rows; the rest: STEPS=e2e ROWS="int8 awq gptq" with the same OUT on the same
@@ -25,7 +28,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/quant_gpu}
-STEPS=${STEPS:-tests probe sweep e2e}
+STEPS=${STEPS:-tests probe sweep e2e}  # also: sweep-all
 ROWS=${ROWS:-fp8 bf16 int8 awq gptq}
 PY=$(command -v python3 || command -v python)
 START=$SECONDS
@@ -63,7 +66,8 @@ if [ "${1:-}" = "--smoke" ]; then
     PROBE="--load-format dummy --skip-tokenizer-init --dtype float32 --max-model-len 128
         --max-num-seqs 8 --max-num-batched-tokens 64"
     PROBE_LAYERS=1; PROBE_BUCKETS=1d,16m; BIG_LAYERS=2
-    SWEEP="--tiny --tokens 1,16 --budget-s 60 --max-candidates 2"
+    SWEEP1="--tiny --tokens 1 --budget-s 60 --max-candidates 3"
+    SWEEP_ALL="--tiny --tokens 16,64 --budget-s 60 --max-candidates 2"
     ROW_BOX=400; PROBE_BOX=900; SWEEP_BOX=400
 else
     BUDGET_S=${BUDGET_S:-530}
@@ -81,8 +85,10 @@ else
     PROBE="--load-format dummy --skip-tokenizer-init --dtype bfloat16 --max-model-len 2048
         --max-num-seqs 512 --max-num-batched-tokens 4096"
     PROBE_LAYERS=2; PROBE_BUCKETS=profile,1d,16m,512m; BIG_LAYERS=32
-    SWEEP="--tokens 1,16,32,256,1024 --budget-s 90"
-    ROW_BOX=150; PROBE_BOX=100; SWEEP_BOX=125
+    # Two distinct layers per chain: one 4-bit layer (113 MB) is already past the 50 MB L2.
+    SWEEP1="--tokens 1 --layers 2 --iters 5 --budget-s 75"
+    SWEEP_ALL="--tokens 16,32,256,1024 --layers 2 --iters 5 --budget-s 80 --max-candidates 2"
+    ROW_BOX=150; PROBE_BOX=100; SWEEP_BOX=110
 fi
 
 if wants tests; then
@@ -127,8 +133,14 @@ if wants probe; then
 fi
 
 if wants sweep; then
-    step sweep $SWEEP_BOX $PY benchmarks/quant_kernels.py $SWEEP --out "$OUT/quant_kernels.json"
+    step sweep $SWEEP_BOX $PY benchmarks/quant_kernels.py $SWEEP1 \
+        --kernels w4a16,w8gemv-fp8,w8gemv-int8,fp8-w8a8,int8-w8a8 --out "$OUT/quant_kernels.json"
     tail -4 "$OUT/sweep.log"
+fi
+if wants sweep-all; then
+    step sweep-all $SWEEP_BOX $PY benchmarks/quant_kernels.py $SWEEP_ALL \
+        --out "$OUT/quant_kernels-all.json"
+    tail -4 "$OUT/sweep-all.log"
 fi
 
 if wants e2e; then

@@ -142,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"engine up in {report['engine_start_s']:.1f} s; {report['num_buckets']} buckets; "
           f"XLA options {options}", flush=True)  # fmt: skip
+
+    def save() -> None:  # after every bucket: a run cut by a time box keeps what it measured
+        if args.out:
+            report["total_s"] = time.perf_counter() - start
+            pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+
+    save()
     for key in select_keys(runner, args.buckets):
         name = "profile" if key == runner.profile_key() else (
             f"{key.num_tokens}{'d' if key.decode_only else 'm'}")  # fmt: skip
@@ -155,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             pathlib.Path(args.hlo_dir, f"{name}.hlo").write_text(text)
         report["buckets"].append(row)
         print(json.dumps(row), flush=True)
-    report["total_s"] = time.perf_counter() - start
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+        save()
     return 0
 
 

@@ -4,8 +4,8 @@ per-layer sweep's best rows and the end-to-end rows against issue 33's targets.
     python benchmarks/lib/quant_gpu_summary.py OUT      # reads OUT/*.json, OUT/*.log
 
 Reads what each step left (a missing file is reported, never fatal): ``kernel_tests.log``,
-``probe-*.json`` (``benchmarks/startup_probe.py``), ``quant_kernels.json``
-(``benchmarks/quant_kernels.py``) and ``e2e-<row>/suite.json`` (``scripts/benchmark_e2e_suite.py``).
+``probe-*.json`` (``benchmarks/startup_probe.py``), ``quant_kernels.json`` and
+``quant_kernels-all.json`` (``benchmarks/quant_kernels.py``) and ``e2e-<row>/suite.json`` (``scripts/benchmark_e2e_suite.py``).
 Writes ``summary.json`` beside them.
 """
 
@@ -55,18 +55,23 @@ def probes(out: pathlib.Path) -> list[dict]:
         if report is None:
             rows.append({"probe": path.stem, "status": "no result (see its .log)"})
             continue
+        name, up = path.stem[len("probe-") :], report["engine_start_s"]
+        if not report["buckets"]:
+            rows.append({"probe": name, "status": f"engine up in {up:.0f} s; no bucket "
+                         "compiled within the time box"})  # fmt: skip
         for bucket in report["buckets"]:
-            rows.append({"probe": path.stem[len("probe-") :], "layers": report["layers"],
+            rows.append({"probe": name, "layers": report["layers"], "engine_up_s": up,
                          "triton_gemm": report["triton_gemm"], **bucket})  # fmt: skip
     return rows
 
 
 def sweep(out: pathlib.Path) -> list[dict]:
-    report = _load(out / "quant_kernels.json")
-    if report is None:
-        return []
+    best = []
+    for name in ("quant_kernels.json", "quant_kernels-all.json"):
+        report = _load(out / name)
+        best += [] if report is None else report.get("best", [])
     rows = []
-    for r in sorted(report.get("best", []), key=lambda r: (r["T"], r["kernel"])):
+    for r in sorted(best, key=lambda r: (r["T"], r["kernel"])):
         floor = FLOORS.get(r["kernel"]) if r["T"] == 1 else None
         rows.append({k: r.get(k) for k in ("kernel", "T", "us_per_layer", "vs_bf16",
                                            "frac_copy", "TFLOPs", "tiling")}  # fmt: skip
@@ -123,15 +128,17 @@ def main(out: pathlib.Path) -> int:
     print(f"\n## kernel tests (compiled): {summary['kernel_tests']['status']}")
     print("\n## start-up probes: one bucket compiled at a time (s), GEMMs in the optimized HLO")
     print(
-        "| probe | layers | triton_gemm | bucket | compile s | FP8 cuBLASLt | other cuBLAS "
-        "| Triton GEMMs (shapes) | Pallas calls |\n|---|---:|---|---|---:|---:|---:|---|---:|"
+        "| probe | layers | engine up s | triton_gemm | bucket | compile s | FP8 cuBLASLt "
+        "| other cuBLAS | Triton GEMMs (shapes) | Pallas calls |"
+        "\n|---|---:|---:|---|---|---:|---:|---:|---|---:|"
     )
     for r in summary["probes"]:
         if "bucket" not in r:
-            print(f"| {r['probe']} | | | {r['status']} | | | | | |")
+            print(f"| {r['probe']} | | | | {r['status']} | | | | | |")
             continue
         print(
-            f"| {r['probe']} | {r['layers']} | {r['triton_gemm']} | {r['bucket']} | "
+            f"| {r['probe']} | {r['layers']} | {r['engine_up_s']:.0f} | {r['triton_gemm']} | "
+            f"{r['bucket']} | "
             f"{r['compile_s']:.1f} | {r['fp8_cublaslt']} | {r['other_cublas']} | "
             f"{r['triton_gemm_fusions']} ({r['triton_gemm_shapes']}) | {r['pallas_calls']} |"
         )
