@@ -20,13 +20,17 @@ autotuning cache would otherwise carry results from one choice to the next.
 Buckets: ``profile`` (the profiling run's, the largest with every sampler stage), ``<T>d``
 (decode-only with T sequences), ``<T>m`` (mixed with T tokens), ``all`` (every start-up bucket).
 ``--layers`` replaces ``num_hidden_layers`` (a copy of the config in a temporary directory).
-Off a GPU it compiles for the CPU (a smoke test of the script).
+Off a GPU it compiles for the CPU (a smoke test of the script), or, with ``--h100-without-gpu``,
+for an H100 through XLA's GPU compiler without autotuning (``benchmarks/lib/deviceless_gpu.py``:
+the GEMMs and kernels a GPU compile makes, on a machine without one; compile times are the
+CPU's).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import pathlib
@@ -100,12 +104,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--triton-gemm", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--hlo-dir", default=None, help="write each optimized module here")
     parser.add_argument("--out", default=None, help="JSON results path")
+    parser.add_argument("--h100-without-gpu", action="store_true",
+                        help="compile for an H100 on this machine (lib/deviceless_gpu.py)")  # fmt: skip
     add_engine_args(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.h100_without_gpu:
+        return probe(args)
+    import jax
+
+    from benchmarks.lib.deviceless_gpu import h100_device, pretend_gpu
+
+    device = h100_device()
+    with pretend_gpu():
+        return probe(args, jax.default_device(device))
+
+
+def probe(args: argparse.Namespace, compile_context=None) -> int:
+    """The probe of the module docstring; buckets compile inside ``compile_context``."""
     start = time.perf_counter()
     import jax
 
@@ -153,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         name = "profile" if key == runner.profile_key() else (
             f"{key.num_tokens}{'d' if key.decode_only else 'm'}")  # fmt: skip
         t0 = time.perf_counter()
-        executable = runner.executable(key)
+        with compile_context or contextlib.nullcontext():
+            executable = runner.executable(key)
         row = {"bucket": name, "compile_s": time.perf_counter() - t0}
         text = executable.as_text() or ""
         row.update(hlo_counts(text))
