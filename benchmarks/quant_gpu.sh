@@ -4,11 +4,11 @@
 # skipped step leaves the others running. One table at the end (lib/quant_gpu_summary.py).
 #   1. tests   the W4A16 and 8-bit GEMV kernels' tests, compiled cases only (pytest; the
 #              interpreted ones are the CPU's)
-#   2. probe   start-up, one step bucket at a time (startup_probe.py), 2-layer Llama-3-8B
-#              shapes: FP8 + FP8 KV and INT8 W8A8 with XLA's Triton GEMMs ("on") and the
-#              engine's choice ("auto": cuBLASLt), bf16 on / off, AWQ; the FP8 GEMMs found in
-#              each optimized module (__cublas$lt$matmul$f8); then FP8's profiling bucket at
-#              32 layers (the start-up that stalled)
+#   2. probe   start-up, one step bucket at a time (startup_probe.py; parallel processes),
+#              2-layer Llama-3-8B shapes: FP8 + FP8 KV with XLA's Triton GEMMs ("on") and the
+#              engine's choice ("auto": cuBLASLt), INT8 W8A8, bf16, AWQ; the FP8 GEMMs found in
+#              each optimized module (__cublas$lt$matmul$f8); FP8's profiling bucket at 32
+#              layers (the start-up that stalled)
 #   3. sweep   quant_kernels.py per layer at T = 1 (the floors: every W4A16 and 8-bit GEMV
 #              candidate, the new slots3d and reduce_steps forms included, against bf16 and
 #              W8A8); sweep-all: T = 16 ... 1024, each kernel's first two candidates
@@ -19,7 +19,8 @@
 #   bash benchmarks/quant_gpu.sh --smoke      # CPU: tiny shapes, kernels interpreted
 # Environment: OUT (default /tmp/quant_gpu), STEPS (default "tests probe sweep e2e"; "sweep-all"
 # adds T = 16 ... 1024), ROWS (e2e
-# rows in order, default "fp8 bf16 int8 awq gptq"), BUDGET_S (whole script; 530 on a GPU).
+# rows in order, default "fp8 bf16 int8 awq gptq"), PROBES (default "fp8-on fp8-auto
+# fp8-auto-L32 int8-auto bf16-on awq-auto"; also int8-on, bf16-off), BUDGET_S (530 on a GPU).
 # A cold row takes about two minutes (start-up ~100 s on an H100), so one call runs the checks
 # and about two rows; the rest: STEPS=e2e ROWS="int8 awq gptq" with the same OUT on the same
 # kind of card (the summary reads every row in OUT; compare only rows from one card).
@@ -112,24 +113,26 @@ if wants probe; then
             > "$OUT/probe-$name.log" 2>&1
     }
     run_probes() {
-        local L=$PROBE_LAYERS B=$PROBE_BUCKETS
-        probe fp8-on $L $B $C --quantization fp8 --kv-cache-dtype fp8 --triton-gemm on &
-        probe fp8-auto $L $B $C --quantization fp8 --kv-cache-dtype fp8 --triton-gemm auto \
-            --hlo-dir "$OUT/hlo-fp8-auto" &
-        probe int8-on $L $B $C-w8a8-int8 --triton-gemm on &
-        probe int8-auto $L $B $C-w8a8-int8 --triton-gemm auto &
-        probe bf16-on $L $B $C --triton-gemm on &
-        probe bf16-off $L $B $C --triton-gemm off &
-        probe awq-auto $L $B $C-awq --triton-gemm auto &
-        probe fp8-auto-L$BIG_LAYERS $BIG_LAYERS profile $C --quantization fp8 \
-            --kv-cache-dtype fp8 --triton-gemm auto &
+        local L=$PROBE_LAYERS B=$PROBE_BUCKETS FP8="--quantization fp8 --kv-cache-dtype fp8"
+        for name in $PROBES; do
+            case $name in
+                fp8-on) probe $name $L $B $C $FP8 --triton-gemm on & ;;
+                fp8-auto) probe $name $L $B $C $FP8 --triton-gemm auto \
+                    --hlo-dir "$OUT/hlo-fp8-auto" & ;;
+                fp8-auto-L*) probe $name $BIG_LAYERS profile $C $FP8 --triton-gemm auto & ;;
+                int8-on | int8-auto) probe $name $L $B $C-w8a8-int8 --triton-gemm ${name#int8-} & ;;
+                bf16-on | bf16-off) probe $name $L $B $C --triton-gemm ${name#bf16-} & ;;
+                awq-auto) probe $name $L $B $C-awq --triton-gemm auto & ;;
+                *) echo "unknown probe $name" ;;
+            esac
+        done
         wait
     }
-    export -f probe
+    PROBES=${PROBES:-fp8-on fp8-auto fp8-auto-L$BIG_LAYERS int8-auto bf16-on awq-auto}
     export PY PROBE OUT
     step probes $PROBE_BOX bash -c "$(declare -f probe run_probes); \
         PROBE_LAYERS=$PROBE_LAYERS PROBE_BUCKETS=$PROBE_BUCKETS BIG_LAYERS=$BIG_LAYERS C=$C \
-        run_probes"
+        PROBES='$PROBES' run_probes"
 fi
 
 if wants sweep; then
