@@ -20,7 +20,8 @@
 # Environment: OUT (default /tmp/quant_gpu), STEPS (default "tests probe sweep e2e"; "sweep-all"
 # adds T = 16 ... 1024), ROWS (e2e
 # rows in order, default "fp8 bf16 int8 awq gptq"), PROBES (default "fp8-on fp8-auto
-# fp8-auto-L32 int8-auto bf16-on awq-auto"; also int8-on, bf16-off), BUDGET_S (530 on a GPU).
+# fp8-auto-L32 int8-auto bf16-on awq-auto"; also int8-on, bf16-off), BUDGET_S (530 on a GPU),
+# CACHE (the e2e rows' persistent compilation cache; default a fresh directory in /tmp).
 # A cold row takes about two minutes (start-up ~100 s on an H100), so one call runs the checks
 # and about two rows; the rest: STEPS=e2e ROWS="int8 awq gptq" with the same OUT on the same
 # kind of card (the summary reads every row in OUT; compare only rows from one card).
@@ -147,7 +148,8 @@ if wants sweep-all; then
 fi
 
 if wants e2e; then
-    CACHE=$OUT/xla-cache-$$  # a fresh persistent compilation cache: cold start-ups
+    # A fresh persistent compilation cache (cold start-ups), outside OUT: its files stay here.
+    CACHE=${CACHE:-/tmp/quant-gpu-xla-$$}
     for row in $ROWS; do
         case $row in
             bf16) model=$C; extra="" ;;
