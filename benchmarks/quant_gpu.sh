@@ -17,14 +17,14 @@
 #              no longer fit the budget are listed with the command that runs them
 #   bash benchmarks/quant_gpu.sh              # GPU
 #   bash benchmarks/quant_gpu.sh --smoke      # CPU: tiny shapes, kernels interpreted
-# Environment: OUT (default /tmp/quant_gpu), STEPS (default "tests probe sweep e2e"; "sweep-all"
-# adds T = 16 ... 1024), ROWS (e2e
-# rows in order, default "fp8 bf16 int8 awq gptq"), PROBES (default "fp8-on fp8-auto
-# fp8-auto-L32 int8-auto bf16-on awq-auto"; also int8-on, bf16-off), BUDGET_S (530 on a GPU),
-# CACHE (the e2e rows' persistent compilation cache; default a fresh directory in /tmp).
+# Environment: OUT (default /tmp/quant_gpu), STEPS (default "tests probe sweep e2e"; add
+# "sweep-all" for T = 16 ... 1024), ROWS (e2e rows in order, default "fp8 bf16 int8 awq gptq"),
+# PROBES (default "fp8-on fp8-auto fp8-auto-L32 int8-auto bf16-on awq-auto"; also int8-on,
+# bf16-off), BUDGET_S (530 on a GPU), CACHE (the e2e rows' persistent compilation cache;
+# default a fresh directory in /tmp).
 # A cold row takes about two minutes (start-up ~100 s on an H100), so one call runs the checks
-# and about two rows; the rest: STEPS=e2e ROWS="int8 awq gptq" with the same OUT on the same
-# kind of card (the summary reads every row in OUT; compare only rows from one card).
+# and about two rows; the rest in a second call: STEPS=e2e ROWS="bf16 int8 awq gptq" (bf16
+# again: compare rows of one call, one card).
 # Needs jax (with its CUDA plugin), flax, numpy, transformers, safetensors, and pytest for step 1
 # (skipped without it); wheels in .whl/ (benchmarks/gpu_wheels.sh) are installed first if there.
 set -u
