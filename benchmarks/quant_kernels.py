@@ -491,6 +491,12 @@ def summarize(report: dict) -> None:
             entries[-1][0] = None
         auto[family] = [tuple(e) for e in entries] or [(None, "xla")]
     report["auto_table"] = auto
+    print("\nbest tilings (for DEFAULT_TILINGS / W8GemvTiling's defaults):")
+    for (kernel, t), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        if r["tiling"] is not None and kernel in ("w4a16", "w8gemv-fp8", "w8gemv-int8"):
+            cls = "W4A16Tiling" if kernel == "w4a16" else "W8GemvTiling"
+            fields = ", ".join(f"{k}={v!r}" for k, v in r["tiling"].items())
+            print(f"    {kernel} T={t}: {cls}({fields})")
     print("\nauto table (models/linear_backends.py AUTO_BACKENDS):")
     print("    " + ",\n    ".join(f"{f!r}: {tuple(v)!r}" for f, v in auto.items()))
 
