@@ -148,9 +148,10 @@ def step_compiler_options(config: Any, platform: str, triton_gemm: str = "auto")
     """XLA options for every step executable of a model quantized by ``config`` (None: float)
     on ``platform`` (``jax.default_backend()``); ``{}`` keeps XLA's defaults.
 
-    With ``triton_gemm="auto"``, on a GPU a model with 8-bit GEMMs (:func:`runs_8bit_gemms`) compiles with Triton GEMM
-    fusions off. XLA's default turns an FP8 or INT8 ``dot_general`` into a Triton GEMM fusion
-    that its autotuner then compiles in many tilings per shape and per step bucket (start-up);
+    With ``triton_gemm="auto"``, on a GPU a model with 8-bit GEMMs (:func:`runs_8bit_gemms`)
+    compiles with Triton GEMM fusions off. XLA's default turns an FP8 or INT8 ``dot_general``
+    into a Triton GEMM fusion that its autotuner then compiles in many tilings per shape and per
+    step bucket (start-up);
     without it, XLA's GEMM rewriter maps the FP8 dot with its scale multiplications onto
     cuBLASLt's FP8 GEMM (``__cublas$lt$matmul$f8``) and the INT8 dot onto cuBLASLt's INT8 GEMM,
     at every token count above the weight-only GEMV's (``docs/quantization.md``, "FP8 on
