@@ -104,8 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--triton-gemm", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--hlo-dir", default=None, help="write each optimized module here")
     parser.add_argument("--out", default=None, help="JSON results path")
-    parser.add_argument("--h100-without-gpu", action="store_true",
-                        help="compile for an H100 on this machine (lib/deviceless_gpu.py)")  # fmt: skip
+    parser.add_argument(
+        "--h100-without-gpu", action="store_true",
+        help="compile for an H100 on this machine (lib/deviceless_gpu.py)",
+    )  # fmt: skip
     add_engine_args(parser)
     return parser
 

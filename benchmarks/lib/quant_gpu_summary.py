@@ -5,7 +5,8 @@ per-layer sweep's best rows and the end-to-end rows against issue 33's targets.
 
 Reads what each step left (a missing file is reported, never fatal): ``kernel_tests.log``,
 ``probe-*.json`` (``benchmarks/startup_probe.py``), ``quant_kernels.json`` and
-``quant_kernels-all.json`` (``benchmarks/quant_kernels.py``) and ``e2e-<row>/suite.json`` (``scripts/benchmark_e2e_suite.py``).
+``quant_kernels-all.json`` (``benchmarks/quant_kernels.py``) and ``e2e-<row>/suite.json``
+(``scripts/benchmark_e2e_suite.py``).
 Writes ``summary.json`` beside them.
 """
 
@@ -97,8 +98,10 @@ def e2e(out: pathlib.Path) -> list[dict]:
             rows.append({"row": row, "label": label, "status": f"no result (see e2e-{row}.log)"})
             continue
         tput, tpot, start = figures(suite)
-        entry = {"row": row, "label": label, "tok_s": tput, "tpot_ms": tpot, "startup_s": start,
-                 "buckets": suite.get("num_buckets"), "compile_s": suite.get("compile_seconds")}  # fmt: skip
+        entry = {
+            "row": row, "label": label, "tok_s": tput, "tpot_ms": tpot, "startup_s": start,
+            "buckets": suite.get("num_buckets"), "compile_s": suite.get("compile_seconds"),
+        }  # fmt: skip
         if row != "bf16" and b_tput and tput:
             entry["tok_s_vs_bf16"] = tput / b_tput
         if row != "bf16" and b_tpot and tpot:
