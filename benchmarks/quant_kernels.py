@@ -67,13 +67,24 @@ from pallas_kernels.w8_gemv import W8GemvTiling, w8_gemv, w8_gemv_reference
 
 FULL = dict(hidden=4096, q=4096, kv=1024, inter=14336)
 TINY = dict(hidden=256, q=256, kv=64, inter=512)
-GROUP = 128
+GROUP = 128  # --tiny: 32, so that a slot's rows (in / 8 = 32) hold whole groups
 WRONG = 5e-2
 T4, T8 = W4A16Tiling, W8GemvTiling
 
 # Candidates per kernel and T range, best guess first (the first always runs).
+# T = 1: the weights must stream at >= 0.70 of the copy bandwidth. Besides the tile sizes the
+# candidates vary what a K-step costs (slots3d: 4 loads instead of 25) and whether a K split
+# needs XLA's partial-sum kernel (split_k=1 with narrow output tiles: >= 256 programs at
+# out = 4096, and the scale / cast fuse into the consumer).
 W4A16_DECODE_1 = [
     T4(block_t=1, block_n=64, block_k=32, dot=False, fold=True, defer=True),
+    T4(block_t=1, block_n=64, block_k=16, slots3d=True),
+    T4(block_t=1, block_n=16, block_k=32, split_k=1, slots3d=True, num_warps=2),
+    T4(block_t=1, block_n=128, block_k=16, slots3d=True, num_warps=8),
+    T4(block_t=1, block_n=32, block_k=32, slots3d=True, num_stages=4),
+    T4(
+        block_t=1, block_n=16, block_k=64, split_k=1, dot=False, fold=True, defer=True, num_warps=2
+    ),  # fmt: skip
     T4(block_t=1, block_n=64, block_k=32, dot=False, fold=True),
     T4(block_t=1, block_n=128, block_k=32, split_k=8, dot=False, fold=True, defer=True),
     T4(block_t=1, block_n=64, block_k=64, split_k=4, dot=False, fold=True),
@@ -105,6 +116,30 @@ W4A16_WGMMA = [  # T >= 64 (shared memory: the eight planes' activation tiles do
 WGMMA_MIN_TOKENS = 64
 W8_DECODE_1 = [
     T8(),
+    # one program per 16 outputs over the whole K (>= 256 programs, no partial-sum kernel)
+    T8(
+        max_block_t=1, block_n=16, block_k=1024, split_k=1, dot=False, bits=True, reduce_steps=True
+    ),  # fmt: skip
+    T8(
+        max_block_t=1,
+        block_n=16,
+        block_k=2048,
+        split_k=1,
+        dot=False,
+        bits=True,
+        reduce_steps=True,
+        num_warps=8,
+    ),  # fmt: skip
+    T8(
+        max_block_t=1,
+        block_n=32,
+        block_k=1024,
+        split_k=2,
+        dot=False,
+        bits=True,
+        reduce_steps=True,
+        num_stages=4,
+    ),  # fmt: skip
     T8(max_block_t=1, block_n=32, block_k=256, dot=False, bits=True),
     T8(max_block_t=1, block_n=32, block_k=512, split_k=8, dot=False, bits=True),
     T8(block_n=64, block_k=512, num_warps=8, bits=True),
@@ -115,6 +150,30 @@ W8_DECODE = [
     T8(max_block_t=32, block_n=64, block_k=256, num_warps=8, num_stages=4, bits=True),
     T8(max_block_t=32, block_n=128, block_k=128, split_k=8, num_warps=8, bits=True),
 ]
+
+
+CANDIDATE_LISTS = {
+    "W4A16_DECODE_1": T4,
+    "W4A16_DECODE": T4,
+    "W4A16_PREFILL": T4,
+    "W4A16_WGMMA": WgmmaTiling,
+    "W8_DECODE_1": T8,
+    "W8_DECODE": T8,
+}
+
+
+def select_tilings(spec: str) -> None:
+    """Replace candidate lists (``--tilings``): JSON text or a path to a JSON file mapping a
+    list's name to a list of tiling field dicts (each list's first entry always runs).
+
+    Raises:
+        ValueError: an unknown list name (the message lists the known ones) or field.
+    """
+    text = open(spec).read() if not spec.lstrip().startswith("{") else spec
+    for name, entries in json.loads(text).items():
+        if name not in CANDIDATE_LISTS:
+            raise ValueError(f"--tilings: unknown list {name!r}; known: {list(CANDIDATE_LISTS)}")
+        globals()[name] = [CANDIDATE_LISTS[name](**entry) for entry in entries]
 
 
 def projections(s):
@@ -260,10 +319,18 @@ def main() -> int:
     parser.add_argument("--max-candidates", type=int, default=None)
     parser.add_argument("--kernels", default=None,
                         help="comma list of kernels to run (default all; bf16 always runs)")  # fmt: skip
+    parser.add_argument("--tilings", default=None,
+                        help="JSON (or a path to it) replacing candidate lists, e.g. "
+                        '\'{"W4A16_DECODE_1": [{"block_t": 1, "block_n": 64, "block_k": 16, '
+                        '"slots3d": true}]}\'; lists: ' + ", ".join(CANDIDATE_LISTS))  # fmt: skip
     parser.add_argument("--out", default=None, help="JSON results path")
     args = parser.parse_args()
+    if args.tilings:
+        select_tilings(args.tilings)
     t_start = time.perf_counter()
     s = TINY if args.tiny else FULL
+    if args.tiny:
+        globals()["GROUP"] = 32
     tokens = [int(t) for t in (args.tokens or ("1,16,64" if args.tiny else "1,16,32,256,1024")).split(",")]  # fmt: skip
     layers = args.layers or (2 if args.tiny else 4)
     iters = args.iters or (2 if args.tiny else 10)
@@ -424,6 +491,12 @@ def summarize(report: dict) -> None:
             entries[-1][0] = None
         auto[family] = [tuple(e) for e in entries] or [(None, "xla")]
     report["auto_table"] = auto
+    print("\nbest tilings (for DEFAULT_TILINGS / W8GemvTiling's defaults):")
+    for (kernel, t), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        if r["tiling"] is not None and kernel in ("w4a16", "w8gemv-fp8", "w8gemv-int8"):
+            cls = "W4A16Tiling" if kernel == "w4a16" else "W8GemvTiling"
+            fields = ", ".join(f"{k}={v!r}" for k, v in r["tiling"].items())
+            print(f"    {kernel} T={t}: {cls}({fields})")
     print("\nauto table (models/linear_backends.py AUTO_BACKENDS):")
     print("    " + ",\n    ".join(f"{f!r}: {tuple(v)!r}" for f, v in auto.items()))
 

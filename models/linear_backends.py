@@ -124,3 +124,46 @@ def with_linear_backend(config: Any, backend: str, *, tensor_parallel_size: int 
     elif refusal is not None:
         raise ValueError(f"linear_backend {backend!r}: {refusal}")
     return dataclasses.replace(config, linear_backend=backend)
+
+
+# --- XLA's own GEMMs ----------------------------------------------------------------------------
+
+# ``step_compiler_options``' ``triton_gemm``: "on" (XLA's default: a dot may become a Triton
+# GEMM fusion, autotuned per shape), "off" (cuBLAS / cuBLASLt for every dot), "auto".
+TRITON_GEMM_CHOICES: tuple[str, ...] = ("auto", "on", "off")
+
+
+def runs_8bit_gemms(config: Any) -> bool:
+    """Whether ``config``'s layers multiply 8-bit activations by 8-bit weights (FP8, INT8
+    W8A8): dots XLA can hand to cuBLASLt's FP8 / INT8 GEMMs."""
+    method = None if config is None else config.method
+    if method == "fp8":
+        return True
+    if method == "compressed-tensors":
+        return any(s.kind in ("w8a8_int8", "w8a8_fp8") for _, s in config.groups)
+    return False
+
+
+def step_compiler_options(config: Any, platform: str, triton_gemm: str = "auto") -> dict[str, Any]:
+    """XLA options for every step executable of a model quantized by ``config`` (None: float)
+    on ``platform`` (``jax.default_backend()``); ``{}`` keeps XLA's defaults.
+
+    With ``triton_gemm="auto"``, on a GPU a model with 8-bit GEMMs (:func:`runs_8bit_gemms`)
+    compiles with Triton GEMM fusions off. XLA's default turns an FP8 or INT8 ``dot_general``
+    into a Triton GEMM fusion that its autotuner then compiles in many tilings per shape and per
+    step bucket (start-up);
+    without it, XLA's GEMM rewriter maps the FP8 dot with its scale multiplications onto
+    cuBLASLt's FP8 GEMM (``__cublas$lt$matmul$f8``) and the INT8 dot onto cuBLASLt's INT8 GEMM,
+    at every token count above the weight-only GEMV's (``docs/quantization.md``, "FP8 on
+    cuBLASLt"). ``on`` / ``off`` force either choice on a GPU (benchmarks compare them).
+
+    Raises:
+        ValueError: ``triton_gemm`` outside :data:`TRITON_GEMM_CHOICES`.
+    """
+    if triton_gemm not in TRITON_GEMM_CHOICES:
+        raise ValueError(f"triton_gemm must be one of {TRITON_GEMM_CHOICES}, got {triton_gemm!r}")
+    if platform != "gpu":
+        return {}
+    if triton_gemm == "auto":
+        triton_gemm = "off" if runs_8bit_gemms(config) else "on"
+    return {} if triton_gemm == "on" else {"xla_gpu_enable_triton_gemm": False}

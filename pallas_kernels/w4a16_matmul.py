@@ -111,6 +111,14 @@ class W4A16Tiling:
         defer: with ``fold`` and without ``dot``, multiply ``v`` by ``16 s`` per weight (four
             operations) and sum the products once after the loop, instead of reducing each
             slot's rows every step (a cross-thread reduction per slot and step).
+        slots3d: the decode GEMV form (elementwise, the fold's arithmetic; overrides ``dot``,
+            ``swap``, ``magic``, ``fold`` and ``defer``): the eight slots of a K-step are one
+            ``[8, block_k, block_n]`` tile, so a step makes four loads (the words, ``x`` as
+            ``[block_t, 8, block_k]``, and the eight slots' scale and zero rows as ``[8,
+            block_n]`` each) instead of 25, and one reduction over ``k`` per step. Needs
+            ``group_size`` to divide ``in / 8`` (each slot's rows start on a group boundary);
+            ``block_n * block_k`` of at most ``64 * num_warps * 32 / 8`` keeps the ``[8, block_k,
+            block_n]`` tile in registers.
     """
 
     block_t: int = 64
@@ -124,6 +132,7 @@ class W4A16Tiling:
     magic: bool = True
     fold: bool = False
     defer: bool = False
+    slots3d: bool = False
 
 
 # Defaults by token count, (largest T, tiling), first match wins. Measured on an H100 (tree
@@ -280,6 +289,65 @@ def _w4a16_kernel(
         pltriton.store(o_ref.at[toks, cols], acc.astype(o_ref.dtype), mask=mask)
 
 
+def _w4a16_slots3d_kernel(
+    x_ref,  # [T, 8, P]: x with slot j's rows j * P .. (j + 1) * P - 1 on axis 1
+    w_ref,  # i32[P, out]
+    s_ref,  # [8, P / group_size, out]: slot j's groups on axis 1
+    z_ref,  # i8[8, P / group_size, out]
+    o_ref,  # as _w4a16_kernel's
+    *,
+    group_size: int,
+    block_t: int,
+    block_n: int,
+    block_k: int,
+    steps_per_split: int,
+    partials: bool,
+):
+    """The ``slots3d`` decode form (:class:`W4A16Tiling`): per K-step one ``[8, block_k,
+    block_n]`` tile of ``v = 1 + q / 16`` and ``sum_j 16 s_j (sum_k x_jk v_jk - (1 + z_j / 16)
+    sum_k x_jk)``, the fold's arithmetic (module docstring)."""
+    num_tokens = x_ref.shape[0]
+    planes, n_total = w_ref.shape
+    t0 = pl.program_id(0) * block_t
+    n0 = pl.program_id(1) * block_n
+    split = pl.program_id(2)
+    toks, cols = pl.ds(t0, block_t), pl.ds(n0, block_n)
+    t_ok = t0 + lax.broadcasted_iota(jnp.int32, (block_t, 1), 0) < num_tokens  # [bt, 1]
+    n_ok = n0 + lax.broadcasted_iota(jnp.int32, (1, block_n), 1) < n_total  # [1, bn]
+    n_tail = n_total % block_n != 0
+    x_mask = None
+    if num_tokens % block_t:
+        x_mask = jnp.broadcast_to(t_ok[:, :, None], (block_t, PACK, block_k))
+    w_mask = jnp.broadcast_to(n_ok, (block_k, block_n)) if n_tail else None
+    sz_mask = jnp.broadcast_to(n_ok, (PACK, block_n)) if n_tail else None
+    first_step = split * steps_per_split
+    num_steps = jnp.minimum(steps_per_split, planes // block_k - first_step)
+    # Slot j's nibble (bits 4j .. 4j + 3) moved to bits 19 .. 22, the top of a float32 mantissa.
+    shifts = 4 * lax.broadcasted_iota(jnp.int32, (PACK, 1, 1), 0)
+
+    def step(i, acc):
+        r0 = pl.multiple_of((first_step + i) * block_k, block_k)
+        group = r0 // group_size  # block_k divides group_size: one group per slot and step
+        words = _load(w_ref.at[pl.ds(r0, block_k), cols], w_mask)  # [bk, bn]
+        xs = _load(x_ref.at[toks, :, pl.ds(r0, block_k)], x_mask).astype(jnp.float32)
+        scale = _load(s_ref.at[:, group, cols], sz_mask).astype(jnp.float32)  # [8, bn]
+        zero = _load(z_ref.at[:, group, cols], sz_mask).astype(jnp.float32)
+        moved = jnp.left_shift(jnp.right_shift(words[None, :, :], shifts), 19)
+        v = lax.bitcast_convert_type((moved & 0x00780000) | 0x3F800000, jnp.float32)
+        part = jnp.sum(xs[:, :, :, None] * v[None, :, :, :], axis=2)  # [bt, 8, bn]
+        x_sum = jnp.sum(xs, axis=2, keepdims=True)  # [bt, 8, 1]
+        offset = 1.0 + zero * 0.0625  # [8, bn]
+        contrib = (part - offset[None, :, :] * x_sum) * (scale * 16.0)[None, :, :]
+        return acc + jnp.sum(contrib, axis=1)
+
+    acc = lax.fori_loop(0, num_steps, step, jnp.zeros((block_t, block_n), jnp.float32))
+    mask = t_ok & n_ok
+    if partials:
+        pltriton.store(o_ref.at[split, toks, cols], acc, mask=mask)
+    else:
+        pltriton.store(o_ref.at[toks, cols], acc.astype(o_ref.dtype), mask=mask)
+
+
 def _num_stages(tiling: W4A16Tiling, block_t: int, x_itemsize: int) -> int:
     """Pipeline stages whose tiles fit ``_SHARED_MEMORY_BUDGET``: one K-step holds eight
     ``[block_t, block_k]`` slices of ``x`` and one ``i32[block_k, block_n]`` tile of words."""
@@ -292,27 +360,37 @@ def _w4a16_matmul(x, qweight, scales, zeros, *, group_size, tiling, interpret):
     """The launch; arguments already checked."""
     tokens, _ = x.shape
     planes, out_features = qweight.shape
-    min_t = MIN_TILE if tiling.dot else 1
+    min_t = MIN_TILE if tiling.dot and not tiling.slots3d else 1
     block_t = min(tiling.block_t, max(min_t, pl.next_power_of_2(tokens)))
     block_t = max(block_t, min_t)
     block_n = min(tiling.block_n, max(MIN_TILE, pl.next_power_of_2(out_features)))
     grid_tn = (pl.cdiv(tokens, block_t), pl.cdiv(out_features, block_n))
     split_k = split_k_count(tiling.split_k, tiling.block_k, planes, grid_tn[0] * grid_tn[1])
     partials = split_k > 1
-    kernel = functools.partial(
-        _w4a16_kernel,
-        group_size=group_size,
-        block_t=block_t,
-        block_n=block_n,
-        block_k=tiling.block_k,
-        steps_per_split=pl.cdiv(planes // tiling.block_k, split_k),
-        partials=partials,
-        dot=tiling.dot,
-        swap=tiling.dot and tiling.swap and not tiling.fold,
-        magic=tiling.magic,
-        fold=tiling.fold,
-        defer=tiling.fold and tiling.defer and not tiling.dot,
-    )
+    if tiling.slots3d:  # free reshapes: slot j's rows (groups) on axis 1
+        x = x.reshape(tokens, PACK, planes)
+        scales = scales.reshape(PACK, -1, out_features)
+        zeros = zeros.reshape(PACK, -1, out_features)
+        kernel = functools.partial(
+            _w4a16_slots3d_kernel, group_size=group_size, block_t=block_t, block_n=block_n,
+            block_k=tiling.block_k, steps_per_split=pl.cdiv(planes // tiling.block_k, split_k),
+            partials=partials,
+        )  # fmt: skip
+    else:
+        kernel = functools.partial(
+            _w4a16_kernel,
+            group_size=group_size,
+            block_t=block_t,
+            block_n=block_n,
+            block_k=tiling.block_k,
+            steps_per_split=pl.cdiv(planes // tiling.block_k, split_k),
+            partials=partials,
+            dot=tiling.dot,
+            swap=tiling.dot and tiling.swap and not tiling.fold,
+            magic=tiling.magic,
+            fold=tiling.fold,
+            defer=tiling.fold and tiling.defer and not tiling.dot,
+        )
 
     def whole(shape):  # every program sees the whole array and masks its own tile
         return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
@@ -400,7 +478,12 @@ def w4a16_matmul(
             f"{zeros.dtype}{list(zeros.shape)}"
         )
     tiling = default_tiling(tokens) if tiling is None else tiling
-    min_t = MIN_TILE if tiling.dot else 1
+    if tiling.slots3d and planes % group_size:
+        raise ValueError(
+            f"slots3d needs group_size={group_size} to divide in / 8 = {planes} (each slot's "
+            "rows must start on a group boundary)"
+        )
+    min_t = MIN_TILE if tiling.dot and not tiling.slots3d else 1
     for name, tile, least in (
         ("block_t", tiling.block_t, min_t),
         ("block_n", tiling.block_n, MIN_TILE),

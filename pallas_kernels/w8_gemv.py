@@ -72,6 +72,11 @@ class W8GemvTiling:
             which runs at a fraction of the FMA rate. FP8 weights always take Triton's convert
             (Hopper converts e4m3 pairs in hardware; a bit-pattern version needs a branch for
             subnormals).
+        reduce_steps: with ``dot=False``, sum each step's products over ``k`` at once into a
+            ``[block_t, block_n]`` accumulator (a warp reduction along the contiguous axis per
+            step) instead of keeping ``[block_t, block_n, block_k]`` partial products to the
+            end: ``block_n * block_k / (32 * num_warps)`` fewer registers, so long K-steps
+            (many bytes in flight per program) fit.
     """
 
     max_block_t: int = 16
@@ -82,6 +87,7 @@ class W8GemvTiling:
     num_stages: int = 3
     dot: bool = True
     bits: bool = False
+    reduce_steps: bool = False
 
 
 DEFAULT_TILING = W8GemvTiling()
@@ -111,6 +117,7 @@ def _w8_gemv_kernel(
     weight_dtype: Any,
     dot: bool,
     bits: bool,
+    reduce_steps: bool,
 ):
     num_tokens, k_total = x_ref.shape
     n_total = w_ref.shape[0]
@@ -147,17 +154,18 @@ def _w8_gemv_kernel(
             w = _float_from_int8(w)
         elif w.dtype != weight_dtype:  # FP8 travels as its bytes (see _w8_gemv)
             w = lax.bitcast_convert_type(w, weight_dtype)
-        if not dot:  # [bt, bn, bk] products in float32, summed over k after the loop
-            return acc + x.astype(jnp.float32)[:, None, :] * w.astype(jnp.float32)[None]
+        if not dot:  # [bt, bn, bk] products in float32, summed over k now or after the loop
+            products = x.astype(jnp.float32)[:, None, :] * w.astype(jnp.float32)[None]
+            return acc + (jnp.sum(products, axis=2) if reduce_steps else products)
         w = w.astype(x.dtype)  # exact: e4m3 and int8 values are all representable
         dims = (((1,), (1,)), ((), ()))  # x_tile @ w_tile.T
         return acc + lax.dot_general(
             x, w, dims, precision=precision, preferred_element_type=jnp.float32
         )
 
-    acc_shape = (block_t, block_n) if dot else (block_t, block_n, block_k)
+    acc_shape = (block_t, block_n) if dot or reduce_steps else (block_t, block_n, block_k)
     acc = lax.fori_loop(0, num_steps, step, jnp.zeros(acc_shape, jnp.float32))
-    if not dot:
+    if not dot and not reduce_steps:
         acc = jnp.sum(acc, axis=2)
     n_ok_row = n0 + lax.broadcasted_iota(jnp.int32, (1, block_n), 1) < n_total
     pltriton.store(o_ref.at[split, toks, cols], acc, mask=t_ok & n_ok_row)
@@ -183,6 +191,7 @@ def _w8_gemv(x, w, scale, *, interpret, tiling):
         weight_dtype=w.dtype,
         dot=tiling.dot,
         bits=tiling.bits,
+        reduce_steps=tiling.reduce_steps,
     )
     # Pallas Triton pads a masked load with an integer zero it cannot cast to FP8, so FP8
     # weights enter the kernel as their bytes (a free bitcast) and are reinterpreted after.

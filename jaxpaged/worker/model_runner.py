@@ -91,8 +91,11 @@ class ModelRunner:
         max_logprobs: int = 20,
         mesh: Mesh | None = None,
         lora_manager=None,
+        compiler_options: dict | None = None,
     ):
         self.lora_manager = lora_manager
+        # XLA options every bucket compiles with (models.linear_backends.step_compiler_options).
+        self.compiler_options = dict(compiler_options) if compiler_options else None
         # The parameters as one flat list of arrays, split from the module once (device_weights).
         self.weights = DeviceWeights(model, mesh)
         self.kv_caches = kv_caches
@@ -288,7 +291,7 @@ class ModelRunner:
         return PackedLayout(key.num_tokens, key.num_seqs, self.max_blocks, words)
 
     def _lower_and_compile(self, key: BucketKey) -> jax.stages.Compiled:
-        return self.lower(key).compile()
+        return self.lower(key).compile(self.compiler_options)
 
     def lower(self, key: BucketKey, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         """The program of bucket ``key`` lowered for ``platforms`` (None: the default backend;

@@ -55,6 +55,7 @@ from jaxpaged.worker.weight_update import update_device_weights
 from models.attention import kv_cache_head_dim
 from models.attention_backends import resolve_attention_backend
 from models.kv_scales import attach_kv_scales, read_kv_scales
+from models.linear_backends import step_compiler_options
 from models.orbax_checkpoint import is_orbax_checkpoint, load_orbax_model
 from models.platform import target_platform
 from models.quantized_weights import quantized_weight_bytes
@@ -371,6 +372,9 @@ class Worker:
             vocab_size=self.vocab_size,
             max_logprobs=self.config.model_config.max_logprobs,
             lora_manager=self.lora_manager,
+            compiler_options=step_compiler_options(
+                self.config.model_config.quant_config, self.platform
+            ),
         )
 
     def reset_kv_caches(self, fill_value: float = 0.0) -> None:

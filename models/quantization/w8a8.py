@@ -137,6 +137,10 @@ def scaled_matmul(
         x_q, weight, (((x_q.ndim - 1,), (1,)), ((), ())), preferred_element_type=acc_dtype
     )
     w_scale = jnp.reshape(weight_scale.astype(jnp.float32), (-1,))
+    if acc_dtype == jnp.float32 and w_scale.size == 1:
+        # A per-tensor scale multiplied straight onto the FP8 dot: XLA's GEMM rewriter folds it
+        # into cuBLASLt's FP8 GEMM as the B scale (docs/quantization.md, "FP8 on cuBLASLt").
+        return (acc * w_scale[0] * x_scale).astype(out_dtype)
     return (acc.astype(jnp.float32) * x_scale * w_scale).astype(out_dtype)
 
 

@@ -57,6 +57,11 @@ CASES = [
         T(block_t=2, block_n=32, block_k=16, split_k=3, dot=False, fold=True, defer=True),
     ),  # fmt: skip
     (16, 512, 40, 32, T(block_t=16, block_n=32, block_k=16, split_k=2, fold=True)),
+    # slots3d (the eight slots as one tile): N tail and 3 splits; a T tail over token tiles
+    # of 2 with the result written directly (split_k = 1); groups of 32 (four per plane)
+    (1, 1024, 80, 128, T(block_t=1, block_n=32, block_k=16, split_k=3, slots3d=True)),
+    (5, 512, 48, 64, T(block_t=2, block_n=32, block_k=32, split_k=1, slots3d=True)),
+    (3, 2048, 64, 32, T(block_t=4, block_n=16, block_k=16, slots3d=True, num_warps=1)),
     # dots, T = 3 padded to 16 rows, K split by default
     (3, 512, 64, 32, T(block_t=16, block_n=32, block_k=16)),
     # T = 16, swapped operands (weight tile first), groups of 256, N tail
@@ -87,15 +92,20 @@ def test_kernel_matches_reference_float32(
 
 
 @pytest.mark.parametrize("interpret", INTERPRET_MODES)
-@pytest.mark.parametrize("dot,fold", [(True, False), (False, False), (True, True), (False, True)])
-def test_kernel_bfloat16(dot, fold, interpret):
+@pytest.mark.parametrize(
+    "dot,fold,slots3d",
+    [(True, False, False), (False, False, False), (True, True, False), (False, True, False),
+     (False, False, True)],
+)  # fmt: skip
+def test_kernel_bfloat16(dot, fold, slots3d, interpret):
     """bf16 in and out, bf16 scales: T over two tiles with a tail, two N tiles, K split."""
     rng = np.random.default_rng(7)
     w = _kernel_weights(rng, 1024, 64, 128)
     w["scales"] = w["scales"].astype(jnp.bfloat16)
     tokens = 19 if dot else 3
     x = jnp.asarray(rng.standard_normal((tokens, 1024)), jnp.bfloat16)
-    tiling = T(block_t=16 if dot else 2, block_n=32, block_k=16, split_k=2, dot=dot, fold=fold)
+    tiling = T(block_t=16 if dot else 2, block_n=32, block_k=16, split_k=2, dot=dot, fold=fold,
+               slots3d=slots3d)  # fmt: skip
     got = w4a16_matmul(x, **w, group_size=128, tiling=tiling, interpret=interpret)
     want = w4a16_matmul_reference(x, **w, group_size=128)
     assert got.dtype == jnp.bfloat16
@@ -113,6 +123,15 @@ def test_kernel_bfloat16(dot, fold, interpret):
         (dict(tiling=T(block_t=48, block_k=16)), "block_t"),
         (dict(tiling=T(block_t=8, block_k=16)), "block_t must be a power of two >= 16"),
         (dict(tiling=T(block_k=16, split_k=0)), "split_k"),
+        (
+            dict(
+                tiling=T(block_k=16, slots3d=True),
+                group_size=256,
+                scales=np.ones((4, 64), np.float32),
+                zeros=np.ones((4, 64), np.int8),
+            ),
+            "slots3d needs group_size",
+        ),  # in / 8 = 128 rows per slot: a group of 256 straddles two slots
         (dict(qweight=np.zeros((16, 64), np.int32)), "qweight"),
         (dict(scales=np.ones((2, 64), np.float32)), "scales"),
         (dict(zeros=np.ones((8, 64), np.float32)), "zeros"),

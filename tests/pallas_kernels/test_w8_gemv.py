@@ -18,6 +18,11 @@ VARIANTS = [
     W8GemvTiling(max_block_t=1, block_n=32, block_k=64, split_k=3, dot=False),
     W8GemvTiling(max_block_t=4, block_n=32, block_k=64, split_k=2, dot=False, bits=True),
     W8GemvTiling(block_n=32, block_k=64, split_k=3, bits=True, num_warps=8),
+    # each step's products summed at once (one program per 16 outputs over all of K, and split)
+    W8GemvTiling(
+        max_block_t=2, block_n=16, block_k=128, split_k=1, dot=False, bits=True, reduce_steps=True
+    ),
+    W8GemvTiling(max_block_t=1, block_n=32, block_k=64, split_k=3, dot=False, reduce_steps=True),
 ]
 
 
@@ -73,8 +78,11 @@ def test_bfloat16_is_the_float32_result_rounded_once(dtype, scale_kind, num_toke
     assert (err <= 2.0**-8 * np.abs(ref) + 2.0**-14 * magnitude).all(), err.max()
 
 
+VARIANT_IDS = ["elementwise", "elementwise-bits", "dot-bits", "reduce-whole-k", "reduce-split"]
+
+
 @pytest.mark.parametrize("num_tokens", [3, 16])
-@pytest.mark.parametrize("tiling", VARIANTS, ids=["elementwise", "elementwise-bits", "dot-bits"])
+@pytest.mark.parametrize("tiling", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "int8"])
 @pytest.mark.parametrize("interpret", INTERPRET_MODES)
 def test_variants_match_the_reference(dtype, tiling, num_tokens, interpret):

@@ -113,6 +113,24 @@ def test_fp8_matmul_is_lowered_with_fp8_operands_and_float32_result():
     assert len(dots) == 1 and "xi8>" in dots[0] and "-> tensor<4x40xi32>" in dots[0]
 
 
+def test_fp8_per_tensor_weight_scale_multiplies_the_dot_result_first():
+    """The pattern XLA's GEMM rewriter folds into cuBLASLt's FP8 GEMM (its B scale): the dot's
+    f32 result times the broadcast scalar weight scale, before the per-token activation scale.
+    A per-channel scale cannot fold and stays after it."""
+    x = jnp.zeros((4, IN), jnp.bfloat16)
+    w = jnp.zeros((OUT, IN), jnp.float8_e4m3fn)
+    lines = jax.jit(w8a8_linear).lower(x, w, jnp.ones((1,), jnp.float32)).as_text().splitlines()
+    dot = next(line.split(" = ")[0].strip() for line in lines if "dot_general" in line)
+    scalar = next(
+        line.split(" = ")[0].strip()
+        for line in lines
+        if "broadcast_in_dim" in line and "(tensor<f32>) -> tensor<4x40xf32>" in line
+    )
+    assert any(f"stablehlo.multiply {dot}, {scalar}" in line for line in lines)
+    text = jax.jit(w8a8_linear).lower(x, w, jnp.ones((OUT,), jnp.float32)).as_text()
+    assert "(tensor<f32>) -> tensor<4x40xf32>" not in text  # per channel: no scalar to fold
+
+
 def test_scaled_matmul_refuses_mixed_or_float_operands():
     with pytest.raises(ValueError, match="must share a dtype"):
         scaled_matmul(
