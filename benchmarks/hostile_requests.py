@@ -46,10 +46,10 @@ def _rss_mb(pid: int) -> float | None:
 
 def _start(args):
     import uvicorn
-    from jaxpaged.engine.core_client import EngineCoreClient
     from transformers import AutoTokenizer
 
     from jaxpaged.config import EngineArgs, default_model_path
+    from jaxpaged.engine_core.core_client import EngineCoreClient
     from jaxpaged.entrypoints.openai.api_server import build_app
     from jaxpaged.entrypoints.openai.serve_config import ServeConfig
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 33 in one GPU call (H100 or H200) of at most 9 minutes on a cold machine; each step has
+# Quantized faster than bf16: the whole GPU story in one call (H100 or H200) of at most 9 minutes on a cold machine; each step has
 # its own time box inside the whole budget, writes JSON and a log to $OUT, and a failed or
 # skipped step leaves the others running. One table at the end (lib/quant_gpu_summary.py).
 #   1. tests   the W4A16 and 8-bit GEMV kernels' tests, compiled cases only (pytest; the

@@ -1,5 +1,5 @@
 """Where a quantized engine's start-up goes: each step bucket compiled alone, timed, and what XLA
-made of it (issue 33).
+made of it.
 
     python benchmarks/startup_probe.py --model benchmarks/configs/llama-3-8b --layers 2 \\
         --quantization fp8 --kv-cache-dtype fp8 --buckets profile,1d,16m,512m \\

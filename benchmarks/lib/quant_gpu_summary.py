@@ -1,5 +1,5 @@
 """The closing tables of ``benchmarks/quant_gpu.sh``: kernel checks, start-up probes, the
-per-layer sweep's best rows and the end-to-end rows against issue 33's targets.
+per-layer sweep's best rows and the end-to-end rows against the quantization targets (docs/quantization.md).
 
     python benchmarks/lib/quant_gpu_summary.py OUT      # reads OUT/*.json, OUT/*.log
 
@@ -24,7 +24,7 @@ E2E_ROWS = {  # row -> label
     "awq": "AWQ 4-bit, linear_backend auto",
     "gptq": "GPTQ 4-bit, linear_backend auto",
 }
-# Issue 33's targets, as multiples of bf16 in the same run (throughput at least, batch-1 TPOT at
+# The quantization targets, as multiples of bf16 in the same run (throughput at least, batch-1 TPOT at
 # most: the H100 ratios the issue gives; on an H200 the absolute TPOTs are 2.6 / 2.8 / 2.0 ms).
 TARGETS = {"fp8": (1.4, 0.60), "int8": (1.2, 0.64), "awq": (1.1, 0.46), "gptq": (1.1, 0.46)}
 STARTUP_SLACK_S = 20.0  # start-up to the first token at most bf16's + 20 s

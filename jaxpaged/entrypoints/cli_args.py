@@ -18,10 +18,9 @@ from collections.abc import Mapping
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine_core.dp_balancer import DP_ROUTING_CHOICES
 from jaxpaged.entrypoints.env import api_key_from_env, server_dev_mode_from_env
+from jaxpaged.entrypoints.openai.serve_config import UVICORN_LOG_LEVELS
 from jaxpaged.entrypoints.openai.template_sandbox import DEFAULT_MAX_QUEUED, DEFAULT_NUM_WORKERS
 from jaxpaged.metrics import DEFAULT_METRICS_PREFIX, METRICS_PREFIX_CHOICES
-
-UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 # vLLM's short aliases of engine flags.
 _SHORT_FLAGS = {"quantization": ("-q",)}

@@ -13,6 +13,7 @@ from scipy import stats
 
 from jaxpaged.sample.logits_state import LogitsState, allocate_logits_state
 from jaxpaged.sample.metadata import SamplerVariant
+from jaxpaged.sampling_params import MAX_LOGPROB_TOKEN_IDS
 from jaxpaged.spec_decode.rejection_sampler import rejection_sample
 from tests.sample.conftest import make_metadata
 from tests.sample.test_penalties import numpy_penalties
@@ -92,7 +93,8 @@ def _state_with_row(v, counts=None, prompt=None, stop=None, bias=None) -> Logits
         return jnp.asarray(out)
 
     return LogitsState(
-        rows(counts, np.int32), rows(prompt, bool), rows(stop, bool), rows(bias, np.float32)
+        rows(counts, np.int32), rows(prompt, bool), rows(stop, bool), rows(bias, np.float32),
+        jnp.full((2, MAX_LOGPROB_TOKEN_IDS), -1, jnp.int32),
     )
 
 

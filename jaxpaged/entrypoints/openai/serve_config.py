@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpaged.engine.dp_balancer import DP_ROUTING_CHOICES
-from jaxpaged.entrypoints.cli_args import UVICORN_LOG_LEVELS
+from jaxpaged.engine_core.dp_balancer import DP_ROUTING_CHOICES
 from jaxpaged.entrypoints.openai.serving_models import LoRAModulePath
 from jaxpaged.entrypoints.openai.template_sandbox import DEFAULT_MAX_QUEUED, DEFAULT_NUM_WORKERS
 from jaxpaged.metrics import DEFAULT_METRICS_PREFIX, METRICS_PREFIX_CHOICES
+
+# uvicorn's --log-level values (``--uvicorn-log-level``).
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclasses.dataclass(frozen=True)
