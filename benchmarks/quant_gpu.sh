@@ -12,7 +12,7 @@
 #   3. sweep   quant_kernels.py per layer at T = 1 (the floors: every W4A16 and 8-bit GEMV
 #              candidate, the new slots3d and reduce_steps forms included, against bf16 and
 #              W8A8); sweep-all: T = 16 ... 1024, each kernel's first two candidates
-#   4. e2e     scripts/benchmark_e2e_suite.py per row, one engine process each, cold caches:
+#   4. e2e     benchmarks/e2e_suite.py per row, one engine process each, cold caches:
 #              1000 x 128/128 output tok/s, batch-1 TPOT at 128/128 and start-up; rows that
 #              no longer fit the budget are listed with the command that runs them
 #   bash benchmarks/quant_gpu.sh              # GPU
@@ -165,7 +165,7 @@ if wants e2e; then
             continue
         fi
         mkdir -p "$OUT/e2e-$row"
-        step "e2e-$row" $ROW_BOX $PY scripts/benchmark_e2e_suite.py --model $model $ENGINE \
+        step "e2e-$row" $ROW_BOX $PY benchmarks/e2e_suite.py --model $model $ENGINE \
             $extra $WORK --compilation-cache-dir "$CACHE" --workloads random latency \
             --output-dir "$OUT/e2e-$row"
         grep -E "Start-up|Throughput|Avg time per output" "$OUT/e2e-$row.log" | tail -3

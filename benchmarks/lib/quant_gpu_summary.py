@@ -6,7 +6,7 @@ per-layer sweep's best rows and the end-to-end rows against the quantization tar
 Reads what each step left (a missing file is reported, never fatal): ``kernel_tests.log``,
 ``probe-*.json`` (``benchmarks/startup_probe.py``), ``quant_kernels.json`` and
 ``quant_kernels-all.json`` (``benchmarks/quant_kernels.py``) and ``e2e-<row>/suite.json``
-(``scripts/benchmark_e2e_suite.py``).
+(``benchmarks/e2e_suite.py``).
 Writes ``summary.json`` beside them.
 """
 

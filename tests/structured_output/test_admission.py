@@ -395,5 +395,5 @@ def test_hostile_grammars_beside_normal_requests(budget_llm):
     # The 50,000-string grammar held ~65 MB compiled: it may not stay alive. The process keeps
     # some freed memory in its allocator's per-thread arenas (measured: under 130 MB after any
     # number of such compilations, where each kept grammar would add 65 MB).
-    assert _live_compiled_grammars() == grammars
+    assert _live_compiled_grammars() <= grammars  # earlier tests' grammars may go meanwhile
     assert _rss_bytes() - baseline < 160 << 20
