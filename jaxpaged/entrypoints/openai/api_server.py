@@ -59,7 +59,6 @@ from jaxpaged.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelList,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -68,6 +67,7 @@ from jaxpaged.entrypoints.openai.serving_chat import OpenAIServingChat, load_cha
 from jaxpaged.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxpaged.entrypoints.openai.serving_models import (
     LoRAModulePath,
+    ModelList,
     OpenAIServingModels,
     add_lora_routes,
 )
