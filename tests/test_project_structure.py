@@ -58,6 +58,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # What a request is and carries: parameters, outputs, sequences, adapters, grammars, text.
     (
         "jaxpaged.sampling_params",
+        "jaxpaged.param_errors",  # the error every request-parameter check raises
         "jaxpaged.outputs",
         "jaxpaged.sequence",
         "jaxpaged.beam_search",
