@@ -1,5 +1,5 @@
-"""The requests of ``jaxpaged bench serve``: ``random`` token-id prompts or ``sharegpt`` conversations
-(vLLM's ``benchmark_serving.py`` datasets and filters).
+"""The requests of ``jaxpaged bench serve``: ``random`` token-id prompts or ``sharegpt``
+conversations (vLLM's ``benchmark_serving.py`` datasets and filters).
 
 ``random`` needs no tokenizer: prompts are token ids, lengths drawn around the asked ones.
 ``sharegpt`` reads a ShareGPT-format JSON (``[{"conversations": [{"from": "human", "value":
