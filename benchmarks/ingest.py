@@ -5,7 +5,7 @@ engine runs small batches until they have reached its waiting queue. This script
 ingestion alone, on the CPU: an engine core that never steps (``IngestOnlyCore``, stories260k),
 ``--api-server-count`` API processes as ``jaxpaged serve`` runs them
 (``multi_api_server.run_api_server`` on one shared socket), and ``--num-prompts`` requests shaped
-as ``jaxpaged bench serve`` sends them (``jaxpaged.benchmarks.serving.send_request``: streaming,
+as ``jaxpaged bench serve`` sends them (``jaxpaged.benchmarks.serving_load.send_request``: streaming,
 ``include_usage``, ``ignore_eos``, temperature 0, ``max_tokens`` 128; a prompt of
 ``--prompt-len`` random token ids with the engine at ``--skip-tokenizer-init``, as on the H200,
 or ``--text`` prompts of about as many tokens with the tokenizer loaded).

@@ -13,7 +13,7 @@ _EXPORTS = {
     "LLMEngine": "jaxpaged.engine.llm_engine",
     "EngineArgs": "jaxpaged.config",
     "SamplingParams": "jaxpaged.sampling_params",
-    "StructuredOutputsParams": "jaxpaged.sampling_params",
+    "StructuredOutputsParams": "jaxpaged.structured_output.params",
     "RequestOutput": "jaxpaged.outputs",
     "CompletionOutput": "jaxpaged.outputs",
     "BeamSearchParams": "jaxpaged.beam_search",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxpaged.sampling_params import SamplingParamsError
+from jaxpaged.param_errors import SamplingParamsError
 
 
 @dataclasses.dataclass

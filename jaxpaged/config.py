@@ -341,85 +341,18 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
+        """Check every field of ``args`` and derive the typed configs, reading the model's
+        ``config.json`` (a Hub id is downloaded first).
+
+        Raises:
+            ValueError: naming the field, the rule and the value received.
+        """
         import_model_impl(args.model_impl_module)  # registers its architectures
         _check_choice("logprobs_mode", args.logprobs_mode, LOGPROBS_MODES)
-        model = args.model or default_model_path()
-        # A Hub id becomes its local snapshot directory (models.hub); a directory stays as is.
-        model = resolve_model_path(
-            model, revision=args.revision, download_dir=args.download_dir,
-            require_weights=args.load_format != "dummy",
-        )  # fmt: skip
-        config_path = os.path.join(model, "config.json")
-        if not os.path.isdir(model):
-            raise ValueError(
-                f"model directory {model!r} does not exist (give a local HF model directory)"
-            )
-        if not os.path.isfile(config_path):
-            raise ValueError(f"model directory {model!r} has no config.json")
-        hf_config_json = read_config_json(config_path)
-
-        _check_choice("dtype", args.dtype, DTYPE_CHOICES)
-        _check_choice("load_format", args.load_format, _LOAD_FORMATS)
-        _check_choice("attention_backend", args.attention_backend, ATTENTION_BACKEND_CHOICES)
-        _check_choice("block_size", args.block_size, BLOCK_SIZE_CHOICES)
-        _check_choice("preemption_mode", args.preemption_mode, PREEMPTION_MODES)
-        _check_kv_cache_dtype(args)
-        if not args.swap_space >= 0:
-            raise ValueError(
-                f"swap_space must be a non-negative number of GiB, got {args.swap_space}"
-            )
-        if not 0.0 < args.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
-            )
-        if args.max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be non-negative or -1, got {args.max_logprobs}")
-        if args.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {args.max_num_seqs}")
-        if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
-            raise ValueError(
-                f"num_gpu_blocks_override must be at least 1, got {args.num_gpu_blocks_override}"
-            )
-        if args.kv_cache_memory_bytes is not None and args.kv_cache_memory_bytes < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes must be positive, got {args.kv_cache_memory_bytes}"
-            )
-
-        # Quantization: resolved once here (auto-detection, flag/checkpoint mismatch); a
-        # `jaxpaged convert` directory records the quantization its tensors were made with, and
-        # the device count it was sharded for (checked before any process starts).
-        orbax_meta = None
-        if args.load_format != "dummy" and is_orbax_checkpoint(model):
-            orbax_meta = read_metadata(model)
-            quant_config = checkpoint_quantization(
-                model, orbax_meta, hf_config_json, args.quantization
-            )
-        else:
-            quant_config = resolve_quantization(
-                args.quantization, hf_config_json.get("quantization_config"), args.load_format
-            )
-        parallel_config = _parallel_config(args, hf_config_json)
-        if orbax_meta is not None:
-            check_shard_count(model, orbax_meta, parallel_config.tensor_parallel_size)
-        _check_choice("linear_backend", args.linear_backend, LINEAR_BACKEND_CHOICES)
-        quant_config = with_linear_backend(
-            quant_config, args.linear_backend,
-            tensor_parallel_size=parallel_config.tensor_parallel_size,
-        )  # fmt: skip
-        # GPT-2 names it n_positions; BLOOM (ALiBi) has none: vLLM's default of 2048.
-        model_limit = int(
-            hf_config_json.get("max_position_embeddings")
-            or hf_config_json.get("n_positions")
-            or 2048
-        )
-        max_model_len = args.max_model_len if args.max_model_len is not None else model_limit
-        if max_model_len < 1:
-            raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
-        if max_model_len > model_limit:
-            raise ValueError(
-                f"max_model_len ({max_model_len}) is larger than the model's "
-                f"max_position_embeddings ({model_limit})"
-            )
+        model, hf_config_json = _model_directory(args)
+        _check_engine_args(args)
+        quant_config, parallel_config = _quantization_and_parallelism(args, model, hf_config_json)
+        max_model_len = _max_model_len(args, hf_config_json)
         max_num_batched_tokens = args.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, args.max_num_seqs)
@@ -429,25 +362,7 @@ class EngineConfig:
                 f"max_num_seqs ({args.max_num_seqs}) so every running sequence can decode"
             )
         return cls(
-            model_config=ModelConfig(
-                model=model,
-                tokenizer=args.tokenizer or model,
-                skip_tokenizer_init=bool(args.skip_tokenizer_init),
-                dtype=args.dtype,
-                max_model_len=max_model_len,
-                load_format=args.load_format,
-                seed=args.seed,
-                hf_config_json=hf_config_json,
-                # -1: the whole vocabulary (the step then ranks every token: vLLM's meaning).
-                max_logprobs=(
-                    int(hf_config_json.get("vocab_size", 0))
-                    if args.max_logprobs == -1
-                    else args.max_logprobs
-                ),
-                logprobs_mode=args.logprobs_mode,
-                quantization=args.quantization,
-                quant_config=quant_config,
-            ),
+            model_config=_model_config(args, model, hf_config_json, max_model_len, quant_config),
             cache_config=CacheConfig(
                 block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization,
@@ -485,6 +400,123 @@ class EngineConfig:
                 ),
             ),
         )
+
+
+def _model_directory(args: EngineArgs) -> tuple[str, dict]:
+    """The model's local directory (a Hub id becomes its snapshot, ``models.hub``; a directory
+    stays as is) and its ``config.json``."""
+    model = args.model or default_model_path()
+    model = resolve_model_path(
+        model, revision=args.revision, download_dir=args.download_dir,
+        require_weights=args.load_format != "dummy",
+    )  # fmt: skip
+    config_path = os.path.join(model, "config.json")
+    if not os.path.isdir(model):
+        raise ValueError(
+            f"model directory {model!r} does not exist (give a local HF model directory)"
+        )
+    if not os.path.isfile(config_path):
+        raise ValueError(f"model directory {model!r} has no config.json")
+    return model, read_config_json(config_path)
+
+
+def _check_engine_args(args: EngineArgs) -> None:
+    """The checks of fields that need nothing but their own value."""
+    _check_choice("dtype", args.dtype, DTYPE_CHOICES)
+    _check_choice("load_format", args.load_format, _LOAD_FORMATS)
+    _check_choice("attention_backend", args.attention_backend, ATTENTION_BACKEND_CHOICES)
+    _check_choice("block_size", args.block_size, BLOCK_SIZE_CHOICES)
+    _check_choice("preemption_mode", args.preemption_mode, PREEMPTION_MODES)
+    _check_kv_cache_dtype(args)
+    if not args.swap_space >= 0:
+        raise ValueError(f"swap_space must be a non-negative number of GiB, got {args.swap_space}")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ValueError(
+            f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
+        )
+    if args.max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be non-negative or -1, got {args.max_logprobs}")
+    if args.max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {args.max_num_seqs}")
+    if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
+        raise ValueError(
+            f"num_gpu_blocks_override must be at least 1, got {args.num_gpu_blocks_override}"
+        )
+    if args.kv_cache_memory_bytes is not None and args.kv_cache_memory_bytes < 1:
+        raise ValueError(
+            f"kv_cache_memory_bytes must be positive, got {args.kv_cache_memory_bytes}"
+        )
+
+
+def _quantization_and_parallelism(
+    args: EngineArgs, model: str, hf_config_json: dict
+) -> tuple[QuantizationConfig | None, ParallelConfig]:
+    """The quantization, resolved once here (auto-detection, flag/checkpoint mismatch) with its
+    linear backend, and the parallel layout. A `jaxpaged convert` directory records the
+    quantization its tensors were made with, and the device count it was sharded for (checked
+    before any process starts)."""
+    orbax_meta = None
+    if args.load_format != "dummy" and is_orbax_checkpoint(model):
+        orbax_meta = read_metadata(model)
+        quant_config = checkpoint_quantization(model, orbax_meta, hf_config_json, args.quantization)
+    else:
+        quant_config = resolve_quantization(
+            args.quantization, hf_config_json.get("quantization_config"), args.load_format
+        )
+    parallel_config = _parallel_config(args, hf_config_json)
+    if orbax_meta is not None:
+        check_shard_count(model, orbax_meta, parallel_config.tensor_parallel_size)
+    _check_choice("linear_backend", args.linear_backend, LINEAR_BACKEND_CHOICES)
+    quant_config = with_linear_backend(
+        quant_config, args.linear_backend,
+        tensor_parallel_size=parallel_config.tensor_parallel_size,
+    )  # fmt: skip
+    return quant_config, parallel_config
+
+
+def _max_model_len(args: EngineArgs, hf_config_json: dict) -> int:
+    """``max_model_len``, or the model's limit when None; at most that limit."""
+    # GPT-2 names it n_positions; BLOOM (ALiBi) has none: vLLM's default of 2048.
+    model_limit = int(
+        hf_config_json.get("max_position_embeddings") or hf_config_json.get("n_positions") or 2048
+    )
+    max_model_len = args.max_model_len if args.max_model_len is not None else model_limit
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
+    if max_model_len > model_limit:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) is larger than the model's "
+            f"max_position_embeddings ({model_limit})"
+        )
+    return max_model_len
+
+
+def _model_config(
+    args: EngineArgs,
+    model: str,
+    hf_config_json: dict,
+    max_model_len: int,
+    quant_config: QuantizationConfig | None,
+) -> ModelConfig:
+    return ModelConfig(
+        model=model,
+        tokenizer=args.tokenizer or model,
+        skip_tokenizer_init=bool(args.skip_tokenizer_init),
+        dtype=args.dtype,
+        max_model_len=max_model_len,
+        load_format=args.load_format,
+        seed=args.seed,
+        hf_config_json=hf_config_json,
+        # -1: the whole vocabulary (the step then ranks every token: vLLM's meaning).
+        max_logprobs=(
+            int(hf_config_json.get("vocab_size", 0))
+            if args.max_logprobs == -1
+            else args.max_logprobs
+        ),
+        logprobs_mode=args.logprobs_mode,
+        quantization=args.quantization,
+        quant_config=quant_config,
+    )
 
 
 def read_config_json(config_path: str) -> dict:

@@ -134,16 +134,37 @@ class ServerMetrics:
         self.max_loras = max_loras
         self.observes_engine = observes_engine
         self.multiprocess = multiprocess
-        prefix = prefix + ":"
-        labels = (model_name, str(engine_index))
+        # Registered in this order, which is the exposition's.
+        self._add_engine_state_metrics()
+        self._add_counters()
+        self._add_lora_info()
+        self._add_latency_histograms()
+        self._requests: dict[str, _RequestTimes] = {}
+        self._last_stats = _Counters()
+        self.spec_decode_counters = None
+        if num_speculative_tokens:
+            self.spec_decode_counters = _SpecDecodeCounters(
+                self._labelled, self.prefix + ":", self._labels, self.registry,
+                num_speculative_tokens,
+            )  # fmt: skip
 
-        def make(kind, name, doc, **kwargs):
-            return kind(
-                prefix + name, doc, ["model_name", "engine"], registry=self.registry, **kwargs
-            ).labels(*labels)
+    @property
+    def _labels(self) -> tuple[str, str]:
+        """The ``model_name`` and ``engine`` label values every metric but one carries."""
+        return (self.model_name, str(self.engine_index))
 
-        def gauge(name, doc):  # the engine's state, set by one process (see module doc)
-            return make(Gauge, name, doc, multiprocess_mode="mostrecent")
+    def _labelled(self, kind, name: str, doc: str, **kwargs):
+        """A ``kind`` metric ``<prefix>:<name>`` in this registry, at this server's labels."""
+        metric = kind(
+            f"{self.prefix}:{name}", doc, ["model_name", "engine"], registry=self.registry, **kwargs
+        )
+        return metric.labels(*self._labels)
+
+    def _add_engine_state_metrics(self) -> None:
+        """The engine's gauges, set by one process (module docstring)."""
+
+        def gauge(name, doc):
+            return self._labelled(Gauge, name, doc, multiprocess_mode="mostrecent")
 
         self.num_requests_running = gauge(
             "num_requests_running", "Number of requests in the running batch."
@@ -166,6 +187,11 @@ class ServerMetrics:
             "Compiled grammars kept by the structured-outputs cache, bytes "
             "(bounded by structured_outputs_config.grammar_cache_mb).",
         )
+
+    def _add_counters(self) -> None:
+        """The engine's cumulative counters (prefix cache, preemptions) and the per-request
+        ones (tokens, finished requests by reason)."""
+        make = self._labelled
         self.prefix_cache_queries = make(
             Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
@@ -176,14 +202,17 @@ class ServerMetrics:
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = make(Counter, "generation_tokens", "Generated tokens.")
         success = Counter(
-            prefix + "request_success",
+            f"{self.prefix}:request_success",
             "Finished requests by finish reason.",
             ["model_name", "engine", "finished_reason"],
             registry=self.registry,
         )
-        self.request_success = {r: success.labels(*labels, r) for r in FINISHED_REASONS}
+        self.request_success = {r: success.labels(*self._labels, r) for r in FINISHED_REASONS}
+
+    def _add_lora_info(self) -> None:
+        """vLLM's ``lora_requests_info`` (module docstring), set at once to no adapters."""
         self.lora_requests_info = Gauge(
-            prefix + "lora_requests_info",
+            f"{self.prefix}:lora_requests_info",
             "Running stats on LoRA requests: Unix time of the last update, labelled with the "
             "running and waiting adapters (comma-joined names) and max_lora.",
             ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
@@ -193,8 +222,11 @@ class ServerMetrics:
         self._lora_labels: tuple[str, str, str] | None = None
         self.observe_lora_adapters((), ())
 
+    def _add_latency_histograms(self) -> None:
+        """Per-request latencies in seconds, with vLLM v1's buckets."""
+
         def histogram(name, doc, buckets):
-            return make(Histogram, name, doc, buckets=buckets)
+            return self._labelled(Histogram, name, doc, buckets=buckets)
 
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first token, seconds.", TTFT_BUCKETS
@@ -232,14 +264,6 @@ class ServerMetrics:
             "First token to last token, seconds.",
             REQUEST_LATENCY_BUCKETS,
         )
-
-        self._requests: dict[str, _RequestTimes] = {}
-        self._last_stats = _Counters()
-        self.spec_decode_counters = None
-        if num_speculative_tokens:
-            self.spec_decode_counters = _SpecDecodeCounters(
-                make, prefix, labels, self.registry, num_speculative_tokens
-            )
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

@@ -11,12 +11,14 @@ line's raw bytes and the arrival time of the read that brought it; the JSON is d
 run (``decode_result``). Events that arrive in one read share one arrival time (an ITL of 0).
 The event loop is uvloop's when installed. ``--num-client-processes N`` splits the requests over
 N processes for loads one process cannot read (docs/benchmarks.md, "Serving through the engine-core
-process").
+process"). Sending and reading: ``serving_load.py``; this module parses the flags, runs the load
+and writes vLLM's result.
 
 Datasets: ``random`` sends token-id prompts (no tokenizer needed), lengths drawn around
 ``--random-input-len`` / ``--random-output-len`` by ``--random-range-ratio``;
 ``sharegpt`` reads a ShareGPT-format JSON (``[{"conversations": [{"from": "human", "value":
-...}, {"from": "gpt", "value": ...}]}]``) and counts tokens with the server's ``/tokenize``.
+...}, {"from": "gpt", "value": ...}]}]``) and counts tokens with the server's ``/tokenize``
+(``serving_dataset.py``).
 
     jaxpaged serve --max-model-len 512 &
     jaxpaged bench serve --dataset-name random --random-input-len 64 \\
@@ -27,10 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
-import multiprocessing
 import random
 import sys
 import time
@@ -40,310 +40,24 @@ from datetime import datetime
 import httpx
 import numpy as np
 
-from jaxpaged.benchmarks.sse_client import StreamedResponse, StreamingClient
+from jaxpaged.benchmarks.serving_dataset import (
+    SampleRequest,
+    sample_random_requests,
+    sample_sharegpt_requests,
+)
+from jaxpaged.benchmarks.serving_load import (
+    LoadSpec,
+    RequestResult,
+    arrival_offsets,
+    run_load,
+    run_load_processes,
+    run_loop,
+)
 
 try:
     from tqdm.asyncio import tqdm
 except ImportError:  # tqdm is a dependency of jaxpaged, but keep the script standalone
     tqdm = None
-
-
-@dataclasses.dataclass
-class SampleRequest:
-    prompt: str | list[int]
-    prompt_len: int
-    expected_output_len: int
-
-
-@dataclasses.dataclass
-class RequestResult:
-    success: bool = False
-    prompt_len: int = 0
-    output_tokens: int = 0
-    generated_text: str = ""
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = dataclasses.field(default_factory=list)
-    error: str = ""
-
-
-# --------------------------------------------------------------------------------- datasets
-def sample_random_requests(
-    num_prompts: int,
-    input_len: int,
-    output_len: int,
-    range_ratio: float,
-    prefix_len: int,
-    vocab_size: int,
-    rng: np.random.Generator,
-) -> list[SampleRequest]:
-    """Token-id prompts of ``prefix_len`` shared ids plus a length drawn uniformly in
-    ``[input_len * (1 - r), input_len * (1 + r)]``; output lengths likewise (vLLM's rule)."""
-    if not 0 <= range_ratio < 1:
-        raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
-    low_in, high_in = int(input_len * (1 - range_ratio)), int(input_len * (1 + range_ratio))
-    low_out, high_out = int(output_len * (1 - range_ratio)), int(output_len * (1 + range_ratio))
-    input_lens = rng.integers(max(low_in, 1), max(high_in, 1) + 1, size=num_prompts)
-    output_lens = rng.integers(max(low_out, 1), max(high_out, 1) + 1, size=num_prompts)
-    prefix = rng.integers(0, vocab_size, size=prefix_len).tolist()
-    requests = []
-    for n_in, n_out in zip(input_lens, output_lens, strict=True):
-        ids = prefix + rng.integers(0, vocab_size, size=int(n_in)).tolist()
-        requests.append(SampleRequest(ids, len(ids), int(n_out)))
-    return requests
-
-
-async def sample_sharegpt_requests(
-    path: str,
-    num_prompts: int,
-    fixed_output_len: int | None,
-    http: httpx.AsyncClient,
-    model: str,
-    rng: random.Random,
-) -> list[SampleRequest]:
-    """First human turn as prompt, first reply's token count as output length; drops pairs
-    under 4 tokens, prompts over 1024 and totals over 2048 tokens (vLLM's filter)."""
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    pairs = [
-        (d["conversations"][0]["value"], d["conversations"][1]["value"])
-        for d in data
-        if len(d.get("conversations", [])) >= 2
-    ]
-    rng.shuffle(pairs)
-
-    async def count(text: str) -> int:
-        response = await http.post("/tokenize", json={"model": model, "prompt": text})
-        response.raise_for_status()
-        return response.json()["count"]
-
-    requests = []
-    for prompt, reply in pairs:
-        if len(requests) == num_prompts:
-            break
-        prompt_len = await count(prompt)
-        output_len = fixed_output_len if fixed_output_len is not None else await count(reply)
-        if prompt_len < 4 or (fixed_output_len is None and output_len < 4):
-            continue
-        if prompt_len > 1024 or prompt_len + output_len > 2048:
-            continue
-        requests.append(SampleRequest(prompt, prompt_len, output_len))
-    if len(requests) < num_prompts:
-        raise ValueError(f"{path} has only {len(requests)} usable conversations")
-    return requests
-
-
-# ---------------------------------------------------------------------------------- traffic
-def arrival_offsets(num: int, request_rate: float, burstiness: float, seed: int) -> np.ndarray:
-    """Send times of ``num`` requests in seconds after the start, float64 ``[num]``: gaps drawn
-    from a gamma with shape k = ``burstiness`` and scale 1/(rate k), so the mean gap is 1/rate
-    (k = 1 is Poisson, k < 1 burstier; vLLM's --burstiness); rate inf: all at 0."""
-    if request_rate == float("inf"):
-        return np.zeros(num)
-    rng = np.random.default_rng(seed)
-    gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num)
-    return np.concatenate([[0.0], np.cumsum(gaps[:-1])]) if num else np.zeros(0)
-
-
-@dataclasses.dataclass
-class LoadSpec:
-    """What every request of a run shares (picklable, for the client processes)."""
-
-    base_url: str
-    headers: dict[str, str]
-    endpoint: str
-    chat: bool
-    model: str
-    args: argparse.Namespace
-
-
-async def run_load(
-    spec: LoadSpec,
-    requests: Sequence[SampleRequest],
-    offsets: Sequence[float],
-    max_concurrency: int | None,
-    start: float,
-    bar=None,
-) -> tuple[list[RequestResult], float]:
-    """Send ``requests[i]`` at ``perf_counter()`` time ``start + offsets[i]`` with at most
-    ``max_concurrency`` in flight; returns the decoded results (decoded once the last stream
-    ended) and the ``perf_counter()`` time the last one ended."""
-    client = StreamingClient(spec.base_url, spec.headers)
-    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-
-    async def limited(request: SampleRequest) -> RawResult:
-        async with semaphore or contextlib.nullcontext():
-            raw = await send_request(
-                client, spec.endpoint, spec.chat, spec.model, request, spec.args
-            )
-        if bar is not None:
-            bar.update(1)
-        return raw
-
-    tasks = []
-    for request, offset in zip(requests, offsets, strict=True):
-        delay = start + offset - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(limited(request)))
-    raws = await asyncio.gather(*tasks)
-    end = time.perf_counter()
-    await client.aclose()
-    return [decode_result(raw, spec.chat) for raw in raws], end
-
-
-def _client_process(connection, spec: LoadSpec, requests, offsets, max_concurrency) -> None:
-    """One of ``--num-client-processes``: says ready, waits for the start time, runs its share
-    and sends back ``(results, end)``."""
-    connection.send("ready")
-    start = connection.recv()
-    connection.send(_run_loop(run_load(spec, requests, offsets, max_concurrency, start)))
-    connection.close()
-
-
-def run_load_processes(
-    spec: LoadSpec,
-    requests: Sequence[SampleRequest],
-    offsets: Sequence[float],
-    max_concurrency: int | None,
-    num_processes: int,
-) -> tuple[list[RequestResult], float, float]:
-    """``run_load`` split over ``num_processes`` spawned processes: request i goes to process
-    i mod N with its own send time, so the whole schedule is the one a single process would
-    keep; ``max_concurrency`` is divided among them (the first ``max_concurrency mod N`` get
-    one more). All start at one ``perf_counter()`` time (a system-wide monotonic clock on
-    Linux) once every process is ready. Returns the results in request order, start and end."""
-    context = multiprocessing.get_context("spawn")
-    workers = []
-    for i in range(num_processes):
-        limit = None
-        if max_concurrency:
-            limit = max_concurrency // num_processes + (i < max_concurrency % num_processes)
-        parent, child = context.Pipe()
-        share = (list(requests[i::num_processes]), list(offsets[i::num_processes]), limit)
-        process = context.Process(target=_client_process, args=(child, spec, *share))
-        process.start()
-        child.close()
-        workers.append((parent, process))
-    for i, (parent, _) in enumerate(workers):
-        try:
-            parent.recv()
-        except EOFError:
-            raise RuntimeError(f"client process {i} failed to start") from None
-    start = time.perf_counter() + 0.05
-    for parent, _ in workers:
-        parent.send(start)
-    results: list[RequestResult | None] = [None] * len(requests)
-    end = start
-    for i, (parent, process) in enumerate(workers):
-        try:
-            share, share_end = parent.recv()
-        except EOFError:
-            raise RuntimeError(f"client process {i} exited without its results") from None
-        results[i::num_processes] = share
-        end = max(end, share_end)
-        process.join()
-    return results, start, end
-
-
-def _run_loop(coroutine):
-    """``uvloop.run`` when uvloop is installed (it is a dependency; fewer µs per event), else
-    ``asyncio.run``."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coroutine)
-    return uvloop.run(coroutine)
-
-
-@dataclasses.dataclass
-class RawResult:
-    """A request as received, before decoding: its start (``perf_counter`` seconds) and the
-    response, or the error that stopped it."""
-
-    prompt_len: int
-    start: float
-    response: StreamedResponse | None = None
-    error: str = ""
-
-
-async def send_request(
-    client: StreamingClient,
-    endpoint: str,
-    chat: bool,
-    model: str,
-    request: SampleRequest,
-    args: argparse.Namespace,
-) -> RawResult:
-    """Stream one request; its events stay undecoded (``decode_result`` reads them after the
-    run, so the JSON decoding costs the client no time while the load runs)."""
-    body = {
-        "model": model,
-        "max_tokens": request.expected_output_len,
-        "temperature": args.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": args.ignore_eos,
-    }
-    if args.top_p is not None:
-        body["top_p"] = args.top_p
-    if args.top_k is not None:
-        body["top_k"] = args.top_k
-    if chat:
-        body["messages"] = [{"role": "user", "content": request.prompt}]
-        body["max_completion_tokens"] = body.pop("max_tokens")
-    else:
-        body["prompt"] = request.prompt
-    raw = RawResult(request.prompt_len, time.perf_counter())
-    try:
-        raw.response = await client.post_stream(endpoint, body)
-    except (httpx.HTTPError, OSError, ValueError) as error:
-        raw.error = f"{type(error).__name__}: {error}"
-    return raw
-
-
-def decode_result(raw: RawResult, chat: bool) -> RequestResult:
-    """vLLM's per-request measures from a streamed response: TTFT is the arrival of the first
-    event with ``choices``, ITL each later such event's gap to the one before, E2EL the time to
-    ``[DONE]``; output tokens from the final usage event (else one per event)."""
-    result = RequestResult(prompt_len=raw.prompt_len)
-    response = raw.response
-    if response is None:
-        result.error = raw.error
-        return result
-    if response.status != 200:
-        result.error = f"HTTP {response.status}: {response.body.decode(errors='replace')}"
-        return result
-    last = raw.start
-    num_chunks = 0
-    texts = []
-    try:
-        for arrival, payload in response.events:
-            chunk = json.loads(payload)
-            if "error" in chunk:
-                result.error = chunk["error"].get("message", str(chunk["error"]))
-                return result
-            if chunk.get("choices"):
-                choice = chunk["choices"][0]
-                text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                if num_chunks == 0:
-                    result.ttft = arrival - raw.start
-                else:
-                    result.itl.append(arrival - last)
-                last = arrival
-                num_chunks += 1
-                texts.append(text or "")
-            if chunk.get("usage"):
-                result.output_tokens = chunk["usage"]["completion_tokens"]
-    except json.JSONDecodeError as error:
-        result.error = f"JSONDecodeError: {error}"
-        return result
-    result.generated_text = "".join(texts)
-    result.latency = response.end - raw.start
-    if not result.output_tokens:
-        result.output_tokens = num_chunks  # no usage: about one token per chunk
-    result.success = True
-    return result
 
 
 # ---------------------------------------------------------------------------------- results
@@ -593,7 +307,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.request_rate <= 0 or args.burstiness <= 0:
         print("--request-rate and --burstiness must be positive", file=sys.stderr)
         return 2
-    _run_loop(benchmark(args))
+    run_loop(benchmark(args))
     return 0
 
 

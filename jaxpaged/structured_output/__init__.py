@@ -2,6 +2,8 @@
 
 One job per module:
 
+- ``params.py``: ``StructuredOutputsParams``, one request's constraint, checked when it is made
+  (vLLM's; ``jaxpaged.sampling_params`` and ``jaxpaged`` give it too).
 - ``config.py``: ``StructuredOutputsConfig`` (the engine's ``structured_outputs_config``:
   backend, defaults, budgets).
 - ``backend.py`` / ``backend_guidance.py``: the grammar library (xgrammar / llguidance): checks

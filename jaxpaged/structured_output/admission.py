@@ -20,9 +20,10 @@ from __future__ import annotations
 import json
 import logging
 
-from jaxpaged.sampling_params import SamplingParamsError, StructuredOutputsParams
+from jaxpaged.param_errors import SamplingParamsError
 from jaxpaged.structured_output.backend_base import short
 from jaxpaged.structured_output.config import StructuredOutputsConfig
+from jaxpaged.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -35,8 +35,9 @@ import logging
 import os
 import re
 
-from jaxpaged.sampling_params import SamplingParamsError, StructuredOutputsParams
+from jaxpaged.param_errors import SamplingParamsError
 from jaxpaged.structured_output.backend_base import GrammarBackendBase, clean_message, short
+from jaxpaged.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

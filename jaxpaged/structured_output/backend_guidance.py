@@ -29,13 +29,14 @@ from __future__ import annotations
 import copy
 import json
 
-from jaxpaged.sampling_params import SamplingParamsError, StructuredOutputsParams
+from jaxpaged.param_errors import SamplingParamsError
 from jaxpaged.structured_output.backend_base import (
     EMPTY_LANGUAGE,
     GrammarBackendBase,
     clean_message,
     short,
 )
+from jaxpaged.structured_output.params import StructuredOutputsParams
 
 # llguidance's ParserLimits.max_items_in_row is 2,000, and an alternation of N strings puts
 # N + 1 items in the row after their common first token.

@@ -38,12 +38,13 @@ import time
 
 import numpy as np
 
-from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sequence import PLACEHOLDER_TOKEN_ID
 from jaxpaged.structured_output import admission
 from jaxpaged.structured_output.bitmask import ALL_ALLOWED, num_words
 from jaxpaged.structured_output.compiler import GrammarCompiler
 from jaxpaged.structured_output.config import StructuredOutputsConfig
+from jaxpaged.structured_output.params import StructuredOutputsParams
 from jaxpaged.structured_output.request_state import SequenceGrammar
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""jaxpaged/benchmarks/serving.py against the live test server: counts, datasets, result block."""
+"""jaxpaged/benchmarks/serving.py (with serving_dataset.py and serving_load.py) against the live
+test server: counts, datasets, result block."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from jaxpaged.benchmarks.serving import RequestResult
+from jaxpaged.benchmarks.serving_dataset import sample_random_requests
+from jaxpaged.benchmarks.serving_load import (
+    RawResult,
+    RequestResult,
+    arrival_offsets,
+    decode_result,
+)
 from tests.live_server import API_KEY
 
 
@@ -20,14 +27,14 @@ def bench():
     return serving
 
 
-def test_random_requests_follow_lengths_and_ratio(bench):
+def test_random_requests_follow_lengths_and_ratio():
     rng = np.random.default_rng(0)
-    exact = bench.sample_random_requests(5, 10, 4, 0.0, 3, 50, rng)
+    exact = sample_random_requests(5, 10, 4, 0.0, 3, 50, rng)
     assert [r.prompt_len for r in exact] == [13] * 5
     assert all(len(r.prompt) == 13 and max(r.prompt) < 50 for r in exact)
     assert len({tuple(r.prompt[:3]) for r in exact}) == 1  # the shared prefix
     assert [r.expected_output_len for r in exact] == [4] * 5
-    spread = bench.sample_random_requests(200, 100, 10, 0.5, 0, 50, rng)
+    spread = sample_random_requests(200, 100, 10, 0.5, 0, 50, rng)
     lens = [r.prompt_len for r in spread]
     assert min(lens) >= 50 and max(lens) <= 150 and len(set(lens)) > 20
 
@@ -173,7 +180,7 @@ def _old_path(url: str, chat: bool = False) -> RequestResult:
 
 
 @pytest.mark.parametrize("close_after_response", [False, True])
-def test_raw_stream_path_matches_the_line_by_line_path(bench, close_after_response):
+def test_raw_stream_path_matches_the_line_by_line_path(close_after_response):
     from jaxpaged.benchmarks.sse_client import StreamingClient
 
     async def run():
@@ -183,7 +190,7 @@ def test_raw_stream_path_matches_the_line_by_line_path(bench, close_after_respon
         client = StreamingClient(url, {"Authorization": "Bearer k"})
         raws = []
         for path in ("/ok", "/ok", "/bad", "/ok"):  # reuses (or reopens) the connection
-            raw = bench.RawResult(prompt_len=3, start=time.perf_counter())
+            raw = RawResult(prompt_len=3, start=time.perf_counter())
             raw.response = await client.post_stream(path, {"prompt": [1, 2, 3]})
             raws.append(raw)
         old = await asyncio.to_thread(_old_path, url + "/ok")
@@ -193,10 +200,10 @@ def test_raw_stream_path_matches_the_line_by_line_path(bench, close_after_respon
         return raws, old
 
     raws, old = asyncio.run(run())
-    bad = bench.decode_result(raws[2], chat=False)
+    bad = decode_result(raws[2], chat=False)
     assert not bad.success and bad.error.startswith("HTTP 400: ") and "too large" in bad.error
     for raw in raws[:2] + raws[3:]:
-        new = bench.decode_result(raw, chat=False)
+        new = decode_result(raw, chat=False)
         assert new.success and new.prompt_len == 3
         assert new.generated_text == old.generated_text == "Once upon a time"
         assert new.output_tokens == old.output_tokens == 5
@@ -215,14 +222,14 @@ def test_client_processes_split_the_requests_and_merge_in_order(bench, server):
         ]
     )  # fmt: skip
     metrics = asyncio.run(bench.benchmark(args))
-    expected = bench.sample_random_requests(6, 6, 3, 0.5, 0, 500, np.random.default_rng(0))
+    expected = sample_random_requests(6, 6, 3, 0.5, 0, 500, np.random.default_rng(0))
     assert metrics["completed"] == 6 and metrics["failed"] == 0
     assert metrics["input_lens"] == [r.prompt_len for r in expected]  # request order kept
     assert metrics["output_lens"] == [r.expected_output_len for r in expected]
     assert all(
         len(itl) <= n - 1 for itl, n in zip(metrics["itls"], metrics["output_lens"], strict=True)
     )
-    assert metrics["duration"] >= bench.arrival_offsets(6, 100, 1.0, 0)[-1]
+    assert metrics["duration"] >= arrival_offsets(6, 100, 1.0, 0)[-1]
     args.max_concurrency = 1
     with pytest.raises(ValueError, match="--num-client-processes"):
         asyncio.run(bench.benchmark(args))

@@ -19,10 +19,11 @@ import jsonschema
 import pytest
 
 from jaxpaged import LLM, SamplingParams, StructuredOutputsParams
-from jaxpaged.sampling_params import MAX_STRUCTURED_OUTPUT_JSON_NESTING, SamplingParamsError
+from jaxpaged.sampling_params import SamplingParamsError
 from jaxpaged.structured_output.admission import check_budgets
 from jaxpaged.structured_output.backend import unsupported_json_feature
 from jaxpaged.structured_output.config import StructuredOutputsConfig
+from jaxpaged.structured_output.params import MAX_STRUCTURED_OUTPUT_JSON_NESTING
 from tests.structured_output.conftest import ENGINE
 
 pytest.importorskip("xgrammar")

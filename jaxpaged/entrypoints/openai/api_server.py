@@ -46,6 +46,7 @@ from jaxpaged.engine_core.core_client import EngineCoreClient
 from jaxpaged.engine_core.dp_client import DPEngineCoreClient
 from jaxpaged.entrypoints.cli_args import add_serve_args, serve_config
 from jaxpaged.entrypoints.env import prometheus_multiproc_dir, set_jax_memory_fraction
+from jaxpaged.entrypoints.openai.chat_template import load_chat_template
 from jaxpaged.entrypoints.openai.chat_tools import resolve_parsers
 from jaxpaged.entrypoints.openai.dev_endpoints import add_dev_routes
 from jaxpaged.entrypoints.openai.errors import (
@@ -59,15 +60,15 @@ from jaxpaged.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelList,
     TokenizeRequest,
     TokenizeResponse,
 )
 from jaxpaged.entrypoints.openai.serve_config import ServeConfig
-from jaxpaged.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
+from jaxpaged.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxpaged.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxpaged.entrypoints.openai.serving_models import (
     LoRAModulePath,
+    ModelList,
     OpenAIServingModels,
     add_lora_routes,
 )

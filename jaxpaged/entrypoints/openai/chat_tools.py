@@ -24,12 +24,8 @@ import json
 import jsonschema
 
 from jaxpaged.entrypoints.openai.errors import BadRequestError
-from jaxpaged.entrypoints.openai.protocol import (
-    ChatCompletionNamedToolChoiceParam,
-    ChatCompletionRequest,
-    ChatMessage,
-    DeltaMessage,
-)
+from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, DeltaMessage
+from jaxpaged.entrypoints.openai.protocol_tools import ChatCompletionNamedToolChoiceParam
 from jaxpaged.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from jaxpaged.entrypoints.openai.request_checks import FieldValueError, check_body
 from jaxpaged.entrypoints.openai.tool_parsers import (

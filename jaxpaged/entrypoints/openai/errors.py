@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxpaged.engine_core.core_client import EngineDeadError, QueueFullError
-from jaxpaged.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from jaxpaged.entrypoints.openai.protocol_base import ErrorInfo, ErrorResponse
 from jaxpaged.sequence import EngineSleepingError
 
 logger = logging.getLogger(__name__)

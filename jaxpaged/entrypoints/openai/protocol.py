@@ -8,6 +8,10 @@ than its neutral one, answer 400 naming it (``serving_engine.UNSUPPORTED_FIELDS`
 field this protocol does not declare is a 400 naming it as well: where vLLM logs and ignores
 it, nothing a client sends is silently dropped here. (Messages keep their extra keys, such as
 ``tool_calls``: the chat template reads them.)
+
+This module holds the two generation endpoints' bodies (completions, chat) and the tokenizer
+routes'; what every endpoint shares (base classes, errors, usage) is in ``protocol_base.py``,
+the tool-calling models in ``protocol_tools.py``, ``/v1/models``' in ``serving_models.py``.
 """
 
 from __future__ import annotations
@@ -15,84 +19,23 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictInt,
-    field_validator,
-    model_serializer,
-    model_validator,
+from pydantic import Field, StrictInt, field_validator, model_serializer, model_validator
+
+from jaxpaged.entrypoints.openai.protocol_base import (
+    OpenAIBaseModel,
+    OpenAIRequest,
+    StreamOptions,
+    UsageInfo,
 )
-
-from jaxpaged.entrypoints.openai.request_checks import FieldValueError, check_body
+from jaxpaged.entrypoints.openai.protocol_tools import (
+    ChatCompletionNamedToolChoiceParam,
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    ToolCall,
+    check_tool_choice_shape,
+)
+from jaxpaged.entrypoints.openai.request_checks import FieldValueError
 from jaxpaged.sequence import is_token_id_list
-
-
-class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class OpenAIRequest(OpenAIBaseModel):
-    """A request body: its values must be what every later stage can carry (``check_body``),
-    and a field this protocol does not declare is refused by name (``FieldValueError``; vLLM
-    logs and ignores it)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _carriable_values(cls, data):
-        check_body(data)
-        if isinstance(data, dict):
-            fields = cls.model_fields  # a descriptor: read once, not once per key
-            unknown = [k for k in data if k not in fields]
-            if unknown:
-                raise FieldValueError(
-                    f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: not "
-                    "part of this endpoint's protocol (vLLM's), and this server refuses what "
-                    "it would otherwise ignore",
-                    parameter=unknown[0],
-                )
-        return data
-
-
-# ------------------------------------------------------------------------------------ errors
-class ErrorInfo(OpenAIBaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(OpenAIBaseModel):
-    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    error: ErrorInfo
-
-
-# ---------------------------------------------------------------------------- shared pieces
-class StreamOptions(OpenAIBaseModel):
-    model_config = ConfigDict(extra="forbid")  # an unknown option is a 400 naming it
-
-    include_usage: bool | None = False
-    """With ``stream``: one extra chunk with empty ``choices`` and the usage, before [DONE]
-    (vLLM's default: false, so ``{}`` sends no usage)."""
-    continuous_usage_stats: bool | None = False
-    """With ``stream`` and ``include_usage``: usage (so far) in every chunk as well, the first
-    one included."""
-
-
-class PromptTokenUsageInfo(OpenAIBaseModel):
-    cached_tokens: int | None = None
-    """Prompt tokens whose KV came from the prefix cache."""
-
-
-class UsageInfo(OpenAIBaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokenUsageInfo | None = None
-    """With ``--enable-prompt-tokens-details``: ``{"cached_tokens": n}``."""
-
 
 # vLLM's bounds of 64-bit request integers (``seed``, ``priority``).
 INT64_MIN = -(2**63)
@@ -378,62 +321,6 @@ class ChatMessageParam(OpenAIBaseModel):
         return data
 
 
-# ------------------------------------------------------------------------------------ tools
-class FunctionDefinition(OpenAIBaseModel):
-    """A tool's function: ``parameters`` is a JSON schema of its arguments (an object)."""
-
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ChatCompletionToolsParam(OpenAIBaseModel):
-    """One entry of ``tools``; only function tools exist in the chat API."""
-
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class ChatCompletionNamedFunction(OpenAIBaseModel):
-    name: str
-
-
-class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
-    """``tool_choice`` naming one function: ``{"type": "function", "function": {"name"}}``."""
-
-    function: ChatCompletionNamedFunction
-    type: Literal["function"] = "function"
-
-
-class FunctionCall(OpenAIBaseModel):
-    name: str
-    arguments: str
-    """The arguments as a JSON text (OpenAI's shape)."""
-
-
-class ToolCall(OpenAIBaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class DeltaFunctionCall(OpenAIBaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(OpenAIBaseModel):
-    """A streamed tool-call fragment: the first of a call has ``id``, ``type`` and
-    ``function.name``; later ones append to ``function.arguments``; ``index`` tells calls
-    apart."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall | None = None
-
-
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
@@ -484,7 +371,7 @@ class ChatCompletionRequest(_SamplingFields):
                 data["tool_choice"] = "none"
         if data.get("tools") and "tool_choice" not in data:
             data = {**data, "tool_choice": "auto"}
-        _check_tool_choice_shape(data.get("tool_choice"))
+        check_tool_choice_shape(data.get("tool_choice"))
         return data
 
     @model_validator(mode="after")
@@ -532,26 +419,6 @@ class ChatCompletionRequest(_SamplingFields):
                     f"match any of the specified `tools` ({names})",
                     parameter="tool_choice",
                 )
-
-
-def _check_tool_choice_shape(choice) -> None:
-    """Refuse a ``tool_choice`` that is none of its forms, naming the field plainly (pydantic's
-    union error names its internal path, ``tool_choice.literal['none','auto','required']``).
-
-    Raises:
-        FieldValueError: naming ``tool_choice``.
-    """
-    if choice is None or isinstance(choice, str) and choice in ("none", "auto", "required"):
-        return
-    named = isinstance(choice, dict) and choice.get("type", "function") == "function"
-    function = choice.get("function") if named else None
-    name = function.get("name") if isinstance(function, dict) else None
-    if not isinstance(name, str) or not name:
-        raise FieldValueError(
-            f'Invalid value for `tool_choice`: {choice!r}; use "none", "auto", "required" '
-            'or a named function, `{"type": "function", "function": {"name": "my_function"}}`',
-            parameter="tool_choice",
-        )
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -634,38 +501,6 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
     """With ``return_token_ids``: the prompt's ids, in the first chunk only."""
-
-
-# ----------------------------------------------------------------------------------- models
-class ModelPermission(OpenAIBaseModel):
-    id: str
-    object: str = "model_permission"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    allow_create_engine: bool = False
-    allow_sampling: bool = True
-    allow_logprobs: bool = True
-    allow_search_indices: bool = False
-    allow_view: bool = True
-    allow_fine_tuning: bool = False
-    organization: str = "*"
-    group: str | None = None
-    is_blocking: bool = False
-
-
-class ModelCard(OpenAIBaseModel):
-    id: str
-    object: str = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "jaxpaged"
-    root: str | None = None
-    parent: str | None = None
-    max_model_len: int | None = None
-    permission: list[ModelPermission] = Field(default_factory=list)
-
-
-class ModelList(OpenAIBaseModel):
-    object: str = "list"
-    data: list[ModelCard] = Field(default_factory=list)
 
 
 # ------------------------------------------------------------------------- (de)tokenization

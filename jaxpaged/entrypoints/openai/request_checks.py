@@ -1,8 +1,8 @@
 """Checks of a request body's raw JSON, before pydantic reads it: what no later stage could
 carry is refused by path (``check_body``), as a ``FieldValueError`` the 400 names.
 
-Kept apart from the protocol's models (``protocol.py``), which run ``check_body`` first in
-every request's validation (``OpenAIRequest``); the chat tools run it on arguments they parse.
+Kept apart from the protocol's models, which run ``check_body`` first in every request's
+validation (``protocol_base.OpenAIRequest``); the chat tools run it on arguments they parse.
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@
 vLLM's rules (``vllm/entrypoints/openai/serving_chat.py``, ``vllm/entrypoints/chat_utils.py``):
 the messages are rendered to text with the request's ``chat_template``, else the server's
 ``--chat-template``, else the tokenizer's own; the text is tokenized *without* adding special
-tokens (the template writes them). Text content parts are joined with newlines. When streaming,
-each choice first gets a chunk whose delta is ``{"role": "assistant", "content": ""}``, then
-content deltas, the last with ``finish_reason``. Tool calls and reasoning (``chat_tools``): the
-reply is read by a per-choice ``ChatChoiceParser``, streamed as ``reasoning`` / ``content`` /
-``tool_calls`` deltas.
+tokens (the template writes them). Text content parts are joined with newlines
+(``chat_template.py``). When streaming, each choice first gets a chunk whose delta is
+``{"role": "assistant", "content": ""}``, then content deltas, the last with ``finish_reason``
+(``chat_stream.py`` writes them). Tool calls and reasoning (``chat_tools``): the reply is read by
+a per-choice ``ChatChoiceParser``, streamed as ``reasoning`` / ``content`` / ``tool_calls``
+deltas.
 
 A request's own ``chat_template`` is a client's program: it is rendered in a sandboxed worker
 process with limits on time, memory, output and ``range`` (``template_sandbox.py``); a failure
@@ -17,7 +18,6 @@ is a 400. The server's and the tokenizer's templates are the operator's and rend
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -25,6 +25,8 @@ import jinja2
 from fastapi.responses import StreamingResponse
 
 from jaxpaged.engine_core.core_client import RequestStream
+from jaxpaged.entrypoints.openai.chat_stream import ChatChunks, SentSoFar
+from jaxpaged.entrypoints.openai.chat_template import message_dict, render_in_sandbox
 from jaxpaged.entrypoints.openai.chat_tools import (
     ChatChoiceParser,
     check_tool_request,
@@ -42,40 +44,20 @@ from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
-    ChatCompletionStreamResponse,
     ChatMessage,
     ChatMessageParam,
     DeltaMessage,
-    UsageInfo,
 )
 from jaxpaged.entrypoints.openai.serving_engine import OpenAIServing, stable_text
-from jaxpaged.entrypoints.openai.sse import SSE_DONE, DeltaFrames, sse, sse_error
+from jaxpaged.entrypoints.openai.sse import SSE_DONE, sse_error
 from jaxpaged.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from jaxpaged.entrypoints.openai.template_sandbox import (
     TemplateLimitError,
     TemplateQueueFullError,
     TemplateSandbox,
 )
+from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import StructuredOutputsParams
-
-
-def load_chat_template(chat_template: str | None) -> str | None:
-    """``--chat-template``: a file path (read) or an inline Jinja template (kept as is).
-
-    Raises:
-        ValueError: the value is neither an existing file nor looks like Jinja.
-    """
-    if chat_template is None:
-        return None
-    if os.path.isfile(chat_template):
-        with open(chat_template, encoding="utf-8") as f:
-            return f.read()
-    if any(marker in chat_template for marker in ("{{", "{%", "\n")):
-        return chat_template
-    raise ValueError(
-        f"chat_template must be a file path or an inline Jinja template, got "
-        f"{chat_template!r} (no such file, and no '{{{{' or '{{%' in it)"
-    )
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -146,10 +128,12 @@ class OpenAIServingChat(OpenAIServing):
                 "--chat-template or send chat_template in the request",
                 param="messages",
             )
-        conversation = template_messages([_message_dict(m, i) for i, m in enumerate(messages)])
+        conversation = template_messages([message_dict(m, i) for i, m in enumerate(messages)])
         if chat_template:  # the client's own program: sandboxed, in a worker process
             try:
-                return await self._render_sandboxed(
+                return await render_in_sandbox(
+                    self.template_sandbox,
+                    self.tokenizer,
                     chat_template,
                     conversation,
                     add_generation_prompt=add_generation_prompt,
@@ -177,55 +161,6 @@ class OpenAIServingChat(OpenAIServing):
             raise BadRequestError(
                 f"the chat template failed on these messages: {error}", param="messages"
             ) from error
-
-    async def _render_sandboxed(
-        self,
-        template: str,
-        conversation: list[dict],
-        *,
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        documents,
-        tools: list[dict] | None,
-        chat_template_kwargs: dict,
-    ) -> str:
-        """What ``apply_chat_template(tokenize=False)`` gives, rendered by the sandbox: the
-        template sees the tokenizer's special tokens, ``chat_template_kwargs``, ``messages``,
-        ``tools``, ``documents`` and ``add_generation_prompt``; ``continue_final_message``
-        cuts the text after the last message, as transformers does (a marker after it).
-
-        Raises:
-            TemplateLimitError: the sandbox's, or the final message lost by the template.
-        """
-        if continue_final_message:
-            conversation = [dict(m) for m in conversation]
-            final = conversation[-1]["content"]
-            conversation[-1]["content"] = final + _CONTINUE_MARK
-        special = {
-            key: value
-            for key, value in getattr(self.tokenizer, "special_tokens_map", {}).items()
-            if isinstance(value, (str, list))
-        }
-        context = {
-            **special,
-            **chat_template_kwargs,
-            "messages": conversation,
-            "tools": tools,
-            "documents": documents,
-            "add_generation_prompt": add_generation_prompt,
-        }
-        text = await self.template_sandbox.render_async(template, context)
-        if continue_final_message:
-            where = text.rfind(_CONTINUE_MARK.strip())
-            if where < 0 or final.strip() not in text:
-                raise TemplateLimitError(
-                    "continue_final_message is set but the chat template dropped the final message"
-                )
-            if text[where : where + len(_CONTINUE_MARK)] == _CONTINUE_MARK:
-                text = text[:where]
-            else:  # the template trimmed the spacing after the message
-                text = text[:where].rstrip()
-        return text
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -374,7 +309,7 @@ class OpenAIServingChat(OpenAIServing):
         last = request.messages[-1]
         if last.role != "assistant":
             return ""
-        return _message_dict(last, len(request.messages) - 1)["content"]
+        return message_dict(last, len(request.messages) - 1)["content"]
 
     async def _full(
         self, request: ChatCompletionRequest, request_id: str, model: str, stream: RequestStream
@@ -423,156 +358,93 @@ class OpenAIServingChat(OpenAIServing):
         model: str,
         stream: RequestStream,
     ) -> AsyncIterator[str]:
-        created = int(time.time())
-        options = request.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous_usage = include_usage and bool(options.continuous_usage_stats)
-        return_ids = bool(request.return_token_ids)
-        plain = not (continuous_usage or return_ids)  # the fast chunk path
-
-        def chunk(choices, usage=None, prompt_token_ids=None) -> str:
-            response = ChatCompletionStreamResponse(
-                id=request_id, created=created, model=model, choices=choices
-            )
-            data = response.model_dump()
-            for choice, model_choice in zip(data["choices"], choices, strict=True):
-                # A delta carries only what it adds (role first, then content), as OpenAI's do.
-                choice["delta"] = model_choice.delta.model_dump(exclude_none=True)
-                if not return_ids:
-                    del choice["token_ids"]
-            if usage is None:
-                del data["usage"]
-            else:
-                data["usage"] = usage.model_dump(exclude_none=True)
-            if prompt_token_ids is None:
-                del data["prompt_token_ids"]
-            else:
-                data["prompt_token_ids"] = list(prompt_token_ids)
-            return sse(data)
-
-        def running_usage(output, completion_tokens: int) -> UsageInfo:
-            prompt_tokens = len(output.prompt_token_ids)
-            return UsageInfo(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            )
-
-        sent_text: dict[int, str] = {}
-        sent_tokens: dict[int, int] = {}
-        done: set[int] = set()  # choices whose finish_reason was sent (once each)
+        """The SSE events of one chat completion (``chat_stream``: each choice's opening
+        chunk, its deltas, the usage chunk, ``[DONE]``); an error after the headers went out
+        is an event, as vLLM sends it."""
+        chunks = ChatChunks(request, request_id, model)
+        sent = SentSoFar()
         echo = self._echo(request)
         final = None
-        # The per-token events, cut from ``chunk``'s own event (sse.DeltaFrames).
-        probe = ChatCompletionResponseStreamChoice(
-            index=DeltaFrames.INDEX,
-            delta=DeltaMessage(content=DeltaFrames.TEXT),
-            finish_reason=DeltaFrames.FINISH,
-            stop_reason=DeltaFrames.STOP,
-        )
-        frames = DeltaFrames.from_probe(chunk([probe])) if plain else None
-        parsers: dict[int, ChatChoiceParser | None] = {}
         try:
             first_output = None
-            if continuous_usage or return_ids:
-                # The first chunk carries the prompt's usage / ids: wait for the core's first
-                # output, which knows them.
+            if chunks.opening_needs_output:
                 async for output in stream:
                     first_output = output
                     break
             for index in range(request.n):
-                yield chunk(
-                    [
-                        ChatCompletionResponseStreamChoice(
-                            index=index,
-                            delta=DeltaMessage(role="assistant", content=""),
-                            token_ids=[] if return_ids else None,
-                        )
-                    ],
-                    usage=(
-                        running_usage(first_output, 0)
-                        if continuous_usage and first_output is not None
-                        else None
-                    ),
-                    prompt_token_ids=(
-                        first_output.prompt_token_ids
-                        if return_ids and index == 0 and first_output is not None
-                        else None
-                    ),
-                )
+                yield chunks.opening(index, first_output)
             outputs = stream if first_output is None else _prepend(first_output, stream)
             async for output in outputs:
                 final = output
                 for completion in output.outputs:
-                    index = completion.index
-                    if index in done:
-                        continue
-                    finished = completion.finish_reason is not None
-                    text = stable_text(completion.text, finished)
-                    first = index not in sent_text
-                    previous = sent_text.get(index, "")
-                    delta = text[len(previous) :]
-                    if not delta and not finished:
-                        continue
-                    tokens_sent = sent_tokens.get(index, 0)
-                    logprobs = self._logprobs(request, completion, tokens_sent)
-                    new_ids = list(completion.token_ids[tokens_sent:]) if return_ids else None
-                    sent_text[index] = text
-                    sent_tokens[index] = len(completion.token_ids)
-                    if finished:
-                        done.add(index)
-                    if index not in parsers:
-                        parsers[index] = self.choice_parser(request)
-                    parser = parsers[index]
-                    if parser is not None:
-                        message = parser.delta(text, final=finished)
-                        if first and echo:
-                            message = message or DeltaMessage()
-                            message.content = echo + (message.content or "")
-                        finish_reason = parser.finish_reason(completion.finish_reason)
-                        if message is None and not finished:
-                            # Held back (a possible marker): its logprobs and token ids go
-                            # with the next.
-                            sent_tokens[index] = tokens_sent
-                            continue
-                        choice = ChatCompletionResponseStreamChoice(
-                            index=index,
-                            delta=message or DeltaMessage(),
-                            logprobs=logprobs,
-                            finish_reason=finish_reason,
-                            stop_reason=completion.stop_reason,
-                            token_ids=new_ids,
-                        )
-                        usage = running_usage(output, len(completion.token_ids))
-                        yield chunk([choice], usage if continuous_usage else None)
-                        continue
-                    content = (echo if first else "") + delta
-                    if logprobs is None and frames is not None:  # the per-token common case
-                        yield frames.frame(
-                            index, content, completion.finish_reason, completion.stop_reason
-                        )
-                        continue
-                    choice = ChatCompletionResponseStreamChoice(
-                        index=index,
-                        delta=DeltaMessage(content=content),
-                        logprobs=logprobs,
-                        finish_reason=completion.finish_reason,
-                        stop_reason=completion.stop_reason,
-                        token_ids=new_ids,
-                    )
-                    usage = running_usage(output, len(completion.token_ids))
-                    yield chunk([choice], usage if continuous_usage else None)
-            if include_usage:
-                yield chunk([], self.usage([final]))
+                    event = self._choice_event(request, chunks, sent, echo, output, completion)
+                    if event is not None:
+                        yield event
+            if chunks.include_usage:
+                yield chunks.chunk([], self.usage([final]))
         except Exception as error:  # headers are sent: report in-band, as vLLM does
             yield sse_error(error_from_exception(error))
         finally:
             stream.close()
         yield SSE_DONE
 
-
-# transformers' marker (``render_jinja_template``) for the end of the message to continue.
-_CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "
+    def _choice_event(
+        self,
+        request: ChatCompletionRequest,
+        chunks: ChatChunks,
+        sent: SentSoFar,
+        echo: str,
+        output: RequestOutput,
+        completion: CompletionOutput,
+    ) -> str | None:
+        """The event of one choice's new text (``echo`` before its first), recorded in
+        ``sent``; None when there is nothing to send yet: no new stable text, a choice already
+        finished, or a parser holding back a possible marker (its logprobs and token ids go
+        with the next event)."""
+        index = completion.index
+        if index in sent.done:
+            return None
+        finished = completion.finish_reason is not None
+        text = stable_text(completion.text, finished)
+        first = index not in sent.text
+        delta = text[len(sent.text.get(index, "")) :]
+        if not delta and not finished:
+            return None
+        tokens_sent = sent.tokens.get(index, 0)
+        logprobs = self._logprobs(request, completion, tokens_sent)
+        new_ids = list(completion.token_ids[tokens_sent:]) if chunks.return_ids else None
+        sent.text[index] = text
+        sent.tokens[index] = len(completion.token_ids)
+        if finished:
+            sent.done.add(index)
+        if index not in sent.parsers:
+            sent.parsers[index] = self.choice_parser(request)
+        parser = sent.parsers[index]
+        finish_reason = completion.finish_reason
+        if parser is not None:
+            message = parser.delta(text, final=finished)
+            if first and echo:
+                message = message or DeltaMessage()
+                message.content = echo + (message.content or "")
+            finish_reason = parser.finish_reason(finish_reason)
+            if message is None and not finished:
+                sent.tokens[index] = tokens_sent  # held back: sent with the next
+                return None
+            message = message or DeltaMessage()
+        else:
+            content = (echo if first else "") + delta
+            if logprobs is None and chunks.frames is not None:  # the per-token common case
+                return chunks.frames.frame(index, content, finish_reason, completion.stop_reason)
+            message = DeltaMessage(content=content)
+        choice = ChatCompletionResponseStreamChoice(
+            index=index,
+            delta=message,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            stop_reason=completion.stop_reason,
+            token_ids=new_ids,
+        )
+        return chunks.delta(choice, output, len(completion.token_ids))
 
 
 async def _prepend(first, stream) -> AsyncIterator:
@@ -580,23 +452,3 @@ async def _prepend(first, stream) -> AsyncIterator:
     yield first
     async for output in stream:
         yield output
-
-
-def _message_dict(message: ChatMessageParam, position: int) -> dict:
-    """A template-ready message: text parts joined by newlines; other fields passed through."""
-    data = message.model_dump(exclude_none=True)
-    content = message.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequestError(
-                    f"messages[{position}].content: only text parts are supported, got a part "
-                    f"of type {part.get('type')!r}",
-                    param=f"messages.{position}.content",
-                )
-            texts.append(part["text"])
-        data["content"] = "\n".join(texts)
-    elif content is None:
-        data["content"] = ""
-    return data

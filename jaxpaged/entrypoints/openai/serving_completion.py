@@ -31,8 +31,8 @@ from jaxpaged.entrypoints.openai.protocol import (
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
-    UsageInfo,
 )
+from jaxpaged.entrypoints.openai.protocol_base import UsageInfo
 from jaxpaged.entrypoints.openai.serving_engine import OpenAIServing, merge_streams, stable_text
 from jaxpaged.entrypoints.openai.sse import SSE_DONE, DeltaFrames, sse, sse_error
 from jaxpaged.entrypoints.openai.structured_outputs import structured_outputs_from_request

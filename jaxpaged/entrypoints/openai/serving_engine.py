@@ -31,9 +31,8 @@ from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionLogProbsContent,
     CompletionLogProbs,
     PromptLogprob,
-    PromptTokenUsageInfo,
-    UsageInfo,
 )
+from jaxpaged.entrypoints.openai.protocol_base import PromptTokenUsageInfo, UsageInfo
 from jaxpaged.entrypoints.openai.structured_outputs import (
     rename_error,
     structured_outputs_from_request,

@@ -21,19 +21,48 @@ import dataclasses
 import itertools
 import json
 import secrets
+import time
 from collections.abc import Sequence
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
+from pydantic import Field
 
 from jaxpaged.entrypoints.openai.errors import BadRequestError, NotFoundError
-from jaxpaged.entrypoints.openai.protocol import (
-    ModelCard,
-    ModelList,
-    ModelPermission,
-    OpenAIRequest,
-)
+from jaxpaged.entrypoints.openai.protocol_base import OpenAIBaseModel, OpenAIRequest
 from jaxpaged.lora.request import LoRARequest
+
+
+# The body of ``GET /v1/models`` (OpenAI's model list, with vLLM's extra fields).
+class ModelPermission(OpenAIBaseModel):
+    id: str
+    object: str = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "jaxpaged"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=list)
+
+
+class ModelList(OpenAIBaseModel):
+    object: str = "list"
+    data: list[ModelCard] = Field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ import json
 
 from pydantic import BaseModel
 
-from jaxpaged.entrypoints.openai.protocol import ErrorResponse
+from jaxpaged.entrypoints.openai.protocol_base import ErrorResponse
 
 encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 """A JSON value as pydantic's ``model_dump_json`` writes it (compact, UTF-8)."""

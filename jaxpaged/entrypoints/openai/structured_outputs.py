@@ -20,11 +20,8 @@ turns the engine's field name (``json``, ``regex``, ...) into the request field 
 from __future__ import annotations
 
 from jaxpaged.entrypoints.openai.errors import BadRequestError
-from jaxpaged.sampling_params import (
-    STRUCTURED_OUTPUT_KINDS,
-    SamplingParamsError,
-    StructuredOutputsParams,
-)
+from jaxpaged.param_errors import SamplingParamsError
+from jaxpaged.structured_output.params import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams
 
 _ALIASES = {
     "guided_json": "json",

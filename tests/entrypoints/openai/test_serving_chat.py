@@ -117,7 +117,7 @@ def test_model_without_any_chat_template_is_a_400(server):
 
 
 def test_chat_template_flag_accepts_a_file_or_inline_jinja(tmp_path):
-    from jaxpaged.entrypoints.openai.serving_chat import load_chat_template
+    from jaxpaged.entrypoints.openai.chat_template import load_chat_template
 
     path = tmp_path / "template.jinja"
     path.write_text("{{ messages[0]['content'] }}")

@@ -20,9 +20,9 @@ import dataclasses
 import uuid
 from collections.abc import Sequence
 
-from jaxpaged.entrypoints.openai.protocol import (
+from jaxpaged.entrypoints.openai.protocol import DeltaMessage
+from jaxpaged.entrypoints.openai.protocol_tools import (
     DeltaFunctionCall,
-    DeltaMessage,
     DeltaToolCall,
     FunctionCall,
     ToolCall,
