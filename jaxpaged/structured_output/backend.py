@@ -36,7 +36,12 @@ import os
 import re
 
 from jaxpaged.param_errors import SamplingParamsError
-from jaxpaged.structured_output.backend_base import GrammarBackendBase, clean_message, short
+from jaxpaged.structured_output.backend_base import (
+    GrammarBackendBase,
+    clean_message,
+    load_structural_tag,
+    short,
+)
 from jaxpaged.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -146,12 +151,7 @@ class XGrammarBackend(GrammarBackendBase):
         return self._structural_tag(params.structural_tag)
 
     def _structural_tag(self, text: str):
-        try:
-            tag = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise SamplingParamsError(
-                "structural_tag", short(text), f"is not valid JSON: {error}"
-            ) from None
+        tag = load_structural_tag(text)
         if isinstance(tag, dict) and "structures" in tag:
             items = [
                 self.xgr.StructuralTagItem(

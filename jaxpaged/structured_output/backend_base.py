@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 
+from jaxpaged.param_errors import SamplingParamsError
 from jaxpaged.structured_output.bitmask import ALL_ALLOWED, allowed_tokens, num_words
 
 # xgrammar prefixes its messages with the time and its C++ source position
@@ -103,3 +104,17 @@ def clean_message(error: BaseException | str) -> str:
     text = _CHECK_PREFIX.sub("", text)
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
+
+
+def load_structural_tag(text: str):
+    """A request's ``structural_tag`` (JSON text) as its parsed value.
+
+    Raises:
+        SamplingParamsError: the text is not JSON (naming ``structural_tag``).
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SamplingParamsError(
+            "structural_tag", short(text), f"is not valid JSON: {error}"
+        ) from None

@@ -34,6 +34,7 @@ from jaxpaged.structured_output.backend_base import (
     EMPTY_LANGUAGE,
     GrammarBackendBase,
     clean_message,
+    load_structural_tag,
     short,
 )
 from jaxpaged.structured_output.params import StructuredOutputsParams
@@ -171,12 +172,7 @@ class GuidanceBackend(GrammarBackendBase):
 
     def _structural_tag(self, params: StructuredOutputsParams) -> str:
         text = params.structural_tag
-        try:
-            tag = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise SamplingParamsError(
-                "structural_tag", short(text), f"is not valid JSON: {error}"
-            ) from None
+        tag = load_structural_tag(text)
         if not (isinstance(tag, dict) and "structures" in tag and "triggers" in tag):
             raise SamplingParamsError(
                 "structural_tag",
