@@ -181,8 +181,8 @@ class StructuredOutputManager:
         Raises:
             SamplingParamsError: (a ``ValueError``) naming the constraint field: larger than
                 ``max_grammar_bytes``, or an external ``$ref``.
-            GrammarCompilerBusy: (a ``ValueError``) too many compilations past their time
-                budget are still running.
+            GrammarCompilerBusy: too many compilations past their time budget are still
+                running (retry later).
         """
         so = params.structured_outputs
         if so is None:
