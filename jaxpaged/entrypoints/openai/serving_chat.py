@@ -323,15 +323,16 @@ class OpenAIServingChat(OpenAIServing):
         constraint = values.get("structured_outputs")
         end_ids = self.reasoning_end_token_ids(request) if constraint is not None else None
         if end_ids is not None and constraint.reasoning_end_token_ids is None:
-            constraint.reasoning_end_token_ids = end_ids
+            constraint.reasoning_end_token_ids, implicit = end_ids
+            constraint.reasoning_implicit_end_token_ids = implicit or None
         parser = tool_mode_parser(request, self._auto_tool_parser, self.tokenizer)
         if parser is not None and parser.keeps_special_tokens:
             values["skip_special_tokens"] = False
         return field
 
-    def reasoning_end_token_ids(self, request: ChatCompletionRequest) -> list[int] | None:
-        """With --reasoning-parser, the ids that end the reasoning: a constraint starts after
-        them (None: no parser, or the request switched thinking off)."""
+    def reasoning_end_token_ids(self, request: ChatCompletionRequest) -> tuple | None:
+        """With --reasoning-parser, ``(end ids, implicit end ids)``: a constraint starts after
+        the first, or at one of the second (None: no parser, or thinking switched off)."""
         if self.reasoning_parser is None:
             return None
         parser = self.reasoning_parser(
@@ -339,7 +340,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         if not parser.missing_end_is_reasoning():
             return None
-        return parser.end_token_ids()
+        return parser.end_token_ids(), parser.implicit_end_token_ids()
 
     def choice_parser(self, request: ChatCompletionRequest) -> ChatChoiceParser | None:
         """A fresh reader of one choice's reply; None when the reply is plain content."""

@@ -392,6 +392,26 @@ def test_with_a_reasoning_parser_the_constraint_starts_after_the_end_of_thinking
     assert engine.requests[0][1]["structured_outputs"].reasoning_end_token_ids is None
 
 
+def test_with_qwen3_the_constraint_also_starts_at_a_tool_call_token(tokenizer):
+    """Qwen3 may open a <tool_call> without closing its thinking: the reply reader ends the
+    reasoning there, and so must the grammar (vLLM's implicit reasoning end)."""
+    from transformers import AutoTokenizer
+
+    qwen_like = AutoTokenizer.from_pretrained(default_model_path())
+    qwen_like.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})
+    (tool_call,) = qwen_like.encode("<tool_call>", add_special_tokens=False)
+    serving, engine = _chat(qwen_like, '{"city": "Oslo", "days": 1}', reasoning_parser="qwen3")
+    _run(serving, _request(tool_choice=NAMED))
+    constraint = engine.requests[0][1]["structured_outputs"]
+    assert constraint.reasoning_end_token_ids == qwen_like.encode(
+        "</think>", add_special_tokens=False
+    )
+    assert constraint.reasoning_implicit_end_token_ids == [tool_call]
+    serving, engine = _chat(tokenizer, '{"city": "Oslo", "days": 1}', reasoning_parser="qwen3")
+    _run(serving, _request(tool_choice=NAMED))  # a vocabulary without such a token: none
+    assert engine.requests[0][1]["structured_outputs"].reasoning_implicit_end_token_ids is None
+
+
 @pytest.mark.parametrize("tool_choice", [NAMED, "required"])
 def test_a_tool_choice_and_a_structured_output_field_together_are_a_400(tokenizer, tool_choice):
     serving, engine = _chat(tokenizer, "x")

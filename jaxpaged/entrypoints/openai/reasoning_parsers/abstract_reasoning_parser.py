@@ -112,3 +112,18 @@ class ReasoningParser:
         if self.model_tokenizer is None:
             raise ValueError("a reasoning parser needs the tokenizer to find its end token")
         return list(self.model_tokenizer.encode(self.end_token, add_special_tokens=False))
+
+    def implicit_end_token_ids(self) -> list[int]:
+        """The ids of ``implicit_end_markers`` that are one token of the vocabulary (Qwen3's
+        ``<tool_call>``), where structured output starts at that token; a marker the
+        vocabulary spells in several tokens has none (vLLM's reasoners know their ends only
+        as token ids)."""
+        tokenizer = self.model_tokenizer
+        if tokenizer is None or not self.missing_end_is_reasoning():
+            return []
+        ids = []
+        for marker in self.implicit_end_markers:
+            token_id = tokenizer.convert_tokens_to_ids(marker)
+            if token_id is not None and tokenizer.convert_ids_to_tokens(token_id) == marker:
+                ids.append(token_id)
+        return ids
