@@ -45,6 +45,7 @@ from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
     ChatMessageParam,
+    CompletionTokenUsageInfo,
     DeltaMessage,
     UsageInfo,
 )
@@ -342,6 +343,18 @@ class OpenAIServingChat(OpenAIServing):
             return None
         return parser.end_token_ids(), parser.implicit_end_token_ids()
 
+    def chat_usage(self, request: ChatCompletionRequest, output) -> UsageInfo:
+        """``usage`` of ``output``; with --reasoning-parser (vLLM's rule: the parser alone
+        decides) also ``completion_tokens_details.reasoning_tokens`` over its choices."""
+        usage = self.usage([output])
+        if self.reasoning_parser is not None and output is not None:
+            parser = self.reasoning_parser(
+                self.tokenizer, chat_template_kwargs=request.chat_template_kwargs
+            )
+            count = sum(parser.count_reasoning_tokens(c.token_ids) for c in output.outputs)
+            usage.completion_tokens_details = CompletionTokenUsageInfo(reasoning_tokens=count)
+        return usage
+
     def choice_parser(self, request: ChatCompletionRequest) -> ChatChoiceParser | None:
         """A fresh reader of one choice's reply; None when the reply is plain content."""
         tool_parser = tool_mode_parser(request, self._auto_tool_parser, self.tokenizer)
@@ -412,7 +425,7 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id,
             model=model,
             choices=choices,
-            usage=self.usage([final]),
+            usage=self.chat_usage(request, final),
             prompt_logprobs=self.prompt_logprobs(final),
             prompt_token_ids=list(final.prompt_token_ids) if request.return_token_ids else None,
         )
@@ -564,7 +577,7 @@ class OpenAIServingChat(OpenAIServing):
                     usage = running_usage(output, len(completion.token_ids))
                     yield chunk([choice], usage if continuous_usage else None)
             if include_usage:
-                yield chunk([], self.usage([final]))
+                yield chunk([], self.chat_usage(request, final))
         except Exception as error:  # headers are sent: report in-band, as vLLM does
             yield sse_error(error_from_exception(error))
         finally:
