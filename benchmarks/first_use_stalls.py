@@ -1,7 +1,11 @@
 """How long a request that first uses a sampling feature holds every other request.
 
 ``PYTHONPATH=. python benchmarks/first_use_stalls.py --out stalls.json`` (any machine; the
-embedded stories260k by default, or ``--model`` with ``--load-format dummy``).
+embedded stories260k by default). On a GPU, Llama-3-8B's shapes with random weights::
+
+    PYTHONPATH=. python benchmarks/first_use_stalls.py --model benchmarks/configs/llama-3-8b \
+        --load-format dummy --tokenizer jaxpaged/model_data/stories260k --dtype bfloat16 \
+        --max-model-len 2048 --fresh-cache --out stalls.json
 
 The engine runs each step as a compiled program per sampler variant (penalties, top-k / top-p /
 min-p, logprobs, prompt logprobs, beams; ``docs/architecture.md``) and batch bucket: the first
@@ -49,12 +53,13 @@ def _start(args):
     from jaxpaged.entrypoints.openai.serve_config import ServeConfig
 
     model = args.model or default_model_path()
+    tokenizer_dir = args.tokenizer or model
     engine_args = EngineArgs(
-        model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+        model=model, tokenizer=tokenizer_dir, dtype=args.dtype, max_model_len=args.max_model_len,
         load_format=args.load_format,
         compilation_cache_dir=tempfile.mkdtemp(prefix="jaxpaged-xla-") if args.fresh_cache else None,
     )  # fmt: skip
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     client = EngineCoreClient.spawn(engine_args, tokenizer=tokenizer)
     app = build_app(
         client, ServeConfig(served_model_names=["m"], uvicorn_log_level="warning"),
@@ -87,6 +92,8 @@ def _beside(http, fields: dict) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model directory (default: stories260k)")
+    parser.add_argument("--tokenizer", default=None, help="(default: the model's; a config-only "
+                        "model directory takes stories260k's)")  # fmt: skip
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--max-model-len", type=int, default=256)
