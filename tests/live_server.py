@@ -10,7 +10,10 @@ its own engine, in its own process, so nothing is shared between the two paths. 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import dataclasses
 import gc
+import os
 import threading
 import time
 
@@ -38,6 +41,9 @@ class HookedEngineCore(EngineCore):
         "pause_steps",
         "num_compilations",
         "gc_freeze_count",
+        "set_grammar_compile_timeout",
+        "num_compiling_grammars",
+        "memory_use",
     )
 
     def __init__(self, engine, **kwargs):
@@ -65,6 +71,22 @@ class HookedEngineCore(EngineCore):
         """Objects in the core process's permanent GC generation (``core.freeze_gc_heap``)."""
         return gc.get_freeze_count()
 
+    def set_grammar_compile_timeout(self, seconds: float) -> float:
+        """Set ``structured_outputs_config.grammar_compile_timeout_s`` (the manager reads it
+        at each verdict); returns the previous value, for the caller to restore."""
+        manager = self.engine.structured_output
+        previous = manager.config.grammar_compile_timeout_s
+        manager.config = dataclasses.replace(manager.config, grammar_compile_timeout_s=seconds)
+        return previous
+
+    def num_compiling_grammars(self) -> int:
+        """Grammar compile jobs running now (abandoned ones included)."""
+        return self.engine.structured_output.num_compiling
+
+    def memory_use(self) -> dict:
+        """The core process's ``memory_use()``."""
+        return memory_use()
+
     def pause_steps(self) -> None:
         """From now on steps run no model: requests stay unfinished (and nothing compiles)."""
         self._die_at = (2**31, "")
@@ -79,6 +101,40 @@ class HookedEngineCore(EngineCore):
         if self._delay:
             time.sleep(self._delay)
         return super().step()
+
+
+def memory_use() -> dict:
+    """This process's memory after a full collection, in bytes: ``rss`` (resident, once glibc's
+    ``malloc_trim`` has handed free pages back), ``malloc_in_use`` (what malloc has handed out
+    and not got back: ``mallinfo2``'s ``uordblks + hblkhd``; None where the C library has no
+    ``mallinfo2``) and ``python_objects`` (objects the collector tracks, a count)."""
+    import ctypes
+    import ctypes.util
+
+    gc.collect()
+    in_use = None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
+        info = libc.mallinfo2()
+        in_use = info.uordblks + info.hblkhd
+    with open("/proc/self/statm") as statm:
+        rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"rss": rss, "malloc_in_use": in_use, "python_objects": len(gc.get_objects())}
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (<malloc.h>, glibc 2.33+)."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
 
 
 class RunningServer:

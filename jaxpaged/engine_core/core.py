@@ -55,6 +55,7 @@ from jaxpaged.engine_core.core_messages import (
 from jaxpaged.lora.metrics import lora_stats
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.sequence import EngineSleepingError, PromptError, is_token_id_list
+from jaxpaged.structured_output.compiler import GrammarCompilerBusy
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class EngineCore:
                 lora_request=lora_from_wire(lora),
                 wait_for_grammar=False,
             )
-        except (ValueError, QueueFullError, EngineSleepingError) as error:
+        except (ValueError, QueueFullError, EngineSleepingError, GrammarCompilerBusy) as error:
             return _wire_error(error)
         if self.num_clients > 1:
             self._client_of[request_id] = client_index

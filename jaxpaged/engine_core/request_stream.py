@@ -3,7 +3,8 @@
 ``RequestStream`` is what ``EngineCoreClient.add_request`` returns: the request's cumulative
 ``RequestOutput``s as an async iterator, fed by the client's receive task. ``EngineDeadError``
 ends every open stream when the core dies (HTTP 503); ``refusal_error`` rebuilds the core's
-refusal of an ``add`` (HTTP 400, 429 for a full queue, 503 for a sleeping engine).
+refusal of an ``add`` (HTTP 400, 429 for a full queue, 503 for a sleeping engine or a busy
+grammar compiler).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 from jaxpaged.engine_core.core import QueueFullError
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sequence import EngineSleepingError
+from jaxpaged.structured_output.compiler import GrammarCompilerBusy
 
 
 class EngineDeadError(RuntimeError):
@@ -81,9 +83,8 @@ class RequestRefusedError(ValueError):
 
 def refusal_error(name: str, message: str, parameter: str | None) -> Exception:
     """The core's refusal as the exception the server maps to a status (400, 429, or 503 for
-    a sleeping engine)."""
-    if name == QueueFullError.__name__:
-        return QueueFullError(message)
-    if name == EngineSleepingError.__name__:
-        return EngineSleepingError(message)
+    a sleeping engine or a busy grammar compiler)."""
+    for retryable in (QueueFullError, EngineSleepingError, GrammarCompilerBusy):
+        if name == retryable.__name__:
+            return retryable(message)
     return RequestRefusedError(message, parameter)

@@ -223,8 +223,10 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     ``env.api_key_from_env`` / ``env.server_dev_mode_from_env``).
 
     Raises:
-        ValueError: MODEL and --model disagree, a bad server flag (``ServeConfig.check``), bad
-            --lora-modules (``check_lora_modules``), or bad engine arguments.
+        ValueError: MODEL and --model disagree, --reasoning-parser and
+            --structured-outputs-config's ``reasoning_parser`` disagree, a bad server flag
+            (``ServeConfig.check``), bad --lora-modules (``check_lora_modules``), or bad engine
+            arguments.
     """
     from jaxpaged.config import DEFAULT_MODEL_NAME
     from jaxpaged.entrypoints.openai.serve_config import ServeConfig
@@ -249,7 +251,7 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         lora_modules=parse_lora_modules(args.lora_modules),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=_server_reasoning_parser(args),
         enable_dev_endpoints=bool(args.enable_dev_endpoints or env_dev_mode),
         metrics_prefix=args.metrics_prefix,
         chat_template_workers=args.chat_template_workers,
@@ -272,6 +274,34 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         engine_args.max_lora_rank,
     )
     return engine_args, config
+
+
+def _server_reasoning_parser(args: argparse.Namespace) -> str | None:
+    """The server's reasoning parser: ``--reasoning-parser``, else
+    ``--structured-outputs-config``'s ``reasoning_parser`` (vLLM serves with
+    ``structured_outputs_config.reasoning_parser``, which its flag sets; an empty name is none).
+
+    Raises:
+        ValueError: the config is malformed, or it and the flag name different parsers.
+    """
+    from jaxpaged.structured_output.config import StructuredOutputsConfig
+
+    nested = StructuredOutputsConfig.parse(args.structured_outputs_config).reasoning_parser
+    flag = args.reasoning_parser
+    if flag and nested and flag != nested:
+        raise ValueError(
+            f"--reasoning-parser {flag!r} and --structured-outputs-config's reasoning_parser "
+            f"{nested!r} disagree; give one"
+        )
+    if nested and not flag:
+        from jaxpaged.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+
+        if nested not in REASONING_PARSERS:
+            raise ValueError(
+                f"structured_outputs_config.reasoning_parser {nested!r} is not a known "
+                f"reasoning parser; choose one of {sorted(REASONING_PARSERS)}"
+            )
+    return flag or nested or None
 
 
 def _switch_key(flag: str) -> str:

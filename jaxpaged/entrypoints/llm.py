@@ -51,10 +51,13 @@ class LLM:
         config = EngineArgs(model=model, **kwargs).create_engine_config()
         reasoning_parser = _reasoning_parser(config)
         self.llm_engine = LLMEngine(config)
-        # structured_outputs_config.reasoning_parser: where constrained requests' grammars start.
-        self._reasoning_end_ids = (
-            reasoning_parser(self.get_tokenizer()).end_token_ids() if reasoning_parser else None
-        )
+        # structured_outputs_config.reasoning_parser: where constrained requests' grammars start
+        # (after its end marker, or at one of its implicit ends).
+        self._reasoning_end_ids = self._implicit_end_ids = None
+        if reasoning_parser:
+            parser = reasoning_parser(self.get_tokenizer())
+            self._reasoning_end_ids = parser.end_token_ids()
+            self._implicit_end_ids = parser.implicit_end_token_ids() or None
         self._request_counter = itertools.count()
         self._profile_dir: str | None = None  # set while a profiler trace runs
 
@@ -241,7 +244,12 @@ class LLM:
         so = getattr(params, "structured_outputs", None)
         if self._reasoning_end_ids is None or so is None or so.reasoning_end_token_ids:
             return params
-        so = dataclasses.replace(so, reasoning_end_token_ids=list(self._reasoning_end_ids))
+        so = dataclasses.replace(
+            so,
+            reasoning_end_token_ids=list(self._reasoning_end_ids),
+            reasoning_implicit_end_token_ids=self._implicit_end_ids
+            and list(self._implicit_end_ids),
+        )
         return dataclasses.replace(params, structured_outputs=so)
 
     def _add_requests(self, prompts: list, params_list: list, lora_list=None) -> list[str]:

@@ -19,6 +19,13 @@ def num_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
+def forbid(bitmask_row: np.ndarray, token_ids) -> None:
+    """Clear the bits of ``token_ids`` in one host row (i32[W]), in place."""
+    words = bitmask_row.view(np.uint32)
+    for token in token_ids:
+        words[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
+
+
 def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
     """bool[vocab_size] of one host row (tests and debugging)."""
     bits = np.unpackbits(bitmask_row.astype("<i4").view(np.uint8), bitorder="little")

@@ -47,8 +47,10 @@ IDLE_EXIT_S = 30.0
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
-class GrammarCompilerBusy(ValueError):
-    """Too many compilations past their time budget are still running (HTTP 400)."""
+class GrammarCompilerBusy(RuntimeError):
+    """Too many compilations past their time budget are still running: the request is fine and
+    may be sent again in a moment (the server's 503 with ``Retry-After``). Not a
+    ``ValueError``: the client's input is not at fault."""
 
 
 class Compilation(concurrent.futures.Future):

@@ -32,9 +32,10 @@ class StructuredOutputsConfig:
     """Default for every request: JSON objects get only the properties their schema names."""
     reasoning_parser: str | None = None
     """A reasoning parser's name (``deepseek_r1``, ``qwen3``): offline (``LLM``), a constrained
-    request's grammar starts after that parser's end of thinking (``</think>``), unless its
-    ``reasoning_end_token_ids`` say otherwise. The server's ``--reasoning-parser`` does the
-    same for its requests."""
+    request's grammar starts after that parser's end of thinking (``</think>``, or at one of
+    its implicit ends), unless its ``reasoning_end_token_ids`` say otherwise. ``jaxpaged
+    serve`` takes it as its ``--reasoning-parser`` (vLLM's rule), which does the same for the
+    server's requests."""
     grammar_cache_mb: float = 512.0
     """Compiled grammars kept for reuse, in MiB (least recently used dropped first; the size is
     xgrammar's ``CompiledGrammar.memory_size_bytes``, or the grammar text for llguidance). One

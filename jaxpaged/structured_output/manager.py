@@ -41,7 +41,7 @@ import numpy as np
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sequence import PLACEHOLDER_TOKEN_ID
 from jaxpaged.structured_output import admission
-from jaxpaged.structured_output.bitmask import ALL_ALLOWED, num_words
+from jaxpaged.structured_output.bitmask import ALL_ALLOWED, forbid, num_words
 from jaxpaged.structured_output.compiler import GrammarCompiler
 from jaxpaged.structured_output.config import StructuredOutputsConfig
 from jaxpaged.structured_output.params import StructuredOutputsParams
@@ -55,12 +55,14 @@ _PENDING = object()  # no verdict yet
 class _RequestGrammar:
     """A request's compilation (a ``compiler.Compilation``) and its sequences' matchers."""
 
-    __slots__ = ("future", "so", "seqs", "group", "start_after")
+    __slots__ = ("future", "so", "seqs", "group", "start_after", "implicit_ends", "masked")
 
     def __init__(self, future, so: StructuredOutputsParams):
         self.future = future
         self.so = so
         self.start_after = so.reasoning_end_token_ids
+        self.implicit_ends = so.reasoning_implicit_end_token_ids
+        self.masked: tuple[int, ...] | None = None  # implicit ends the grammar cannot start with
         self.seqs: dict[str, SequenceGrammar] = {}
         self.group = None  # the SequenceGroup, known once one of its sequences samples
 
@@ -182,8 +184,8 @@ class StructuredOutputManager:
         Raises:
             SamplingParamsError: (a ``ValueError``) naming the constraint field: larger than
                 ``max_grammar_bytes``, or an external ``$ref``.
-            GrammarCompilerBusy: (a ``ValueError``) too many compilations past their time
-                budget are still running.
+            GrammarCompilerBusy: too many compilations past their time budget are still
+                running (retry later).
         """
         so = params.structured_outputs
         if so is None:
@@ -260,8 +262,17 @@ class StructuredOutputManager:
         if state is None:
             # Admitted, so compiled (``wait`` / ``take_admitted``): this never waits.
             compiled = request.future.result(timeout=0)
+            if request.masked is None:  # once per request: the grammar cannot start with them
+                request.masked = tuple(
+                    token
+                    for token in request.implicit_ends or ()
+                    if not self.backend.matcher(compiled).accept_token(token)
+                )
             state = request.seqs[seq.seq_id] = SequenceGrammar(
-                self.backend.matcher(compiled), request.start_after
+                self.backend.matcher(compiled),
+                request.start_after,
+                request.implicit_ends,
+                request.masked,
             )
         state.sync(seq.output_token_ids)
         return state
@@ -297,9 +308,11 @@ class StructuredOutputManager:
             states = [(i, self._seq_state(scheduled[i].seq)) for i in rows]
             live = []
             for i, s in states:
-                if s is None or s.failed or not s.active:
-                    continue  # all allowed (``update`` aborts a failed sequence; an inactive
-                    # one is still reasoning)
+                if s is None or s.failed:
+                    continue  # all allowed (``update`` aborts a failed sequence)
+                if not s.active:  # still reasoning: all but the implicit ends it cannot take
+                    forbid(out[i], s.masked_while_reasoning)
+                    continue
                 if s.is_terminated:
                     # Complete (guidance) or past EOS (xgrammar with ignore_eos): only EOS.
                     out[i] = 0

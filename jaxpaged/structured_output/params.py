@@ -98,6 +98,12 @@ class StructuredOutputsParams:
     a thinking model's reasoning (``</think>``); tokens up to and including them are not
     constrained. None: from the first token. The server sets it from --reasoning-parser, as
     vLLM's engine asks its reasoning parser (``is_reasoning_end``)."""
+    reasoning_implicit_end_token_ids: list[int] | None = None
+    """(jaxpaged) Single tokens that also end the reasoning when one comes before
+    ``reasoning_end_token_ids``, and are then the constraint's first token (Qwen3's
+    ``<tool_call>``: a call started without closing the thinking). While the reasoning lasts,
+    those the constraint cannot start with are masked. vLLM's reasoners' implicit reasoning
+    ends (``implicit_reasoning_end_token_ids``); the server sets it with the other."""
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, tuple):
@@ -135,14 +141,21 @@ class StructuredOutputsParams:
             raise SamplingParamsError("choice", self.choice, "must be a non-empty list of strings")
         if self.json_object is not None and self.json_object is not True:
             raise SamplingParamsError("json_object", self.json_object, "must be True when given")
-        ids = self.reasoning_end_token_ids
-        if ids is not None and not (
-            isinstance(ids, list)
-            and ids
-            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
-        ):
+        for name in ("reasoning_end_token_ids", "reasoning_implicit_end_token_ids"):
+            ids = getattr(self, name)
+            if ids is not None and not (
+                isinstance(ids, list)
+                and ids
+                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+            ):
+                raise SamplingParamsError(
+                    name, ids, "must be a non-empty list of token ids (ints >= 0)"
+                )
+        if self.reasoning_implicit_end_token_ids and not self.reasoning_end_token_ids:
             raise SamplingParamsError(
-                "reasoning_end_token_ids", ids, "must be a non-empty list of token ids (ints >= 0)"
+                "reasoning_implicit_end_token_ids",
+                self.reasoning_implicit_end_token_ids,
+                "needs reasoning_end_token_ids (the reasoning's own end)",
             )
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):

@@ -25,19 +25,35 @@ class SequenceGrammar:
 
     ``start_after`` (``StructuredOutputsParams.reasoning_end_token_ids``): the grammar starts
     after the output first contains these ids (a reasoning model's ``</think>``); until then
-    the sequence is not ``active``: no mask, nothing accepted. ``start`` is the index of the
-    first constrained output token once found.
+    the sequence is not ``active``: nothing accepted, and no mask but ``masked_while_reasoning``.
+    ``implicit_ends`` (``reasoning_implicit_end_token_ids``): single tokens that end the
+    reasoning too when one comes first, and are the grammar's first token (Qwen3's
+    ``<tool_call>``). ``start`` is the index of the first constrained output token once found.
+    ``masked_while_reasoning``: the implicit ends the grammar cannot start with (the manager
+    masks them until the grammar starts, as vLLM does: sampling one would end the reasoning
+    on a token the grammar rejects).
     """
 
-    __slots__ = ("matcher", "num_accepted", "failed", "start_after", "start", "_scanned")
+    __slots__ = (
+        "matcher", "num_accepted", "failed", "start_after", "implicit_ends",
+        "masked_while_reasoning", "start", "_scanned",
+    )  # fmt: skip
 
-    def __init__(self, matcher, start_after: list[int] | None = None):
+    def __init__(
+        self,
+        matcher,
+        start_after: list[int] | None = None,
+        implicit_ends: list[int] | None = None,
+        masked_while_reasoning: tuple[int, ...] = (),
+    ):
         self.matcher = matcher
         self.num_accepted = 0
         self.failed = False
         self.start_after = tuple(start_after) if start_after else None
+        self.implicit_ends = frozenset(implicit_ends or ())
+        self.masked_while_reasoning = masked_while_reasoning
         self.start = None if self.start_after else 0
-        self._scanned = 0  # output tokens searched for start_after (each looked at once)
+        self._scanned = 0  # output tokens searched for the start (each decided once)
 
     @property
     def active(self) -> bool:
@@ -45,12 +61,19 @@ class SequenceGrammar:
         return self.start is not None
 
     def _find_start(self, output_token_ids: list[int]) -> None:
-        marker, n = self.start_after, len(self.start_after)
+        """The first end of the reasoning: the whole marker (the grammar starts after it), or
+        an implicit end (the grammar starts at it). A marker still incomplete at the end of
+        the output is looked at again next time."""
+        marker, n, implicit = self.start_after, len(self.start_after), self.implicit_ends
         end = len(output_token_ids)
         if PLACEHOLDER_TOKEN_ID in output_token_ids[self._scanned :]:  # not resolved yet
             end = output_token_ids.index(PLACEHOLDER_TOKEN_ID, self._scanned)
-        for i in range(self._scanned, end - n + 1):
-            if output_token_ids[i] == marker[0] and tuple(output_token_ids[i : i + n]) == marker:
+        for i in range(self._scanned, end):
+            token = output_token_ids[i]
+            if token in implicit:
+                self.start = i
+                return
+            if token == marker[0] and tuple(output_token_ids[i : i + n]) == marker:
                 self.start = i + n
                 return
         self._scanned = max(self._scanned, end - n + 1)

@@ -217,6 +217,25 @@ def test_tool_and_reasoning_parser_flags_reach_the_serve_config():
     assert (config.tool_call_parser, config.reasoning_parser) == ("hermes", "qwen3")
 
 
+def test_structured_outputs_configs_reasoning_parser_is_the_servers_as_in_vllm():
+    """vLLM serves with ``structured_outputs_config.reasoning_parser`` (which --reasoning-parser
+    sets); before, the server ignored it there and split no reasoning."""
+    nested = '{"reasoning_parser": "deepseek_r1", "backend": "guidance"}'
+    _, config = serve_config(_serve_args("--structured-outputs-config", nested), environ={})
+    assert config.reasoning_parser == "deepseek_r1"
+    both = ("--reasoning-parser", "deepseek_r1", "--structured-outputs-config", nested)
+    assert serve_config(_serve_args(*both), environ={})[1].reasoning_parser == "deepseek_r1"
+    empty = '{"reasoning_parser": ""}'  # vLLM's default: none
+    _, config = serve_config(_serve_args("--structured-outputs-config", empty), environ={})
+    assert config.reasoning_parser is None
+    with pytest.raises(ValueError, match="--reasoning-parser 'qwen3' and --structured-outputs"):
+        serve_config(_serve_args("--reasoning-parser", "qwen3", *both[2:]), environ={})
+    with pytest.raises(ValueError, match="reasoning_parser 'r2' is not a known reasoning"):
+        serve_config(
+            _serve_args("--structured-outputs-config", '{"reasoning_parser": "r2"}'), environ={}
+        )
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -8,6 +8,7 @@ stay within 2x of idle while the hostile ones compile, and memory must come back
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -290,16 +291,39 @@ def test_the_backend_starts_with_the_engine_and_auto_is_logged(caplog):
     manager.shutdown()
 
 
-def test_the_cache_is_bounded_by_bytes_and_reported(budget_llm):
+def test_the_cache_is_bounded_by_bytes_least_recently_used_first(budget_llm):
     engine = budget_llm.llm_engine
+    manager = engine.structured_output
     bound = BUDGETS["grammar_cache_mb"] << 20
-    for i in range(12):  # distinct schemas, ~0.5 MB each compiled on this vocabulary
-        props = {f"p{i}_{j}": {"type": "integer"} for j in range(40)}
-        schema = {"type": "object", "properties": props}
+    schemas = [  # distinct, ~0.75 MB each compiled on this vocabulary
+        {"type": "object", "properties": {f"p{i}_{j}": {"type": "integer"} for j in range(160)}}
+        for i in range(8)
+    ]
+
+    def generate(schema) -> int:
         budget_llm.generate(PROMPT, _constrained(json=schema), use_tqdm=False)
         cached = engine.get_stats().grammar_cache_bytes
         assert 0 < cached <= bound
-    assert engine.get_stats().grammar_cache_bytes == engine.structured_output.cache_bytes
+        return cached
+
+    # Ordinary schemas, which a loaded machine may take seconds to compile: the fixture's
+    # 0.5 s time budget is not what this test is about.
+    config = manager.config
+    manager.config = dataclasses.replace(config, grammar_compile_timeout_s=60.0)
+    try:
+        before = engine.get_stats().grammar_cache_bytes
+        one = generate(schemas[0]) - before
+        assert one * len(schemas) > bound + one  # the first one must make room for the last
+        for schema in schemas[1:]:
+            generate(schema)
+        compiled = manager.num_compiled
+        generate(schemas[-1])  # the most recently used is kept
+        assert manager.num_compiled == compiled
+        generate(schemas[0])  # the least recently used was dropped: compiled again
+        assert manager.num_compiled == compiled + 1
+    finally:
+        manager.config = config
+    assert engine.get_stats().grammar_cache_bytes == manager.cache_bytes
 
 
 # ------------------------------------------------------------------------------- stress

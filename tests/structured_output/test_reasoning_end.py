@@ -93,3 +93,73 @@ def test_marker_found_across_syncs_feeds_only_what_follows(split):
 def test_reasoning_end_token_ids_must_be_token_ids():
     with pytest.raises(ValueError, match="reasoning_end_token_ids"):
         StructuredOutputsParams(regex="a", reasoning_end_token_ids=[-3])
+
+
+# ------------------------------------------------------------------- implicit reasoning ends
+# Qwen3 may start a <tool_call> without closing its thinking: that token ends the reasoning and
+# is the grammar's first token (vLLM's implicit_reasoning_end_token_ids); one the grammar
+# cannot start with is masked while the reasoning lasts. Before, the grammar waited for
+# </think> only, and a reply read as "reasoning, then a call" was never constrained.
+NEVER = [0, 0]  # an end marker stories260k never writes (<unk> twice)
+
+
+def _first_new_token(greedy: list[int], start: int = 2) -> int:
+    """The index of the first greedy token (from ``start``) that did not come before it."""
+    return next(k for k in range(start, len(greedy)) if greedy[k] not in greedy[:k])
+
+
+@pytest.mark.parametrize("engine", ["stories_llm", "async_llm"])
+def test_an_implicit_end_is_the_grammars_first_token(request, engine):
+    stories_llm = request.getfixturevalue(engine)
+    tokenizer = stories_llm.get_tokenizer()
+    (free,) = stories_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))
+    greedy = free.outputs[0].token_ids
+    k = _first_new_token(greedy)
+    piece = tokenizer.convert_ids_to_tokens(greedy[k]).replace("\u2581", " ")
+    choice = piece + "zq!"  # starts with that token's text; the model would not write the rest
+    constraint = StructuredOutputsParams(
+        choice=[choice], reasoning_end_token_ids=NEVER, reasoning_implicit_end_token_ids=[greedy[k]]
+    )
+    params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=constraint)
+    (out,) = stories_llm.generate(PROMPT, params)
+    ids = out.outputs[0].token_ids
+    assert ids[: k + 1] == greedy[: k + 1]  # unconstrained up to and with the implicit end
+    assert out.outputs[0].finish_reason == "stop"
+    assert tokenizer.decode(ids[k:], skip_special_tokens=True).strip() == choice.strip()
+
+
+def test_an_implicit_end_the_grammar_cannot_start_with_is_masked_while_reasoning(stories_llm):
+    (free,) = stories_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12))
+    greedy = free.outputs[0].token_ids
+    k = _first_new_token(greedy)
+    constraint = StructuredOutputsParams(
+        json=SCHEMA, reasoning_end_token_ids=NEVER, reasoning_implicit_end_token_ids=[greedy[k]]
+    )
+    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=constraint)
+    (out,) = stories_llm.generate(PROMPT, params)
+    ids = out.outputs[0].token_ids
+    assert ids[:k] == greedy[:k]  # nothing else is masked while reasoning
+    assert greedy[k] not in ids  # a JSON object cannot start with it: never sampled
+    assert out.outputs[0].finish_reason == "length"  # still reasoning
+
+
+def test_the_first_end_wins_and_an_implicit_end_is_found_at_once():
+    state = SequenceGrammar(_Matcher(), start_after=[5, 6], implicit_ends=[9])
+    state.sync([7, 8, 9])  # the implicit end is the last token: the grammar starts with it
+    assert state.active and state.start == 2 and state.matcher.accepted == [9]
+    state = SequenceGrammar(_Matcher(), start_after=[5, 6], implicit_ends=[9])
+    state.sync([7, 5, 6, 9, 10])  # the marker came first: the grammar starts after it
+    assert state.start == 3 and state.matcher.accepted == [9, 10]
+    state = SequenceGrammar(_Matcher(), start_after=[5, 6], implicit_ends=[9])
+    state.sync([7, 5])  # half a marker: looked at again
+    state.sync([7, 5, 6, 10])
+    assert state.start == 3 and state.matcher.accepted == [10]
+
+
+def test_implicit_ends_need_the_end_marker_and_token_ids():
+    with pytest.raises(ValueError, match="reasoning_implicit_end_token_ids.*needs"):
+        StructuredOutputsParams(regex="a", reasoning_implicit_end_token_ids=[3])
+    with pytest.raises(ValueError, match="reasoning_implicit_end_token_ids"):
+        StructuredOutputsParams(
+            regex="a", reasoning_end_token_ids=[4], reasoning_implicit_end_token_ids=[True]
+        )

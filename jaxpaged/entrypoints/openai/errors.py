@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxpaged.engine_core.core_client import EngineDeadError, QueueFullError
 from jaxpaged.entrypoints.openai.protocol_base import ErrorInfo, ErrorResponse
 from jaxpaged.sequence import EngineSleepingError
+from jaxpaged.structured_output.compiler import GrammarCompilerBusy
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def error_from_exception(error: BaseException) -> ErrorResponse:
     if isinstance(error, ValueError):
         # SamplingParamsError (and similar) name the offending field in ``parameter``.
         return error_body(400, str(error), getattr(error, "parameter", None))
-    if isinstance(error, (EngineDeadError, EngineSleepingError)):
+    if isinstance(error, (EngineDeadError, EngineSleepingError, GrammarCompilerBusy)):
         return error_body(503, str(error))
     return error_body(500, f"internal server error: {type(error).__name__}: {error}")
 
@@ -93,15 +94,21 @@ def error_from_exception(error: BaseException) -> ErrorResponse:
 SLEEPING_RETRY_AFTER_S = 1
 """``Retry-After`` of a request refused by a sleeping engine: woken by an operator, not by
 time, so a balancer that honours it tries another replica (or this one a second later)."""
+GRAMMAR_BUSY_RETRY_AFTER_S = 1
+"""``Retry-After`` of a constrained request refused while grammar compilations past their time
+budget still run (they end on their own, and the refusals stop once fewer run)."""
 
 
 def retry_after(error: BaseException) -> dict[str, str]:
     """The ``Retry-After`` header of a 503 that may succeed later (a sleeping engine, a full
-    template-rendering queue); no header for other errors (a dead engine stays dead)."""
+    template-rendering queue, grammar compilations past their budget still running); no header
+    for other errors (a dead engine stays dead)."""
     if isinstance(error, ServiceUnavailableError):
         return {"Retry-After": str(error.retry_after_s)}
     if isinstance(error, EngineSleepingError):
         return {"Retry-After": str(SLEEPING_RETRY_AFTER_S)}
+    if isinstance(error, GrammarCompilerBusy):
+        return {"Retry-After": str(GRAMMAR_BUSY_RETRY_AFTER_S)}
     return {}
 
 
@@ -158,6 +165,7 @@ def install_error_handlers(app: FastAPI) -> None:
     # ``Exception`` handler answers, which would log a traceback for every 400).
     for error_class in (
         OpenAIError, ValueError, QueueFullError, EngineDeadError, EngineSleepingError,
+        GrammarCompilerBusy,
     ):  # fmt: skip
         app.add_exception_handler(error_class, _known)
 

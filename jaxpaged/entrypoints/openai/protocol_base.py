@@ -70,9 +70,16 @@ class PromptTokenUsageInfo(OpenAIBaseModel):
     """Prompt tokens whose KV came from the prefix cache."""
 
 
+class CompletionTokenUsageInfo(OpenAIBaseModel):
+    reasoning_tokens: int = 0
+    """Completion tokens spent reasoning (``ReasoningParser.count_reasoning_tokens``)."""
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokenUsageInfo | None = None
     """With ``--enable-prompt-tokens-details``: ``{"cached_tokens": n}``."""
+    completion_tokens_details: CompletionTokenUsageInfo | None = None
+    """Chat with ``--reasoning-parser`` (vLLM's rule): ``{"reasoning_tokens": n}``."""

@@ -46,6 +46,7 @@ from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatMessage,
     ChatMessageParam,
+    CompletionTokenUsageInfo,
     DeltaMessage,
 )
 from jaxpaged.entrypoints.openai.serving_engine import OpenAIServing, stable_text
@@ -258,15 +259,16 @@ class OpenAIServingChat(OpenAIServing):
         constraint = values.get("structured_outputs")
         end_ids = self.reasoning_end_token_ids(request) if constraint is not None else None
         if end_ids is not None and constraint.reasoning_end_token_ids is None:
-            constraint.reasoning_end_token_ids = end_ids
+            constraint.reasoning_end_token_ids, implicit = end_ids
+            constraint.reasoning_implicit_end_token_ids = implicit or None
         parser = tool_mode_parser(request, self._auto_tool_parser, self.tokenizer)
         if parser is not None and parser.keeps_special_tokens:
             values["skip_special_tokens"] = False
         return field
 
-    def reasoning_end_token_ids(self, request: ChatCompletionRequest) -> list[int] | None:
-        """With --reasoning-parser, the ids that end the reasoning: a constraint starts after
-        them (None: no parser, or the request switched thinking off)."""
+    def reasoning_end_token_ids(self, request: ChatCompletionRequest) -> tuple | None:
+        """With --reasoning-parser, ``(end ids, implicit end ids)``: a constraint starts after
+        the first, or at one of the second (None: no parser, or thinking switched off)."""
         if self.reasoning_parser is None:
             return None
         parser = self.reasoning_parser(
@@ -274,7 +276,19 @@ class OpenAIServingChat(OpenAIServing):
         )
         if not parser.missing_end_is_reasoning():
             return None
-        return parser.end_token_ids()
+        return parser.end_token_ids(), parser.implicit_end_token_ids()
+
+    def chat_usage(self, request: ChatCompletionRequest, output) -> UsageInfo:
+        """``usage`` of ``output``; with --reasoning-parser (vLLM's rule: the parser alone
+        decides) also ``completion_tokens_details.reasoning_tokens`` over its choices."""
+        usage = self.usage([output])
+        if self.reasoning_parser is not None and output is not None:
+            parser = self.reasoning_parser(
+                self.tokenizer, chat_template_kwargs=request.chat_template_kwargs
+            )
+            count = sum(parser.count_reasoning_tokens(c.token_ids) for c in output.outputs)
+            usage.completion_tokens_details = CompletionTokenUsageInfo(reasoning_tokens=count)
+        return usage
 
     def choice_parser(self, request: ChatCompletionRequest) -> ChatChoiceParser | None:
         """A fresh reader of one choice's reply; None when the reply is plain content."""
@@ -346,7 +360,7 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id,
             model=model,
             choices=choices,
-            usage=self.usage([final]),
+            usage=self.chat_usage(request, final),
             prompt_logprobs=self.prompt_logprobs(final),
             prompt_token_ids=list(final.prompt_token_ids) if request.return_token_ids else None,
         )
@@ -381,7 +395,7 @@ class OpenAIServingChat(OpenAIServing):
                     if event is not None:
                         yield event
             if chunks.include_usage:
-                yield chunks.chunk([], self.usage([final]))
+                yield chunks.chunk([], self.chat_usage(request, final))
         except Exception as error:  # headers are sent: report in-band, as vLLM does
             yield sse_error(error_from_exception(error))
         finally:

@@ -65,9 +65,10 @@ class _ScriptedEngine:
     """Replies to every request with ``reply``, a few characters per step, then finishes with
     ``finish_reason``."""
 
-    def __init__(self, reply: str, finish_reason: str = "stop"):
+    def __init__(self, reply: str, finish_reason: str = "stop", token_ids=None):
         self.reply = reply
         self.finish_reason = finish_reason
+        self.token_ids = token_ids  # the reply's ids (the last output's); None: 0, 1, ...
         self.requests = []  # (prompt, params)
 
     async def add_request(self, request_id, prompt, params, arrival_time=None):
@@ -77,8 +78,9 @@ class _ScriptedEngine:
         for n, piece in enumerate(steps):
             text += piece
             last = n == len(steps) - 1
+            ids = list(range(n + 1)) if self.token_ids is None or not last else self.token_ids
             completion = CompletionOutput(
-                0, text, list(range(n + 1)), finish_reason=self.finish_reason if last else None
+                0, text, ids, finish_reason=self.finish_reason if last else None
             )
             outputs.append(
                 RequestOutput(request_id, prompt["prompt"], [1], [completion], finished=last)
@@ -390,6 +392,68 @@ def test_with_a_reasoning_parser_the_constraint_starts_after_the_end_of_thinking
     serving, engine = _chat(tokenizer, '{"city": "Oslo", "days": 1}', reasoning_parser="qwen3")
     _run(serving, _request(tool_choice=NAMED, chat_template_kwargs={"enable_thinking": False}))
     assert engine.requests[0][1]["structured_outputs"].reasoning_end_token_ids is None
+
+
+@pytest.mark.parametrize(
+    ("parser", "reply", "reasoning", "kwargs"),
+    [
+        ("deepseek_r1", "<think>Oslo, surely.</think>It is Oslo.", "Oslo, surely.", {}),
+        ("deepseek_r1", "Oslo, surely.</think>It is Oslo.", "Oslo, surely.", {}),  # opened
+        ("deepseek_r1", "<think>Oslo, surely, or", "Oslo, surely, or", {}),  # cut off
+        ("qwen3", "Oslo, surely.<tool_call>{}", "Oslo, surely.", {}),  # an implicit end
+        ("qwen3", "It is Oslo.", "", {"enable_thinking": False}),
+    ],
+)
+def test_usage_counts_the_reasoning_tokens_whole_and_streamed(parser, reply, reasoning, kwargs):
+    """vLLM's ``usage.completion_tokens_details.reasoning_tokens`` with --reasoning-parser:
+    the reply's tokens before the end of the reasoning, markers not counted."""
+    from transformers import AutoTokenizer
+
+    thinking = AutoTokenizer.from_pretrained(default_model_path())  # markers as special tokens
+    thinking.add_special_tokens(
+        {"additional_special_tokens": ["<think>", "</think>", "<tool_call>"]}
+    )
+    expected = len(thinking.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    assert expected > 0 or not reasoning
+    request = dict(chat_template_kwargs=kwargs, tool_choice="none")
+    for stream in (False, True):
+        serving, engine = _chat(thinking, reply, reasoning_parser=parser)
+        engine.token_ids = thinking.encode(reply, add_special_tokens=False)
+        if stream:
+            body = _request(stream=True, stream_options={"include_usage": True}, **request)
+
+            async def events(body=body, serving=serving):
+                response = await serving.create_chat_completion(body)
+                return [event async for event in response.body_iterator]
+
+            *_, last, done = asyncio.run(events())
+            assert done.strip() == "data: [DONE]"
+            usage = json.loads(last.removeprefix("data: "))["usage"]
+        else:
+            usage = _run(serving, _request(**request)).usage.model_dump()
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": expected}, stream
+    serving, _ = _chat(thinking, reply)  # no reasoning parser: no details (vLLM's rule)
+    assert _run(serving, _request(**request)).usage.completion_tokens_details is None
+
+
+def test_with_qwen3_the_constraint_also_starts_at_a_tool_call_token(tokenizer):
+    """Qwen3 may open a <tool_call> without closing its thinking: the reply reader ends the
+    reasoning there, and so must the grammar (vLLM's implicit reasoning end)."""
+    from transformers import AutoTokenizer
+
+    qwen_like = AutoTokenizer.from_pretrained(default_model_path())
+    qwen_like.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})
+    (tool_call,) = qwen_like.encode("<tool_call>", add_special_tokens=False)
+    serving, engine = _chat(qwen_like, '{"city": "Oslo", "days": 1}', reasoning_parser="qwen3")
+    _run(serving, _request(tool_choice=NAMED))
+    constraint = engine.requests[0][1]["structured_outputs"]
+    assert constraint.reasoning_end_token_ids == qwen_like.encode(
+        "</think>", add_special_tokens=False
+    )
+    assert constraint.reasoning_implicit_end_token_ids == [tool_call]
+    serving, engine = _chat(tokenizer, '{"city": "Oslo", "days": 1}', reasoning_parser="qwen3")
+    _run(serving, _request(tool_choice=NAMED))  # a vocabulary without such a token: none
+    assert engine.requests[0][1]["structured_outputs"].reasoning_implicit_end_token_ids is None
 
 
 @pytest.mark.parametrize("tool_choice", [NAMED, "required"])

@@ -176,6 +176,22 @@ def test_check_body_names_the_first_offending_value_and_passes_real_bodies():
         CompletionRequest.model_validate({"prompt": "x", "seed": 2**63})
 
 
+def test_check_body_checks_flat_lists_in_one_pass_and_still_names_the_item():
+    """Lists of strings and numbers (choices, enums, stop strings) are checked in C-level
+    passes, and the first offending item is still the one named."""
+    check_body({"guided_choice": [f"item{i}" for i in range(1000)], "stop": ["a", None, 1.5]})
+    with pytest.raises(
+        FieldValueError, match=r"guided_json.enum\[3\] holds a lone surrogate"
+    ) as caught:
+        check_body({"guided_json": {"enum": ["a", 1, "b", "\udc00", "\ud800"]}})
+    assert caught.value.parameter == "guided_json.enum"
+    # A high and a low surrogate side by side stay two lone ones when joined.
+    with pytest.raises(FieldValueError, match=r"x\[0\] holds a lone surrogate U\+D800"):
+        check_body({"x": ["\ud800", "\udc00"]})
+    with pytest.raises(FieldValueError, match=r"x\[1\] is nan"):
+        check_body({"x": ["a", math.nan]})
+
+
 # A value of each kind that broke something, for every declared field.
 _HOSTILE_VALUES = {
     "bigint in object": '{"a": %d}' % BIG,

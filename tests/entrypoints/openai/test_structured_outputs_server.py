@@ -168,6 +168,14 @@ def _nested(depth: int) -> dict:
     [
         # Past the grammar nesting limit (64) but within the body check's (100 levels).
         ("completions", {"guided_json": _nested(40)}, "guided_json", "nested too deeply"),
+        # The body's own nesting bound (100 JSON levels, request_checks) comes first: a schema
+        # nested deeper than ~49 levels never reaches the grammar's 64 (test_admission.py).
+        (
+            "completions",
+            {"guided_json": _nested(440)},
+            "guided_json.properties.a",
+            "deeper than 100 levels",
+        ),
         ("completions", {"guided_grammar": 'root ::= root "a"'}, "guided_grammar", "no complete"),
         ("chat", {"guided_regex": r"[^\s\S]"}, "guided_regex", "no complete text"),
         ("chat", {"guided_json": {"$ref": "file:///etc/passwd"}}, "guided_json", "external $ref"),

@@ -112,3 +112,35 @@ class ReasoningParser:
         if self.model_tokenizer is None:
             raise ValueError("a reasoning parser needs the tokenizer to find its end token")
         return list(self.model_tokenizer.encode(self.end_token, add_special_tokens=False))
+
+    def count_reasoning_tokens(self, token_ids: Sequence[int]) -> int:
+        """Output tokens spent reasoning (``usage.completion_tokens_details.reasoning_tokens``):
+        those before the end marker or an implicit end, after a leading start marker, the
+        markers not counted; a reply with no end counts whole if it is reasoning
+        (``missing_end_is_reasoning``), else 0. The markers are found as token ids (a thinking
+        model's are special tokens, one id each). vLLM's DeepSeek-R1 parser counts only
+        tokens between a ``<think>`` and a ``</think>`` of the output: 0 where the template
+        opens the thinking in the prompt; here those tokens count."""
+        ids = list(token_ids)
+        start = self.model_tokenizer.encode(self.start_token, add_special_tokens=False)
+        begin = len(start) if start and ids[: len(start)] == start else 0
+        end, implicit = self.end_token_ids(), set(self.implicit_end_token_ids())
+        for i in range(begin, len(ids)):
+            if ids[i] in implicit or ids[i : i + len(end)] == end:
+                return i - begin
+        return len(ids) - begin if self.missing_end_is_reasoning() else 0
+
+    def implicit_end_token_ids(self) -> list[int]:
+        """The ids of ``implicit_end_markers`` that are one token of the vocabulary (Qwen3's
+        ``<tool_call>``), where structured output starts at that token; a marker the
+        vocabulary spells in several tokens has none (vLLM's reasoners know their ends only
+        as token ids)."""
+        tokenizer = self.model_tokenizer
+        if tokenizer is None or not self.missing_end_is_reasoning():
+            return []
+        ids = []
+        for marker in self.implicit_end_markers:
+            token_id = tokenizer.convert_tokens_to_ids(marker)
+            if token_id is not None and tokenizer.convert_ids_to_tokens(token_id) == marker:
+                ids.append(token_id)
+        return ids

@@ -214,3 +214,22 @@ def test_vllm_qwen3_multi_token_deltas(deltas, reasoning, content):
 def test_vllm_qwen3_thinking_disabled_is_all_content(output):
     parser = QWEN3(None, chat_template_kwargs={"enable_thinking": False})
     assert parser.extract_reasoning(output) == (None, output)
+
+
+def test_implicit_ends_are_the_markers_that_are_one_token():
+    """Qwen3's ``<tool_call>`` is one special token of its vocabulary: a constraint starts at
+    it. A vocabulary that spells it in pieces (stories260k) has no implicit end, and neither
+    has a parser without such markers, or Qwen3 with thinking switched off."""
+    from transformers import AutoTokenizer
+
+    from jaxpaged.config import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    qwen3, r1 = get_reasoning_parser("qwen3"), get_reasoning_parser("deepseek_r1")
+    assert qwen3(tokenizer).implicit_end_token_ids() == []
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})
+    (tool_call,) = tokenizer.encode("<tool_call>", add_special_tokens=False)
+    assert qwen3(tokenizer).implicit_end_token_ids() == [tool_call]
+    off = {"enable_thinking": False}
+    assert qwen3(tokenizer, chat_template_kwargs=off).implicit_end_token_ids() == []
+    assert r1(tokenizer).implicit_end_token_ids() == []
