@@ -46,9 +46,9 @@ from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatMessage,
     ChatMessageParam,
-    CompletionTokenUsageInfo,
     DeltaMessage,
 )
+from jaxpaged.entrypoints.openai.protocol_base import CompletionTokenUsageInfo, UsageInfo
 from jaxpaged.entrypoints.openai.serving_engine import OpenAIServing, stable_text
 from jaxpaged.entrypoints.openai.sse import SSE_DONE, sse_error
 from jaxpaged.entrypoints.openai.structured_outputs import structured_outputs_from_request
